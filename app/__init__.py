@@ -1,0 +1,100 @@
+"""saker: an OpenAI-compatible completion server over Hugging Face transformers models.
+
+``create_app(settings=None, engine=None)`` is the one seam: tests inject settings and a loaded worker.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+
+from flask import Flask, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from app.errors import (APIError, InternalServerError, InvalidRequestError, MethodNotAllowedError, NotFoundError,
+                        RequestTooLargeError)
+from app.settings import Settings, load_settings
+
+log = logging.getLogger("saker")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_error: bool = False) -> Flask:
+    """Build the Flask app. ``engine``: a ready ``Worker`` (tests); otherwise one is loaded in the background
+    from ``settings`` and /health answers 503 until it is ready."""
+    from app.api import bp
+    from app.engine.worker import Worker
+    from app.service import CompletionService
+
+    settings = settings or load_settings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    app.json.sort_keys = False
+    app.json.ensure_ascii = False
+
+    worker = engine
+    if worker is None:
+        worker = Worker.from_settings(settings)
+
+        def fail(message: str) -> None:
+            if exit_on_load_error:
+                # gunicorn reads exit code 3 as "worker failed to boot" and stops instead of retrying forever
+                os._exit(3)
+        worker.load_in_background(on_error=fail)
+    app.extensions["saker.settings"] = settings
+    app.extensions["saker.service"] = CompletionService(settings, worker)
+    app.register_blueprint(bp)
+    _register_errors(app)
+
+    @app.before_request
+    def _request_id():
+        given = request.headers.get("X-Request-ID", "")
+        g.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+    @app.after_request
+    def _echo_request_id(response):
+        response.headers["X-Request-ID"] = getattr(g, "request_id", "")
+        return response
+
+    return app
+
+
+def error_response(err: APIError):
+    response = jsonify(err.body())
+    response.status_code = err.status
+    for key, value in err.headers.items():
+        response.headers[key] = value
+    return response
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(APIError)
+    def _api_error(err: APIError):
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        status = exc.code or 500
+        if status == 404:
+            err: APIError = NotFoundError(f"Unknown route {request.method} {request.path}")
+        elif status == 405:
+            allowed = ", ".join(sorted(exc.valid_methods or [])) if hasattr(exc, "valid_methods") else ""
+            err = MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}"
+                                        + (f"; use {allowed}" if allowed else ""))
+        elif status == 413:
+            limit = app.config.get("MAX_CONTENT_LENGTH")
+            err = RequestTooLargeError(f"The request body is larger than the {limit} bytes allowed")
+        elif status < 500:
+            err = InvalidRequestError(exc.description or exc.name, status=status)
+        else:
+            err = InternalServerError(f"Internal server error (request id {getattr(g, 'request_id', '?')})")
+        return error_response(err)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        request_id = getattr(g, "request_id", "?")
+        log.exception("request %s failed", request_id)
+        return error_response(InternalServerError(
+            f"The server had an error while processing your request (request id {request_id})"))

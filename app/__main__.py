@@ -1,0 +1,31 @@
+"""``python -m app serve [--model ... --host ... --port ...]``: the development server (Flask's)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.errors import ConfigError
+from app.settings import add_settings_arguments, settings_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app", description="saker: OpenAI-compatible completions")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the model with Flask's development server "
+                                         "(production: gunicorn -c gunicorn.conf.py wsgi:app)")
+    add_settings_arguments(serve)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"saker: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from app import create_app
+        app = create_app(settings, exit_on_load_error=True)
+        app.run(host=settings.host, port=settings.port, threaded=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

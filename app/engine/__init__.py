@@ -1,0 +1,1 @@
+"""The engine: tokenizer + model -> per-step events. No Flask here."""

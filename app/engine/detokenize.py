@@ -1,0 +1,61 @@
+"""Incremental detokenizer: token ids in, text deltas out, incomplete characters held back.
+
+It keeps two offsets into the ids (as TGI's shard does): ``prefix_offset`` starts a few tokens of context
+whose text is already out, ``read_offset`` is where unreleased ids begin. Decoding ``ids[prefix:]`` and
+subtracting the text of ``ids[prefix:read]`` gives the new text as it reads in context, so a sentencepiece
+piece keeps its leading space and a character spread over several byte tokens comes out with the token that
+completes it. The concatenated deltas equal ``decode(all)[len(decode(first_ids)):]``.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 6
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        """``ids`` are already-read tokens (the prompt): their text counts as released."""
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(ids)
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is incomplete)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT) \
+                and new_text.startswith(prefix_text):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: release what is held back (an incomplete character becomes U+FFFD, as the model made it)."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
+
+    def candidate_text(self, token_id: int) -> str | None:
+        """Text ``token_id`` would add after the current ids; None when it would leave a character incomplete."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:] + [token_id])
+        if new_text.endswith(REPLACEMENT) or not new_text.startswith(prefix_text):
+            return None
+        return new_text[len(prefix_text):]

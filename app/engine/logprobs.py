@@ -1,0 +1,78 @@
+"""Raw logprobs (float32 log-softmax of the logits), top-k, and OpenAI-style keys for candidate tokens."""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+
+import torch
+
+from app.engine.detokenize import IncrementalDetokenizer
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The model's own distribution: no temperature, penalties, filters or biases."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed (each byte is shown as one printable character)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def is_byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's pieces are GPT-2 byte-level characters (decoder ``ByteLevel``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return "ByteLevel" in json.dumps(decoder)
+
+
+def token_bytes(tokenizer, token_id: int, byte_level: bool = False) -> bytes:
+    """The raw bytes a token stands for (byte-fallback ``<0xNN>``, byte-level BPE, or sentencepiece)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if piece is None:
+        return b""
+    match = _BYTE_PIECE.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    decoder = _byte_decoder()
+    if piece and all(ch in decoder for ch in piece) and byte_level:
+        return bytes(decoder[ch] for ch in piece)
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def bytes_key(raw: bytes) -> str:
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def candidate_keys(tokenizer, detok: IncrementalDetokenizer, ids: list[int], byte_level: bool = False) -> list[str]:
+    """Distinct keys for candidate ``ids`` at the detokenizer's position: the text in context, or the
+    ``bytes:\\xNN`` form where that text is empty, an incomplete character, or taken by an earlier id."""
+    keys: list[str] = []
+    taken: set[str] = set()
+    for token_id in ids:
+        text = detok.candidate_text(token_id)
+        key = text if text else None
+        if key is None or key in taken:
+            key = bytes_key(token_bytes(tokenizer, token_id, byte_level))
+            if key in taken or key == "bytes:":
+                key = f"{key}<id:{token_id}>" if key != "bytes:" else f"<id:{token_id}>"
+                piece = tokenizer.convert_ids_to_tokens(int(token_id))
+                key = piece if piece and piece not in taken else key
+        taken.add(key)
+        keys.append(key)
+    return keys

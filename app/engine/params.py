@@ -1,0 +1,58 @@
+"""Frozen generation parameters: what the protocol layer hands the engine (no pydantic here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None          # candidates sampled per prompt; the n best by mean logprob are kept
+    max_tokens: int | None = 16         # None: up to the context
+    temperature: float = 1.0            # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None         # None: no logprobs; k: the chosen token's plus the k most likely
+    echo: bool = False
+    skip_special_tokens: bool = True
+    adapter: str | None = None          # named PEFT adapter, None: the base model
+
+    @property
+    def num_candidates(self) -> int:
+        return max(self.best_of or self.n, self.n)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Timings:
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    generated_tokens: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class TokenLogprobs:
+    """Parallel lists in OpenAI's completions shape."""
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)

