@@ -5,6 +5,11 @@ whose text is already out, ``read_offset`` is where unreleased ids begin. Decodi
 subtracting the text of ``ids[prefix:read]`` gives the new text as it reads in context, so a sentencepiece
 piece keeps its leading space and a character spread over several byte tokens comes out with the token that
 completes it. The concatenated deltas equal ``decode(all)[len(decode(first_ids)):]``.
+
+Released text is never taken back. One case makes a full decode rewrite earlier text: byte-fallback decoders
+turn a whole run of byte tokens into U+FFFD per byte once the run is invalid UTF-8 (a complete character
+followed by a stray byte). Here the released characters stay and only the new bytes read as U+FFFD: deltas are
+cut by length, so the text is what a step-by-step decode shows.
 """
 from __future__ import annotations
 
@@ -35,8 +40,7 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT) \
-                and new_text.startswith(prefix_text):
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             delta = new_text[len(prefix_text):]
             self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
             self.read_offset = len(self.ids)
@@ -50,12 +54,12 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
+        return new_text[len(prefix_text):]
 
     def candidate_text(self, token_id: int) -> str | None:
         """Text ``token_id`` would add after the current ids; None when it would leave a character incomplete."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:] + [token_id])
-        if new_text.endswith(REPLACEMENT) or not new_text.startswith(prefix_text):
+        if new_text.endswith(REPLACEMENT):
             return None
         return new_text[len(prefix_text):]

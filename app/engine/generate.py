@@ -17,7 +17,7 @@ from app.engine.logprobs import candidate_keys, raw_logprobs
 from app.engine.params import SamplingParams, Timings, TokenLogprobs
 from app.engine.runner import ModelRunner
 from app.engine.sampling import TokenChooser, TokenHistory, build_processors, history_needs
-from app.engine.stopping import StoppingCriteria, StopStrings
+from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
 
 
 @dataclass
@@ -178,16 +178,23 @@ class Generator:
                 if self.want_logprobs:
                     top_dict = self._top_dict(seq.detok, token_id, chosen_lp[row],
                                               top_ids[row] if k else [], top_vals[row] if k else [])
-                before = len(seq.text)
                 seq.token_ids.append(token_id)
-                piece = seq.detok.add(token_id)
-                seq.text += piece
+                piece = ""
+                if seq.stopping.stop_token(token_id, len(seq.token_ids)):
+                    piece = seq.detok.flush()       # bytes held before an EOS/stop token are final now
+                    seq.text += piece
+                before = len(seq.text)
+                added = seq.detok.add(token_id)
+                piece += added
+                seq.text += added
                 decision = seq.stopping(token_id, seq.text, before, len(seq.token_ids),
                                         len(self.prompt_ids) + len(seq.token_ids))
-                if decision.stop and decision.reason == "length":
+                if decision.stop and decision.text_end in (None, len(seq.text)):
                     tail = seq.detok.flush()
                     piece += tail
                     seq.text += tail
+                    if decision.text_end is not None:
+                        decision = StopDecision(True, decision.reason, len(seq.text))
                 event = TokenEvent(seq.index, token_id, piece,
                                    chosen_lp[row] if chosen_lp is not None else None, top_dict)
                 if decision.stop:

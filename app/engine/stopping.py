@@ -58,14 +58,27 @@ class StoppingCriteria:
         self.max_tokens = max_tokens
         self.max_length = max_length
 
+    def stop_token(self, token_id: int, num_generated: int) -> str | None:
+        """"eos" or "stop_token" when this token ends the sequence by itself (min_tokens permitting)."""
+        if num_generated < self.min_tokens:
+            return None
+        if token_id in self.eos:
+            return "eos"
+        if token_id in self.stop_token_ids:
+            return "stop_token"
+        return None
+
     def __call__(self, token_id: int, text: str, text_before: int, num_generated: int,
                  total_length: int) -> StopDecision:
-        """``text``: the generated text so far (this token included); ``text_before``: its length before."""
+        """``text``: the generated text so far (this token included); ``text_before``: its length before.
+        An EOS or stop token ends the text before itself (a stop token's text is kept with
+        include_stop_str_in_output)."""
         if num_generated >= self.min_tokens:
-            if token_id in self.eos:
+            kind = self.stop_token(token_id, num_generated)
+            if kind == "eos" or (kind == "stop_token" and not self.stop_strings.include):
                 return StopDecision(True, "stop", text_before)
-            if token_id in self.stop_token_ids:
-                return StopDecision(True, "stop", len(text) if self.stop_strings.include else text_before)
+            if kind == "stop_token":
+                return StopDecision(True, "stop", len(text))
             end = self.stop_strings.find(text, text_before)
             if end is not None:
                 return StopDecision(True, "stop", end)

@@ -1,0 +1,299 @@
+"""Fidelity against independent references: ``model.generate()`` for greedy text, one plain float32 forward's
+log-softmax for every logprob, the tokenizer itself for text, offsets and counts. Both tiny models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+TOL = 1e-4
+PROMPTS = ["The capital of France is", "Once upon a time", "Hello world! 東京は 🙂"]
+
+
+def post(client, **body):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.get_json()
+    return response.get_json()
+
+
+def ref_greedy(model, tok, prompt_ids, max_new):
+    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id)
+    return out[0].tolist()
+
+
+def ref_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def continuation(tok, prompt_ids, all_ids):
+    """The text after the prompt as ``decode(prompt + completion)`` reads it, step by step: each new token's
+    text is what a full decode adds in length (byte-fallback decoders may rewrite a stray byte run into
+    U+FFFD per byte; released text is never taken back). Equals ``decode(all)[len(decode(prompt)):]``
+    whenever the decodes grow monotonically, which is asserted to be the usual case."""
+    text = ""
+    previous = tok.decode(prompt_ids, skip_special_tokens=True)
+    for k in range(len(prompt_ids) + 1, len(all_ids) + 1):
+        current = tok.decode(all_ids[:k], skip_special_tokens=True)
+        if current.endswith("\ufffd") and k < len(all_ids):
+            continue                        # an incomplete character: wait for the bytes that complete it
+        text += current[len(previous):]
+        previous = current
+    full = tok.decode(all_ids, skip_special_tokens=True)
+    head = tok.decode(prompt_ids, skip_special_tokens=True)
+    if full.startswith(head + text[:-1]):
+        assert text == full[len(head):]
+    return text
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_text_and_logprobs_match_references(tiny, reference, prompt):
+    client, path, name = tiny
+    model, tok = reference(path)
+    prompt_ids = tok(prompt).input_ids
+    body = post(client, model=name, prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    choice = body["choices"][0]
+    ref_ids = ref_greedy(model, tok, prompt_ids, 12)
+    gen_ids = ref_ids[len(prompt_ids):]
+    assert choice["text"] == continuation(tok, prompt_ids, ref_ids)
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen_ids),
+                             "total_tokens": len(prompt_ids) + len(gen_ids)}
+
+    lp = ref_logprobs(model, ref_ids)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(gen_ids)
+    for i, token_id in enumerate(gen_ids):
+        row = lp[len(prompt_ids) + i - 1]
+        assert logprobs["token_logprobs"][i] == pytest.approx(row[token_id].item(), abs=TOL)
+        top = logprobs["top_logprobs"][i]
+        expected_top = torch.topk(row, 3).values.tolist()
+        got = sorted(top.values(), reverse=True)
+        assert len(top) in (3, 4)
+        assert got[:3] == pytest.approx(expected_top, abs=TOL)
+        assert max(top.values()) == pytest.approx(row.max().item(), abs=TOL)
+        # greedy: the chosen token is the most likely one
+        assert logprobs["token_logprobs"][i] == pytest.approx(row.max().item(), abs=TOL)
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    offsets = logprobs["text_offset"]
+    assert offsets == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(offsets))]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_echo_scoring_of_token_id_prompts(tiny, reference, prompt):
+    client, path, name = tiny
+    model, tok = reference(path)
+    ids = tok(prompt).input_ids
+    body = post(client, model=name, prompt=ids, echo=True, max_tokens=0, logprobs=2, temperature=0)
+    choice = body["choices"][0]
+    lp = ref_logprobs(model, ids)
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert len(logprobs["token_logprobs"]) == len(ids)
+    for i in range(1, len(ids)):
+        assert logprobs["token_logprobs"][i] == pytest.approx(lp[i - 1, ids[i]].item(), abs=TOL)
+        top = logprobs["top_logprobs"][i]
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(torch.topk(lp[i - 1], 2).values.tolist(),
+                                                                       abs=TOL)
+        assert len(set(top)) == len(top)
+    assert choice["text"] == tok.decode(ids, skip_special_tokens=True)
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert "\ufffd" not in choice["text"]
+    offsets = logprobs["text_offset"]
+    for token, offset in zip(logprobs["tokens"], offsets):
+        assert choice["text"][offset:offset + len(token)] == token
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 0
+
+
+def test_echo_max_tokens_one_adds_exactly_one_token(tiny, reference):
+    client, path, name = tiny
+    model, tok = reference(path)
+    ids = tok("The capital of France is").input_ids
+    body = post(client, model=name, prompt=ids, echo=True, max_tokens=1, logprobs=0, temperature=0)
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1
+    ref_ids = ref_greedy(model, tok, ids, 1)
+    assert body["choices"][0]["text"] == tok.decode(ref_ids, skip_special_tokens=True)
+    lp = ref_logprobs(model, ref_ids)
+    assert logprobs["token_logprobs"][-1] == pytest.approx(lp[len(ids) - 1, ref_ids[-1]].item(), abs=TOL)
+    # logprobs: 0 -> each top_logprobs entry holds just the chosen token
+    assert all(len(t) == 1 for t in logprobs["top_logprobs"][1:])
+    assert body["usage"]["completion_tokens"] == 1
+
+
+def test_multibyte_characters_belong_to_the_token_that_completes_them(llama_client, reference, llama_dir):
+    model, tok = reference(llama_dir)
+    text = "東京 🙂"
+    ids = tok(text).input_ids
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert sum(p.startswith("<0x") for p in pieces) >= 6, "fixture must split these characters into bytes"
+    body = post(llama_client, model="tiny-llama", prompt=text, echo=True, max_tokens=0, logprobs=1)
+    tokens = body["choices"][0]["logprobs"]["tokens"]
+    assert "".join(tokens) == body["choices"][0]["text"] == text
+    assert all("\ufffd" not in t for t in tokens)
+    # a byte token that does not complete its character contributes ""
+    for piece, token in zip(pieces, tokens):
+        if piece in ("<0xE6>", "<0x9D>", "<0xF0>", "<0x9F>", "<0x99>"):
+            assert token == ""
+    assert "東" in tokens and "🙂" in tokens
+    # the chosen token is listed under its token string, or in bytes: form where that string is empty
+    lps = body["choices"][0]["logprobs"]
+    for piece, token, top in zip(pieces[1:], tokens[1:], lps["top_logprobs"][1:]):
+        if token:
+            assert token in top
+        else:
+            assert any(key.startswith("bytes:\\x") for key in top)
+            if piece.startswith("<0x"):
+                assert f"bytes:\\x{piece[3:5].lower()}" in top
+
+
+def test_top_logprobs_keys_are_distinct_and_complete(tiny):
+    client, path, name = tiny
+    body = post(client, model=name, prompt="東京 Hello", max_tokens=8, temperature=0, logprobs=10, echo=True)
+    for top in body["choices"][0]["logprobs"]["top_logprobs"][1:]:
+        assert len(top) in (10, 11)   # dict keys are unique by construction: no candidate was lost
+
+
+@pytest.mark.parametrize("model_kind", ["gpt2", "llama"])
+def test_stop_string_spanning_tokens(request, reference, model_kind):
+    client = request.getfixturevalue(f"{model_kind}_client")
+    name = f"tiny-{model_kind}"
+    base = post(client, model=name, prompt="Once upon a time", max_tokens=16, temperature=0, logprobs=0)
+    tokens = base["choices"][0]["logprobs"]["tokens"]
+    text = base["choices"][0]["text"]
+    # a stop string made of the end of one token and the start of the next
+    boundary = None
+    for i in range(2, len(tokens) - 1):
+        if tokens[i] and tokens[i + 1] and text.find(tokens[i][-1] + tokens[i + 1][0]) == \
+                sum(len(t) for t in tokens[:i + 1]) - 1:
+            boundary = i
+            break
+    assert boundary is not None, tokens
+    stop = tokens[boundary][-1] + tokens[boundary + 1][0]
+    cut = text.find(stop)
+    body = post(client, model=name, prompt="Once upon a time", max_tokens=16, temperature=0, logprobs=0, stop=[stop])
+    choice = body["choices"][0]
+    assert choice["text"] == text[:cut]
+    assert choice["finish_reason"] == "stop"
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert body["usage"]["completion_tokens"] == boundary + 2
+    inc = post(client, model=name, prompt="Once upon a time", max_tokens=16, temperature=0, stop=stop,
+               include_stop_str_in_output=True)
+    assert inc["choices"][0]["text"] == text[:cut + len(stop)]
+
+
+def test_stop_only_cuts_sampled_output(tiny):
+    client, _, name = tiny
+    free = post(client, model=name, prompt="Hello", max_tokens=20, temperature=1.0, seed=7, n=3)
+    texts = [c["text"] for c in free["choices"]]
+    stop = next((t[3:5] for t in texts if len(t) > 6 and t[3:5].strip()), None)
+    assert stop
+    stopped = post(client, model=name, prompt="Hello", max_tokens=20, temperature=1.0, seed=7, n=3, stop=stop)
+    for full, choice in zip(texts, stopped["choices"]):
+        at = full.find(stop)
+        assert choice["text"] == (full if at < 0 else full[:at])
+
+
+def test_seed_reproduces_and_differs(tiny):
+    client, _, name = tiny
+    a = post(client, model=name, prompt="Hello", max_tokens=10, temperature=1.0, seed=123, logprobs=1)
+    b = post(client, model=name, prompt="Hello", max_tokens=10, temperature=1.0, seed=123, logprobs=1)
+    c = post(client, model=name, prompt="Hello", max_tokens=10, temperature=1.0, seed=124, logprobs=1)
+    assert a["choices"] == b["choices"]
+    assert a["choices"][0]["text"] != c["choices"][0]["text"]
+
+
+def test_n_best_of_counts_indexes_and_ordering(tiny):
+    client, _, name = tiny
+    prompts = ["Hello", "Once upon"]
+    body = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    every = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=4, logprobs=0)
+    best = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2, best_of=4,
+                logprobs=0)
+    assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
+
+    def mean(choice):
+        lps = choice["logprobs"]["token_logprobs"]
+        return sum(lps) / len(lps)
+    for p in range(2):
+        candidates = every["choices"][p * 4:(p + 1) * 4]
+        expected = sorted(candidates, key=lambda c: -mean(c))[:2]
+        got = best["choices"][p * 2:(p + 1) * 2]
+        assert [c["text"] for c in got] == [c["text"] for c in expected]
+        assert mean(got[0]) >= mean(got[1])
+    # usage counts every candidate that was generated
+    assert best["usage"]["completion_tokens"] == every["usage"]["completion_tokens"]
+
+
+def test_eos_counts_and_contributes_empty_token(tiny, reference):
+    client, path, name = tiny
+    _, tok = reference(path)
+    eos = tok.eos_token_id
+    body = post(client, model=name, prompt="Hello", max_tokens=5, temperature=0, logprobs=1,
+                logit_bias={str(eos): 100})
+    choice = body["choices"][0]
+    assert choice["text"] == "" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["tokens"] == [""]
+    assert body["usage"]["completion_tokens"] == 1
+    # the reported logprob is raw: the +100 bias shaped the choice, not the number
+    assert choice["logprobs"]["token_logprobs"][0] < -0.5
+    ignored = post(client, model=name, prompt="Hello", max_tokens=5, temperature=0, ignore_eos=True,
+                   logit_bias={str(eos): 100})
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 5
+    delayed = post(client, model=name, prompt="Hello", max_tokens=8, temperature=0, min_tokens=3,
+                   logit_bias={str(eos): 100})
+    assert delayed["usage"]["completion_tokens"] == 4
+    assert delayed["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_token_ids(tiny, reference):
+    client, path, name = tiny
+    model, tok = reference(path)
+    ids = tok("Once upon a time").input_ids
+    gen = ref_greedy(model, tok, ids, 6)[len(ids):]
+    target = gen[2]
+    first = gen.index(target)
+    body = post(client, model=name, prompt="Once upon a time", max_tokens=6, temperature=0, stop_token_ids=[target])
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == first + 1
+    assert body["choices"][0]["text"] == continuation(tok, ids, ids + gen[:first])
+
+
+def test_bias_and_penalties_shape_sampling_but_not_logprobs(tiny, reference):
+    client, path, name = tiny
+    model, tok = reference(path)
+    ids = tok("Hello").input_ids
+    forced = tok(" the", add_special_tokens=False).input_ids[-1]
+    body = post(client, model=name, prompt="Hello", max_tokens=4, temperature=0, logprobs=0,
+                logit_bias={str(forced): 100}, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)
+    lps = body["choices"][0]["logprobs"]["token_logprobs"]
+    all_ids = ids + [forced] * 4
+    lp = ref_logprobs(model, all_ids)
+    expected = [lp[len(ids) + i - 1, forced].item() for i in range(4)]
+    assert lps == pytest.approx(expected, abs=TOL)
+    assert body["choices"][0]["text"] == continuation(tok, ids, all_ids)
+
+
+def test_max_tokens_null_runs_to_the_context(tiny, reference):
+    client, path, name = tiny
+    _, tok = reference(path)
+    ids = tok("Hello").input_ids
+    body = post(client, model=name, prompt="Hello", max_tokens=None, temperature=0, ignore_eos=True)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["total_tokens"] == 256
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_echo_without_logprobs_and_lists_of_prompts(tiny, reference):
+    client, path, name = tiny
+    _, tok = reference(path)
+    body = post(client, model=name, prompt=["Hello", "Once"], max_tokens=0, echo=True)
+    assert body["choices"][0]["text"] == tok.decode(tok("Hello").input_ids, skip_special_tokens=True)
+    assert body["choices"][1]["text"] == tok.decode(tok("Once").input_ids, skip_special_tokens=True)
+    assert body["choices"][0]["logprobs"] is None
+    assert body["usage"]["prompt_tokens"] == len(tok("Hello").input_ids) + len(tok("Once").input_ids)
+    ids = post(client, model=name, prompt=[[5, 6, 7], [8, 9]], max_tokens=0, echo=True)
+    assert [c["text"] for c in ids["choices"]] == [tok.decode([5, 6, 7]), tok.decode([8, 9])]
+    assert ids["usage"]["prompt_tokens"] == 5
