@@ -24,9 +24,14 @@ def json_body() -> object:
     if not raw.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str):
+    """NaN and Infinity are not JSON (RFC 8259); Python's parser would take them and pass range checks."""
+    raise ValueError(f"{name} is not a valid JSON number")
 
 
 @bp.get("/health")

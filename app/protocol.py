@@ -5,18 +5,24 @@ Limits that depend on the server's settings are checked in ``to_sampling_params`
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, \
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, \
     ValidationError, field_validator, model_validator
 
 from app.engine.params import SamplingParams
 from app.errors import InvalidRequestError
 
-Number = StrictFloat
+Number = Annotated[StrictFloat, AllowInfNan(False)]     # ints are taken; NaN and +-inf are not
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[TokenIds]]
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+# An explicit null means the default for these fields (OpenAI documents them as nullable). Not for
+# max_tokens (null = up to the context) nor prompt (required).
+_NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+                              "skip_special_tokens"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,13 @@ class CompletionRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        return data
+
     @field_validator("prompt")
     @classmethod
     def _prompt_not_empty(cls, value):
@@ -73,7 +86,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _bias_values(cls, value):
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key):   # str.isdigit() takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {bias} for {key}")
