@@ -81,8 +81,10 @@ def _register_errors(app: Flask) -> None:
             err: APIError = NotFoundError(f"Unknown route {request.method} {request.path}")
         elif status == 405:
             allowed = ", ".join(sorted(exc.valid_methods or [])) if hasattr(exc, "valid_methods") else ""
+            # RFC 9110: a 405 must carry Allow
             err = MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}"
-                                        + (f"; use {allowed}" if allowed else ""))
+                                        + (f"; use {allowed}" if allowed else ""),
+                                        headers={"Allow": allowed} if allowed else None)
         elif status == 413:
             limit = app.config.get("MAX_CONTENT_LENGTH")
             err = RequestTooLargeError(f"The request body is larger than the {limit} bytes allowed")
