@@ -32,3 +32,6 @@ keepalive = 5
 # Log to stderr; gunicorn's own access log stays off (saker logs its requests).
 errorlog = "-"
 loglevel = _settings.log_level
+# gunicorn 27's control socket (a shared path under ~/.gunicorn) is not used by saker; several servers on one
+# host would fight over it.
+control_socket_disable = True

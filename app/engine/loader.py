@@ -137,6 +137,8 @@ def load_model(settings: Settings) -> LoadedModel:
         gguf_file = None
     else:
         source = model_path if not gguf_file else f"{model_path} ({gguf_file})"
+    if settings.model and _looks_local(settings.model) and not Path(settings.model).expanduser().exists():
+        raise ConfigError(f"model directory {settings.model} does not exist")
     device = resolve_device(settings)
     common = {"revision": settings.revision, "trust_remote_code": settings.trust_remote_code,
               "cache_dir": settings.cache_dir}
@@ -167,6 +169,10 @@ def load_model(settings: Settings) -> LoadedModel:
         adapters = {}
     seconds = time.perf_counter() - start
     return LoadedModel(model, tokenizer, source, adapters, seconds)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def _apply_peft(model, settings: Settings):

@@ -1,0 +1,153 @@
+"""Loading paths: the embedded SmolLM2 default, PEFT adapters (single, merged, named) against peft's own
+forward, and the CUDA-only paths (device maps, bf16, bitsandbytes) that skip without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_settings, make_worker
+
+TOL = 1e-4
+
+
+def post(client, **body):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.get_json()
+    return response.get_json()
+
+
+def app_for(settings, worker):
+    from app import create_app
+    return create_app(settings, engine=worker).test_client()
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_says_paris(saker_cache):
+    from app.engine.loader import default_model_dir
+    settings = make_settings(cache_dir=str(saker_cache))
+    client = app_for(settings, make_worker(settings))
+    assert (default_model_dir(settings) / "model.safetensors").is_file()
+    body = post(client, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in body["choices"][0]["text"]
+    assert body["model"] == "SmolLM2-135M-Instruct"
+    models = client.get("/v1/models").get_json()["data"]
+    assert models[0]["id"] == "SmolLM2-135M-Instruct" and models[0]["max_model_len"] == 8192
+
+
+# -- PEFT ------------------------------------------------------------------------------------------------
+def make_lora(base_dir, out_dir, seed):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)            # clearly non-zero: the adapter must change the output
+    peft_model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def loras(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return make_lora(llama_dir, root / "a", 1), make_lora(llama_dir, root / "b", 2)
+
+
+def peft_reference_logprobs(llama_dir, adapter_dir, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval() if adapter_dir else base.eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def echo_logprobs(client, model, ids):
+    body = post(client, model=model, prompt=ids, echo=True, max_tokens=0, logprobs=0)
+    return body["choices"][0]["logprobs"]["token_logprobs"][1:]
+
+
+def expected(lp, ids):
+    return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_named_adapters_are_models_and_match_peft(llama_dir, loras):
+    a, b = loras
+    settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
+    client = app_for(settings, make_worker(settings))
+    assert [m["id"] for m in client.get("/v1/models").get_json()["data"]] == ["base", "alpha", "beta"]
+    ids = [1, 40, 41, 42, 43, 44, 45]
+    got_a, got_b, got_base = (echo_logprobs(client, m, ids) for m in ("alpha", "beta", "base"))
+    assert got_a == pytest.approx(expected(peft_reference_logprobs(llama_dir, a, ids), ids), abs=TOL)
+    assert got_b == pytest.approx(expected(peft_reference_logprobs(llama_dir, b, ids), ids), abs=TOL)
+    assert got_base == pytest.approx(expected(peft_reference_logprobs(llama_dir, None, ids), ids), abs=TOL)
+    assert max(abs(x - y) for x, y in zip(got_a, got_base)) > 1e-2, "the adapter must change the output"
+    # switching back and forth keeps each model's numbers
+    assert echo_logprobs(client, "alpha", ids) == pytest.approx(got_a, abs=TOL)
+    generated = post(client, model="beta", prompt="Hello", max_tokens=4, temperature=0)
+    assert generated["model"] == "beta"
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_single_adapter_applied_and_merged(llama_dir, loras, merge):
+    a, _ = loras
+    settings = make_settings(model=str(llama_dir), served_model_name="tuned", peft_weights=str(a), peft_merge=merge)
+    client = app_for(settings, make_worker(settings))
+    assert [m["id"] for m in client.get("/v1/models").get_json()["data"]] == ["tuned"]
+    ids = [1, 50, 60, 70, 80]
+    assert echo_logprobs(client, "tuned", ids) == pytest.approx(
+        expected(peft_reference_logprobs(llama_dir, a, ids), ids), abs=TOL)
+
+
+# -- CUDA-only paths ------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_memory_device_map_and_bf16(llama_dir):
+    settings = make_settings(model=str(llama_dir), gpu_memory="0:1", cpu_memory=1, dtype="bfloat16")
+    worker = make_worker(settings)
+    model = worker.runner.model
+    assert model.dtype == torch.bfloat16
+    assert worker.runner.input_device.type == "cuda"
+    client = app_for(settings, worker)
+    body = post(client, prompt="Hello", max_tokens=4, temperature=0, logprobs=1)
+    assert body["usage"]["completion_tokens"] == 4
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp32_logprobs_match_cpu_reference(llama_dir, reference):
+    settings = make_settings(model=str(llama_dir), device="cuda", dtype="float32")
+    client = app_for(settings, make_worker(settings))
+    model, tok = reference(llama_dir)
+    ids = tok("Hello world").input_ids
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert echo_logprobs(client, settings.model_names[0], ids) == pytest.approx(expected(lp, ids), abs=1e-3)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bitsandbytes-8bit", "bitsandbytes-4bit"])
+def test_bitsandbytes_quantization(llama_dir, mode):
+    pytest.importorskip("bitsandbytes")
+    settings = make_settings(model=str(llama_dir), quantize=mode)
+    client = app_for(settings, make_worker(settings))
+    body = post(client, prompt="Hello", max_tokens=3, temperature=0)
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_quantize_without_gpu_is_a_clear_startup_error(llama_dir):
+    from app.engine.loader import load_model
+    from app.errors import ConfigError
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        load_model(make_settings(model=str(llama_dir), quantize="bitsandbytes-8bit"))
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        load_model(make_settings(model=str(llama_dir), gpu_memory="0:24"))
