@@ -218,7 +218,9 @@ def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
                "logit_bias": "logit_bias must map token ids to numbers",
                "stop_token_ids": "stop_token_ids must be a list of token ids"}[param] \
             if first["type"] != "value_error" else msg
-    return InvalidRequestError(f"{param}: {msg}" if param else msg, param=param)
+    if param and not msg.startswith(param):
+        msg = f"{param}: {msg}"
+    return InvalidRequestError(msg, param=param)
 
 
 # -- responses --------------------------------------------------------------------------------------------
