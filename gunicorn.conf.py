@@ -29,7 +29,8 @@ timeout = 120
 # SIGTERM: stop accepting, give in-flight requests this long to finish, then exit.
 graceful_timeout = 120
 keepalive = 5
-# Log to stderr; gunicorn's own access log stays off (saker logs its requests).
+# Log to stderr. gunicorn's access log stays off: saker logs failed requests itself (structured access logs
+# are tracked in the operations issue).
 errorlog = "-"
 loglevel = _settings.log_level
 # gunicorn 27's control socket (a shared path under ~/.gunicorn) is not used by saker; several servers on one

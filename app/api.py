@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from flask import Blueprint, current_app, g, jsonify, request
+from flask import Blueprint, current_app, jsonify, request
 
 from app.errors import InvalidRequestError, UnsupportedMediaTypeError
 from app.protocol import CompletionRequest, parse_request
@@ -53,7 +53,7 @@ def get_model(model_id: str):
 @bp.post("/v1/completions")
 def completions():
     body = parse_request(CompletionRequest, json_body())
-    served = _service().complete(body, g.request_id)
+    served = _service().complete(body)
     response = jsonify(served.body)
     t = served.timings
     response.headers["X-Saker-Queue-Ms"] = f"{t.queue_s * 1000:.3f}"

@@ -1,7 +1,8 @@
 """The APIError family and the one mapping to the OpenAI error body.
 
 Every error the server returns is ``{"error": {"message", "type", "param", "code"}}``. Code anywhere
-(protocol, service, engine) raises one of these; ``app/api.py`` turns it into the response.
+(protocol, service, engine) raises one of these; ``app/__init__.py`` (``error_response``) turns it into
+the response.
 """
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ class ServiceUnavailableError(APIError):
 
 class ModelNotReadyError(ServiceUnavailableError):
     code = "model_not_ready"
+
+    def __init__(self, message: str, **kwargs):
+        kwargs.setdefault("headers", {"Retry-After": "5"})
+        super().__init__(message, **kwargs)
 
 
 class InternalServerError(APIError):

@@ -31,18 +31,25 @@ class CompletionService:
     def resolve_model(self, name: str | None) -> tuple[str, str | None]:
         """(name to report, adapter) for a requested model name; 404 when it is not served."""
         info = self.worker.require_ready()
-        if name is None or name in info.names:
-            return (name or info.names[0]), None
+        names = self.names
+        if name is None or name in names:
+            return (name or names[0]), None
         if name in info.adapters:
             return name, name
         raise ModelNotFoundError(f"The model '{name}' does not exist. Served: "
-                                 f"{', '.join(info.names + info.adapters)}", param="model")
+                                 f"{', '.join(names + info.adapters)}", param="model")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The base model's served names (settings.served_model_name): the main one first, then aliases."""
+        return tuple(self.settings.model_names)
 
     def list_models(self) -> dict:
         info = self.worker.require_ready()
         cards = [ModelCard(id=name, created=self.created, root=info.source, max_model_len=self.max_total_tokens)
-                 for name in info.names]
-        cards += [ModelCard(id=name, created=self.created, root=name, parent=info.names[0],
+                 for name in self.names]
+        adapters = self.settings.peft_adapters
+        cards += [ModelCard(id=name, created=self.created, root=adapters.get(name, name), parent=self.names[0],
                             max_model_len=self.max_total_tokens) for name in info.adapters]
         return ModelList(data=cards).model_dump()
 
@@ -92,7 +99,7 @@ class CompletionService:
                 param="prompt")
 
     # -- completions ------------------------------------------------------------------------------------
-    def complete(self, request: CompletionRequest, request_id: str | None = None) -> ServedResponse:
+    def complete(self, request: CompletionRequest) -> ServedResponse:
         model_name, adapter = self.resolve_model(request.model_name)
         info = self.worker.require_ready()
         params = request.to_sampling_params(self.limits, vocab_size=info.vocab_size, adapter=adapter)
@@ -114,7 +121,7 @@ class CompletionService:
                 choices.append(CompletionChoice(text=choice.text, index=p * params.n + j, logprobs=logprobs,
                                                 finish_reason=choice.finish_reason))
         response = CompletionResponse(
-            id=f"cmpl-{request_id or uuid.uuid4().hex}", created=int(time.time()), model=model_name,
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name,
             choices=choices,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                         total_tokens=prompt_tokens + completion_tokens),

@@ -7,6 +7,7 @@ CLI flags are generated from the fields (``--max-logprobs`` for ``max_logprobs``
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Any, Literal
 
@@ -106,6 +107,11 @@ class Settings(BaseSettings):
                          "model; threads answer health checks and queue the rest).")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value):
+        return value.lower() if isinstance(value, str) else value
+
     @field_validator("gpu_memory")
     @classmethod
     def _check_gpu_memory(cls, value: str | None) -> str | None:
@@ -141,6 +147,8 @@ class Settings(BaseSettings):
             raise ValueError("peft_merge applies to one unnamed adapter, not to named adapters")
         if self.quantize and self.device == "cpu":
             raise ValueError(f"quantize={self.quantize} needs a CUDA GPU, but device is cpu")
+        if self.gguf_file and not self.model:
+            raise ValueError("gguf_file needs model: the directory or hub repo that holds the GGUF file")
         if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens > self.max_total_tokens:
             raise ValueError("max_input_tokens cannot exceed max_total_tokens")
         return self
@@ -183,8 +191,17 @@ def _field_error_line(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def unknown_environment_settings() -> list[str]:
+    """SAKER_* variables that name no setting (a typo such as SAKER_MODLE would silently serve the default)."""
+    known = {f"SAKER_{name.upper()}" for name in Settings.model_fields}
+    return sorted(key for key in os.environ if key.upper().startswith("SAKER_") and key.upper() not in known)
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Settings from the environment (and overrides); a bad value raises ConfigError with one clear line."""
+    unknown = unknown_environment_settings()
+    if unknown:
+        raise ConfigError(f"unknown setting {', '.join(unknown)} (see docs/configuration.md)")
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:

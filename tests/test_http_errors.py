@@ -228,7 +228,7 @@ def test_request_id_echoed(gpt2_client):
     resp = gpt2_client.post(URL, json=GOOD, headers={"X-Request-ID": "abc-123"})
     assert resp.status_code == 200
     assert resp.headers["X-Request-ID"] == "abc-123"
-    assert resp.get_json()["id"] == "cmpl-abc-123"
+    assert resp.get_json()["id"].startswith("cmpl-") and resp.get_json()["id"] != "cmpl-abc-123"
     # errors carry it too
     resp = gpt2_client.post(URL, json={}, headers={"X-Request-ID": "abc-124"})
     assert resp.status_code == 400 and resp.headers["X-Request-ID"] == "abc-124"
@@ -246,6 +246,6 @@ def test_request_id_generated(gpt2_client, given):
         rid = resp.headers["X-Request-ID"]
         assert re.fullmatch(r"[A-Za-z0-9._:\-]{8,128}", rid), rid
         assert rid != given
-        assert resp.get_json()["id"] == f"cmpl-{rid}"
+        assert resp.get_json()["id"].startswith("cmpl-")
         ids.add(rid)
     assert len(ids) == 2      # a fresh one per request

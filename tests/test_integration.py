@@ -70,7 +70,7 @@ def test_timing_headers_and_request_id(server):
                              json={"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 4})
     assert response.status_code == 200
     assert response.headers["X-Request-ID"] == "abc-123"
-    assert response.json()["id"] == "cmpl-abc-123"
+    assert response.json()["id"].startswith("cmpl-")
     for header in ("X-Saker-Queue-Ms", "X-Saker-Prefill-Ms", "X-Saker-Decode-Ms", "X-Saker-Tokens-Per-Second"):
         assert float(response.headers[header]) >= 0
     assert set(response.json()["timing"]) == {"queue_ms", "prefill_ms", "decode_ms", "tokens_per_second"}

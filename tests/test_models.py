@@ -151,3 +151,27 @@ def test_quantize_without_gpu_is_a_clear_startup_error(llama_dir):
         load_model(make_settings(model=str(llama_dir), quantize="bitsandbytes-8bit"))
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         load_model(make_settings(model=str(llama_dir), gpu_memory="0:24"))
+
+
+def test_device_map_fills_the_primary_gpu_first(llama_dir):
+    """gpu_id 5 with "-g 2:X 5:X": GPU 5 gets the embeddings and first layers, GPU 2 the overflow (planned on
+    the meta device, so no GPU is needed; accelerate alone would sort the ids and start on GPU 2)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from app.engine.loader import gpu_order, plan_device_map
+    from app.settings import Settings
+    config = AutoConfig.from_pretrained(str(llama_dir))
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config)
+    layer_bytes = sum(p.numel() * 4 for p in meta.model.layers[0].parameters())
+    embed_bytes = sum(p.numel() * 4 for p in meta.model.embed_tokens.parameters())
+    gib = (embed_bytes + layer_bytes * 1.5) / 2 ** 30          # room for the embeddings and one layer
+    settings = Settings(gpu_id=5, gpu_memory=f"2:{gib:.9f} 5:{gib:.9f}", cpu_memory=1)
+    max_memory = gpu_order(settings)
+    assert list(max_memory) == [5, 2, "cpu"]
+    plan = plan_device_map(meta, max_memory, torch.float32)
+    # the primary GPU is filled first (inputs go to the embeddings' device), the overflow goes to GPU 2
+    assert plan["model.embed_tokens"] == 5, plan
+    assert 2 in plan.values(), plan
+    assert set(plan.values()) <= {5, 2, "cpu"}, plan

@@ -285,3 +285,25 @@ def test_gunicorn_config_with_bad_setting_exits_with_one_line():
     line = one_line(proc.stderr)
     assert "SAKER_MAX_N" in line
     assert "Traceback" not in proc.stdout
+
+
+# -- typos and spellings ----------------------------------------------------------------------------------
+def test_unknown_saker_variable_is_a_clear_error(monkeypatch):
+    from app.errors import ConfigError
+    from app.settings import load_settings
+    monkeypatch.setenv("SAKER_MODLE", "gpt2")
+    with pytest.raises(ConfigError, match="unknown setting SAKER_MODLE"):
+        load_settings()
+
+
+def test_gguf_file_needs_a_model():
+    from app.errors import ConfigError
+    from app.settings import load_settings
+    with pytest.raises(ConfigError, match="gguf_file needs model"):
+        load_settings(gguf_file="x.gguf")
+
+
+def test_log_level_any_case(monkeypatch):
+    from app.settings import load_settings
+    monkeypatch.setenv("SAKER_LOG_LEVEL", "WARNING")
+    assert load_settings().log_level == "warning"

@@ -263,16 +263,10 @@ def test_unknown_model_is_404(gpt2_client, changes):
     assert_still_serving(gpt2_client)
 
 
-ALIAS_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "gpt2_app is built with served_model_name='tiny-gpt2,gpt2-alias' but an injected worker named only "
-    "'tiny-gpt2'; CompletionService.resolve_model (app/service.py) checks worker.info.names and ignores the "
-    "settings' aliases"))
-
-
 @pytest.mark.parametrize("changes,reported", [
     ({"model": DROP, "engine": "tiny-gpt2"}, "tiny-gpt2"),
-    pytest.param({"model": DROP, "engine": "gpt2-alias"}, "gpt2-alias", marks=ALIAS_XFAIL),
-    pytest.param({"model": "gpt2-alias"}, "gpt2-alias", marks=ALIAS_XFAIL),
+    ({"model": DROP, "engine": "gpt2-alias"}, "gpt2-alias"),
+    ({"model": "gpt2-alias"}, "gpt2-alias"),
     ({"model": DROP}, "tiny-gpt2"),
     ({"model": None}, "tiny-gpt2"),
 ], ids=["engine", "engine-alias", "alias", "no-model", "null-model"])

@@ -8,8 +8,8 @@ completes it. The concatenated deltas equal ``decode(all)[len(decode(first_ids))
 
 Released text is never taken back. One case makes a full decode rewrite earlier text: byte-fallback decoders
 turn a whole run of byte tokens into U+FFFD per byte once the run is invalid UTF-8 (a complete character
-followed by a stray byte). Here the released characters stay and only the new bytes read as U+FFFD: deltas are
-cut by length, so the text is what a step-by-step decode shows.
+followed by a stray byte). Here the released characters stay and only the new ids are decoded (by themselves:
+a stray byte reads as one U+FFFD).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-            delta = new_text[len(prefix_text):]
+            delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
             self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
             self.read_offset = len(self.ids)
             return delta
@@ -53,8 +53,15 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
+        delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
         self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
+        return delta
+
+    def _new_part(self, prefix_text: str, new_text: str, new_ids: Sequence[int]) -> str:
+        if new_text.startswith(prefix_text):
+            return new_text[len(prefix_text):]
+        # a stray byte re-read the released byte run as U+FFFD: keep what is out, read the new ids alone
+        return self._decode(new_ids)
 
     def candidate_text(self, token_id: int) -> str | None:
         """Text ``token_id`` would add after the current ids; None when it would leave a character incomplete."""
@@ -62,4 +69,4 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix_offset:] + [token_id])
         if new_text.endswith(REPLACEMENT):
             return None
-        return new_text[len(prefix_text):]
+        return self._new_part(prefix_text, new_text, self.ids[self.read_offset:] + [token_id])

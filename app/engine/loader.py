@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ def ensure_default_model(settings: Settings) -> Path:
     target = default_model_dir(settings)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    if target.exists():                         # an incomplete folder from an interrupted conversion
+        shutil.rmtree(target, ignore_errors=True)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     gguf = embedded_gguf_path()
     log.info("converting the embedded default model %s into %s (once)", gguf, target)
@@ -67,10 +70,13 @@ def ensure_default_model(settings: Settings) -> Path:
     model.load_state_dict(loaded.state_dict(), strict=False)
     model.tie_weights()
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if not target.exists():
-        tmp.rename(target)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not target.exists():                 # another worker may have finished first
+            tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -85,7 +91,7 @@ def resolve_device(settings: Settings) -> str:
 
 
 def device_map_kwargs(settings: Settings) -> dict:
-    """accelerate dispatch from gpu_memory/cpu_memory/offload_folder; the primary GPU is filled first."""
+    """accelerate dispatch from gpu_memory/cpu_memory/offload_folder (the map itself: ``plan_device_map``)."""
     gpus = settings.gpu_memory_map
     if not gpus:
         return {}
@@ -95,15 +101,47 @@ def device_map_kwargs(settings: Settings) -> dict:
     missing = [g for g in gpus if g >= count]
     if missing:
         raise ConfigError(f"gpu_memory lists GPU {missing[0]} but only {count} GPU(s) are visible")
-    primary = settings.primary_gpu
-    order = [primary] + [g for g in gpus if g != primary]
-    max_memory: dict = {g: f"{gpus[g]}GiB" for g in order}
-    if settings.cpu_memory:
-        max_memory["cpu"] = f"{settings.cpu_memory}GiB"
-    kwargs = {"device_map": "sequential", "max_memory": max_memory}
+    kwargs: dict = {"max_memory": gpu_order(settings)}
     if settings.offload_folder:
         kwargs["offload_folder"] = settings.offload_folder
     return kwargs
+
+
+def gpu_order(settings: Settings) -> dict:
+    """max_memory with the primary GPU first, then the others as listed, then the CPU overflow."""
+    gpus = settings.gpu_memory_map
+    primary = settings.primary_gpu
+    order = [primary] + [g for g in gpus if g != primary]
+    max_memory: dict = {g: int(gpus[g] * 2 ** 30) for g in order}
+    if settings.cpu_memory:
+        max_memory["cpu"] = int(settings.cpu_memory * 2 ** 30)
+    return max_memory
+
+
+def plan_device_map(model: torch.nn.Module, max_memory: dict, dtype) -> dict:
+    """Fill the GPUs in ``max_memory``'s order (the primary first), overflowing to the next, then CPU/disk.
+
+    accelerate sorts GPU ids, so the plan is made over stand-in ids 0..k-1 in our order and mapped back.
+    ``model`` may live on the meta device (no weights needed)."""
+    from accelerate import infer_auto_device_map
+    real = [k for k in max_memory if isinstance(k, int)]
+    stand_in = {i: max_memory[g] for i, g in enumerate(real)}
+    stand_in.update({k: v for k, v in max_memory.items() if not isinstance(k, int)})
+    plan = infer_auto_device_map(model, max_memory=stand_in, dtype=dtype,
+                                 no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    return {name: real[dev] if isinstance(dev, int) else dev for name, dev in plan.items()}
+
+
+def _device_map_for(model_path: str, common: dict, max_memory: dict, dtype) -> dict:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path, **common)
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=common.get("trust_remote_code", False))
+    size_dtype = dtype if isinstance(dtype, torch.dtype) else (getattr(config, "dtype", None) or torch.float32)
+    if isinstance(size_dtype, str):
+        size_dtype = DTYPES.get(size_dtype, torch.float32)
+    return plan_device_map(meta, max_memory, size_dtype)
 
 
 def quantization_kwargs(settings: Settings) -> dict:
@@ -144,14 +182,20 @@ def load_model(settings: Settings) -> LoadedModel:
               "cache_dir": settings.cache_dir}
     if gguf_file:
         common["gguf_file"] = gguf_file
+    tokenizer_kwargs = dict(common)
+    if settings.tokenizer:                      # a separate tokenizer: not from the model's GGUF or revision
+        tokenizer_kwargs.pop("gguf_file", None)
+        tokenizer_kwargs.pop("revision", None)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or model_path, **common)
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or model_path, **tokenizer_kwargs)
     except Exception as exc:   # noqa: BLE001 - any failure becomes one start-up line
         raise ConfigError(f"cannot load tokenizer from {settings.tokenizer or model_path}: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     kwargs = {**common, "dtype": resolve_dtype(settings, device)}
     kwargs.update(device_map_kwargs(settings))
     kwargs.update(quantization_kwargs(settings))
+    if "max_memory" in kwargs:
+        kwargs["device_map"] = _device_map_for(model_path, common, kwargs["max_memory"], kwargs["dtype"])
     if "device_map" not in kwargs and device != "cpu":
         kwargs["device_map"] = device if not settings.quantize else {"": device}
     try:

@@ -46,7 +46,9 @@ class Timings:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Generated tokens over the model time (prefill + decode): what a client sees, queue aside."""
+        busy = self.prefill_s + self.decode_s
+        return self.generated_tokens / busy if busy > 0 and self.generated_tokens else 0.0
 
 
 @dataclass

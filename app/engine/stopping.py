@@ -26,10 +26,9 @@ class StopStrings:
         """End of the returned text if a stop string occurs in ``text`` ending after ``new_from``; else None."""
         if not self.stops:
             return None
-        start = max(0, new_from - self.longest + 1)
         best: tuple[int, int] | None = None
         for stop in self.stops:
-            at = text.find(stop, start)
+            at = text.find(stop, max(0, new_from - len(stop) + 1))
             if at != -1 and (best is None or at < best[0]):
                 best = (at, len(stop))
         if best is None:

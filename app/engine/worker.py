@@ -80,10 +80,18 @@ class Worker:
         self.runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
         self.info = ModelInfo(self.names, tuple(loaded.adapters), context_length(model, tok),
                               self.runner.vocab_size, loaded.source)
+        self.warm_up()
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
                  ", ".join(self.names + self.info.adapters), loaded.source, loaded.load_seconds,
                  self.info.context_length)
         self._ready.set()
+
+    def warm_up(self) -> None:
+        """One short greedy generation before /health turns 200, so the first request is not the slow one."""
+        bos = self.runner.tokenizer.bos_token_id
+        ids = [bos if bos is not None else 0]
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        collect(iter(Generator(self.runner, ids, params, max_length=self.info.context_length)), params)
 
     def load_in_background(self, on_error: Callable[[str], None] | None = None) -> threading.Thread:
         def run():
