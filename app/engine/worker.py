@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from app.engine.generate import CompletionOutput, Generator, collect
+from app.engine.generate import Generator
+from app.engine.output import CompletionOutput, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
