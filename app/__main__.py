@@ -14,7 +14,13 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve the model with Flask's development server "
                                          "(production: gunicorn -c gunicorn.conf.py wsgi:app)")
     add_settings_arguments(serve)
+    from app import chat_client
+    chat = sub.add_parser("chat", help="an interactive chat shell for a running server (this one or any "
+                                       "OpenAI-compatible one)")
+    chat_client.add_arguments(chat)
     args = parser.parse_args(argv)
+    if args.command == "chat":
+        return chat_client.main(args)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from app.errors import InvalidRequestError, UnsupportedMediaTypeError
-from app.protocol import CompletionRequest, parse_request
+from app.errors import APIError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
+from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                          parse_request)
+
+log = logging.getLogger("saker.api")
 
 bp = Blueprint("api", __name__)
 
@@ -52,8 +56,34 @@ def get_model(model_id: str):
 
 @bp.post("/v1/completions")
 def completions():
-    body = parse_request(CompletionRequest, json_body())
-    served = _service().complete(body)
+    return _answer(parse_request(CompletionRequest, json_body()))
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    return _answer(parse_request(ChatCompletionRequest, json_body()))
+
+
+@bp.post("/tokenize")
+def tokenize():
+    return jsonify(_service().tokenize(parse_request(TokenizeRequest, json_body())))
+
+
+@bp.post("/detokenize")
+def detokenize():
+    return jsonify(_service().detokenize(parse_request(DetokenizeRequest, json_body())))
+
+
+@bp.get("/tokenizer_info")
+def tokenizer_info():
+    return jsonify(_service().tokenizer_info())
+
+
+def _answer(body):
+    service = _service()
+    if body.stream:
+        return _event_stream(service, service.prepare(body))
+    served = service.complete(body)
     response = jsonify(served.body)
     t = served.timings
     response.headers["X-Saker-Queue-Ms"] = f"{t.queue_s * 1000:.3f}"
@@ -61,3 +91,33 @@ def completions():
     response.headers["X-Saker-Decode-Ms"] = f"{t.decode_s * 1000:.3f}"
     response.headers["X-Saker-Tokens-Per-Second"] = f"{t.tokens_per_second:.3f}"
     return response
+
+
+def _event_stream(service, job) -> Response:
+    """``data: {chunk}`` frames as tokens become final, then ``data: [DONE]``. An error after the first byte
+    is sent as a ``data: {"error": ...}`` frame. A client that goes away closes this generator: the worker
+    stops at the current step and takes the next request."""
+    request_id = g.request_id
+
+    def frames():
+        chunks = service.stream(job)
+        finished = False
+        try:
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            finished = True
+        except APIError as err:
+            yield f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\n"
+        except Exception:   # noqa: BLE001 - reported in the stream, logged here
+            log.exception("stream %s failed", request_id)
+            err = InternalServerError(f"The server had an error while streaming (request id {request_id})")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            chunks.close()              # a dropped client lands here: the worker is freed at once
+            if not finished:
+                log.info("stream %s ended early after %d generated tokens", request_id,
+                         job.timings.generated_tokens)
+        yield "data: [DONE]\n\n"
+
+    return Response(frames(), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -25,6 +25,11 @@ _NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str
                               "skip_special_tokens"})
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool | None = False
+
+
 @dataclass(frozen=True)
 class Limits:
     """The server's request limits (from Settings), as the protocol layer needs them."""
@@ -34,27 +39,21 @@ class Limits:
     max_stop_sequences: int = 4
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Unknown fields are ignored; ``engine`` is an old alias of ``model``."""
+class SamplingRequest(BaseModel):
+    """Fields that completions and chat share; each request converts itself into SamplingParams."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    engine: StrictStr | None = None
-    prompt: Prompt
-    suffix: StrictStr | None = None
     max_tokens: StrictInt | None = Field(16, ge=0)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, ge=0, le=1)
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool | None = False
-    stream_options: dict[str, Any] | None = None
-    logprobs: StrictInt | None = Field(None, ge=0)
-    echo: StrictBool | None = False
+    stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    best_of: StrictInt | None = Field(None, ge=1)
     logit_bias: dict[StrictStr, Number] | None = None
     seed: StrictInt | None = None
     user: StrictStr | None = None
@@ -75,13 +74,6 @@ class CompletionRequest(BaseModel):
             data = {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
         return data
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be an empty list")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _bias_values(cls, value):
@@ -100,13 +92,7 @@ class CompletionRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @model_validator(mode="after")
-    def _cross_field(self) -> "CompletionRequest":
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported by this model server", param="suffix")
-        if self.best_of is not None and self.best_of < self.n:
-            raise InvalidRequestError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})",
-                                      param="best_of")
+    def _check_common(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
                                       f"({self.max_tokens})", param="min_tokens")
@@ -114,13 +100,14 @@ class CompletionRequest(BaseModel):
             self.top_k = None
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.stream:
-            raise InvalidRequestError("stream: true is not supported yet; send stream: false", param="stream")
-        return self
 
     @property
     def model_name(self) -> str | None:
-        return self.model if self.model is not None else self.engine
+        return self.model
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -128,26 +115,17 @@ class CompletionRequest(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def prompt_list(self) -> list[str | list[int]]:
-        """The prompt as a list of prompts, each a string or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
-
-    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None
-                           ) -> SamplingParams:
+    def _sampling_params(self, limits: Limits, vocab_size: int, adapter: str | None, *, logprobs: int | None,
+                         logprobs_param: str, echo: bool = False, best_of: int | None = None) -> SamplingParams:
         """Request value -> OpenAI default; each limit violation names its field."""
         if self.n > limits.max_n:
             raise InvalidRequestError(f"n must be at most {limits.max_n}, got {self.n}", param="n")
-        if self.best_of is not None and self.best_of > limits.max_best_of:
-            raise InvalidRequestError(f"best_of must be at most {limits.max_best_of}, got {self.best_of}",
+        if best_of is not None and best_of > limits.max_best_of:
+            raise InvalidRequestError(f"best_of must be at most {limits.max_best_of}, got {best_of}",
                                       param="best_of")
-        if self.logprobs is not None and self.logprobs > limits.max_logprobs:
-            raise InvalidRequestError(f"logprobs must be at most {limits.max_logprobs}, got {self.logprobs}",
-                                      param="logprobs")
+        if logprobs is not None and logprobs > limits.max_logprobs:
+            raise InvalidRequestError(f"{logprobs_param} must be at most {limits.max_logprobs}, got {logprobs}",
+                                      param=logprobs_param)
         if len(self.stop_list) > limits.max_stop_sequences:
             raise InvalidRequestError(f"stop may hold at most {limits.max_stop_sequences} sequences, "
                                       f"got {len(self.stop_list)}", param="stop")
@@ -162,12 +140,11 @@ class CompletionRequest(BaseModel):
             if not 0 <= token < vocab_size:
                 raise InvalidRequestError(f"stop_token_ids holds {token}, outside the vocabulary "
                                           f"(0..{vocab_size - 1})", param="stop_token_ids")
-        temperature = 1.0 if self.temperature is None else float(self.temperature)
         return SamplingParams(
             n=self.n,
-            best_of=self.best_of,
+            best_of=best_of,
             max_tokens=self.max_tokens,
-            temperature=temperature,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
             min_p=float(self.min_p or 0.0),
@@ -181,11 +158,135 @@ class CompletionRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            logprobs=self.logprobs,
-            echo=bool(self.echo),
+            logprobs=logprobs,
+            echo=echo,
             skip_special_tokens=self.skip_special_tokens,
             adapter=adapter,
         )
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. Unknown fields are ignored; ``engine`` is an old alias of ``model``."""
+
+    engine: StrictStr | None = None
+    prompt: Prompt
+    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = Field(None, ge=0)
+    echo: StrictBool | None = False
+    best_of: StrictInt | None = Field(None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "CompletionRequest":
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported by this model server", param="suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})",
+                                      param="best_of")
+        self._check_common()
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot be streamed: the best candidates are known only at "
+                                      "the end; send stream: false", param="best_of")
+        return self
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model if self.model is not None else self.engine
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None
+                           ) -> SamplingParams:
+        return self._sampling_params(limits, vocab_size, adapter, logprobs=self.logprobs, logprobs_param="logprobs",
+                                     echo=bool(self.echo), best_of=self.best_of)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def as_template_message(self) -> dict:
+        """What the chat template sees: role and plain-text content (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = Field(None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0)
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        self._check_common()
+        return self
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_message() for m in self.messages]
+
+    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None
+                           ) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(limits, vocab_size, adapter, logprobs=logprobs, logprobs_param="top_logprobs")
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered with the template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
@@ -276,3 +377,66 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    timing: Timing | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None = None
+    eos_token_id: int | None = None
+    bos_token: str | None = None
+    bos_token_id: int | None = None
+    pad_token: str | None = None
+    pad_token_id: int | None = None
+    unk_token: str | None = None
+    model_max_length: int
+    vocab_size: int
+    chat_template: str | None = None
+    add_bos_token: bool | None = None

@@ -1,15 +1,22 @@
-"""Engine results -> OpenAI responses. No Flask and no torch here: the worker does the model work."""
+"""Engine results -> OpenAI responses and stream chunks. No Flask and no torch here: the worker does the
+model work, ``app/api.py`` does HTTP."""
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator
 
-from app.engine.params import Timings
+from app.engine.output import Release
+from app.engine.params import SamplingParams, Timings, TokenLogprobs
 from app.engine.worker import Worker
 from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
-from app.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Limits,
-                          ModelCard, ModelList, Timing, Usage)
+from app.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
+                          ChatResponseMessage, ChatTokenLogprob, ChatTopLogprob, CompletionChoice,
+                          CompletionLogprobs, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                          DetokenizeResponse, Limits, ModelCard, ModelList, SamplingRequest, Timing, TokenizeRequest,
+                          TokenizeResponse, TokenizerInfo, Usage)
 from app.settings import Settings
 
 
@@ -19,6 +26,19 @@ class ServedResponse:
     timings: Timings
 
 
+@dataclass
+class Job:
+    """A validated request, ready for the worker."""
+    chat: bool
+    model: str
+    params: SamplingParams
+    prompts: list[list[int]]
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    timings: Timings = field(default_factory=Timings)
+
+
 class CompletionService:
     def __init__(self, settings: Settings, worker: Worker):
         self.settings = settings
@@ -26,8 +46,14 @@ class CompletionService:
         self.limits = Limits(max_logprobs=settings.max_logprobs, max_n=settings.max_n,
                              max_best_of=settings.max_best_of, max_stop_sequences=settings.max_stop_sequences)
         self.created = int(time.time())
+        self._chat_template = None
 
     # -- models -----------------------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The base model's served names (settings.served_model_name): the main one first, then aliases."""
+        return tuple(self.settings.model_names)
+
     def resolve_model(self, name: str | None) -> tuple[str, str | None]:
         """(name to report, adapter) for a requested model name; 404 when it is not served."""
         info = self.worker.require_ready()
@@ -38,11 +64,6 @@ class CompletionService:
             return name, name
         raise ModelNotFoundError(f"The model '{name}' does not exist. Served: "
                                  f"{', '.join(names + info.adapters)}", param="model")
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The base model's served names (settings.served_model_name): the main one first, then aliases."""
-        return tuple(self.settings.model_names)
 
     def list_models(self) -> dict:
         info = self.worker.require_ready()
@@ -82,11 +103,11 @@ class CompletionService:
             raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)", param="prompt")
         return ids
 
-    def _check_lengths(self, ids: list[int], max_tokens: int | None) -> None:
+    def _check_lengths(self, ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
         if len(ids) > self.max_input_tokens:
             raise ContextLengthExceededError(
                 f"The prompt has {len(ids)} tokens, more than the {self.max_input_tokens} input tokens allowed",
-                param="prompt")
+                param=param)
         total = self.max_total_tokens
         if max_tokens is not None and len(ids) + max_tokens > total:
             raise ContextLengthExceededError(
@@ -96,37 +117,195 @@ class CompletionService:
         if max_tokens is None and len(ids) >= total:
             raise ContextLengthExceededError(
                 f"The prompt has {len(ids)} tokens and leaves no room in the {total}-token context",
-                param="prompt")
+                param=param)
 
-    # -- completions ------------------------------------------------------------------------------------
-    def complete(self, request: CompletionRequest) -> ServedResponse:
+    # -- chat template ----------------------------------------------------------------------------------
+    def chat_template(self) -> str | None:
+        """SAKER_CHAT_TEMPLATE (a file or an inline Jinja string), else the tokenizer's own."""
+        if self._chat_template is None:
+            self._chat_template = self.settings.chat_template_text() or \
+                getattr(self.worker.tokenizer, "chat_template", None) or ""
+        return self._chat_template or None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation; the template carries BOS, none is added a second time."""
+        template = self.chat_template()
+        if not template:
+            raise InvalidRequestError(
+                "This model has no chat template. Set one with SAKER_CHAT_TEMPLATE (a Jinja file or string), "
+                "or use /v1/completions", param="messages")
+        try:
+            ids = self.worker.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                                            add_generation_prompt=add_generation_prompt,
+                                                            return_dict=False)
+        except Exception as exc:   # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
+            raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
+                                      param="messages") from None
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return list(ids)
+
+    # -- jobs -------------------------------------------------------------------------------------------
+    def prepare(self, request: SamplingRequest) -> Job:
+        """Validate a request against the model and the limits; raises before anything is generated."""
         model_name, adapter = self.resolve_model(request.model_name)
         info = self.worker.require_ready()
         params = request.to_sampling_params(self.limits, vocab_size=info.vocab_size, adapter=adapter)
-        prompts = [self._prompt_ids(p, info.vocab_size) for p in request.prompt_list()]
+        if isinstance(request, ChatCompletionRequest):
+            prompts = [self.render_chat(request.template_messages(), request.add_generation_prompt)]
+            param = "messages"
+        else:
+            assert isinstance(request, CompletionRequest)
+            prompts = [self._prompt_ids(p, info.vocab_size) for p in request.prompt_list()]
+            param = "prompt"
         for ids in prompts:
-            self._check_lengths(ids, params.max_tokens)
-        outputs, timings = self.worker.complete(prompts, params, self.max_total_tokens)
-        choices = []
-        prompt_tokens = completion_tokens = 0
-        for p, out in enumerate(outputs):
-            prompt_tokens += out.prompt_tokens
-            completion_tokens += out.completion_tokens
-            for j, choice in enumerate(out.choices):
-                logprobs = None
-                if choice.logprobs is not None:
-                    lp = choice.logprobs
-                    logprobs = CompletionLogprobs(tokens=lp.tokens, token_logprobs=lp.token_logprobs,
-                                                  top_logprobs=lp.top_logprobs, text_offset=lp.text_offset)
-                choices.append(CompletionChoice(text=choice.text, index=p * params.n + j, logprobs=logprobs,
-                                                finish_reason=choice.finish_reason))
-        response = CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name,
-            choices=choices,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens),
-            timing=timing_of(timings))
-        return ServedResponse(response.model_dump(), timings)
+            self._check_lengths(ids, params.max_tokens, param)
+        chat = isinstance(request, ChatCompletionRequest)
+        return Job(chat=chat, model=model_name, params=params, prompts=prompts,
+                   include_usage=request.include_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+
+    def complete(self, request: SamplingRequest) -> ServedResponse:
+        """A whole (non-streamed) completion or chat completion."""
+        job = self.prepare(request)
+        outputs, timings = self.worker.complete(job.prompts, job.params, self.max_total_tokens)
+        n = job.params.n
+        prompt_tokens = sum(o.prompt_tokens for o in outputs)
+        completion_tokens = sum(o.completion_tokens for o in outputs)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+        if job.chat:
+            chat_choices = [ChatChoice(index=p * n + j, message=ChatResponseMessage(content=c.text),
+                                       logprobs=chat_logprobs(c.logprobs, job.params.logprobs or 0),
+                                       finish_reason=c.finish_reason)
+                            for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
+            body = ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=chat_choices,
+                                          usage=usage, timing=timing_of(timings))
+        else:
+            choices = [CompletionChoice(text=c.text, index=p * n + j, logprobs=completion_logprobs(c.logprobs),
+                                        finish_reason=c.finish_reason)
+                       for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
+            body = CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage,
+                                      timing=timing_of(timings))
+        return ServedResponse(body.model_dump(), timings)
+
+    def stream(self, job: Job) -> Iterator[dict]:
+        """Chunks of a streamed answer, each the response's shape; a usage chunk last when asked for."""
+        n = job.params.n
+        started: set[int] = set()
+        prompt_tokens = sum(len(ids) for ids in job.prompts)
+        releases = self.worker.stream(job.prompts, job.params, self.max_total_tokens, job.timings)
+        with contextlib.closing(releases):
+            yield from self._stream_chunks(job, releases, n, started)
+        if job.include_usage:
+            completion_tokens = job.timings.generated_tokens
+            chunk = self._chunk(job, [])
+            chunk["usage"] = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                   total_tokens=prompt_tokens + completion_tokens).model_dump()
+            chunk["timing"] = timing_of(job.timings).model_dump()
+            yield chunk
+
+    def _stream_chunks(self, job: Job, releases, n: int, started: set[int]) -> Iterator[dict]:
+        for p, release in releases:
+            index = p * n + release.index
+            if index not in started:
+                started.add(index)
+                if job.chat:                              # OpenAI's first chat chunk carries the role
+                    yield self._chunk(job, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}])
+            if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens):
+                continue
+            if job.chat:
+                delta = {"content": release.text} if release.text or not release.finish_reason else {}
+                logprobs = chat_logprobs(release.logprobs, job.params.logprobs or 0)
+                choice = {"index": index, "delta": delta,
+                          "logprobs": logprobs.model_dump() if logprobs else None,
+                          "finish_reason": release.finish_reason}
+            else:
+                logprobs = completion_logprobs(release.logprobs)
+                choice = {"text": release.text, "index": index,
+                          "logprobs": logprobs.model_dump() if logprobs else None,
+                          "finish_reason": release.finish_reason}
+            yield self._chunk(job, [choice])
+
+    @staticmethod
+    def _chunk(job: Job, choices: list[dict]) -> dict:
+        return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                "created": job.created, "model": job.model, "choices": choices}
+
+    # -- tokenizer endpoints ----------------------------------------------------------------------------
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        self.resolve_model(request.model)
+        tok = self.worker.tokenizer
+        if request.messages is not None:
+            messages = [m.as_template_message() for m in request.messages]
+            if request.add_special_tokens:
+                text = tok.apply_chat_template(messages, chat_template=self.chat_template(), tokenize=False,
+                                               add_generation_prompt=request.add_generation_prompt)
+                ids = list(tok(text, add_special_tokens=True)["input_ids"])
+            else:
+                ids = self.render_chat(messages, request.add_generation_prompt)
+        else:
+            add = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = list(tok(request.prompt, add_special_tokens=add)["input_ids"])
+        strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_total_tokens, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    def detokenize(self, request: DetokenizeRequest) -> dict:
+        self.resolve_model(request.model)
+        vocab = self.worker.require_ready().vocab_size
+        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens holds {bad}, outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return DetokenizeResponse(prompt=self.worker.tokenizer.decode(request.tokens)).model_dump()
+
+    def tokenizer_info(self) -> dict:
+        tok = self.worker.tokenizer
+        info = self.worker.require_ready()
+        return TokenizerInfo(
+            tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, eos_token_id=tok.eos_token_id,
+            bos_token=tok.bos_token, bos_token_id=tok.bos_token_id, pad_token=tok.pad_token,
+            pad_token_id=tok.pad_token_id, unk_token=tok.unk_token, model_max_length=self.max_total_tokens,
+            vocab_size=info.vocab_size, chat_template=self.chat_template(),
+            add_bos_token=adds_bos(tok)).model_dump()
+
+
+def adds_bos(tok) -> bool:
+    """Whether encoding a text puts BOS first (what the tokenizer does, not what its config claims)."""
+    ids = tok("a")["input_ids"]
+    return bool(ids) and tok.bos_token_id is not None and ids[0] == tok.bos_token_id
+
+
+def completion_logprobs(lp: TokenLogprobs | None) -> CompletionLogprobs | None:
+    if lp is None:
+        return None
+    return CompletionLogprobs(tokens=lp.tokens, token_logprobs=lp.token_logprobs, top_logprobs=lp.top_logprobs,
+                              text_offset=lp.text_offset)
+
+
+def key_bytes(key: str) -> list[int]:
+    """The bytes of a top_logprobs key: ``bytes:\\xNN..`` keys are raw bytes, others UTF-8 text."""
+    if key.startswith("bytes:"):
+        hexes = key[len("bytes:"):].split("\\x")[1:]
+        try:
+            return [int(h[:2], 16) for h in hexes]
+        except ValueError:
+            pass
+    return list(key.encode("utf-8"))
+
+
+def chat_logprobs(lp: TokenLogprobs | None, top_logprobs: int) -> ChatChoiceLogprobs | None:
+    """OpenAI's chat shape: one entry per token with its bytes and its ``top_logprobs`` most likely
+    alternatives (the chosen token is listed there only when it is among them)."""
+    if lp is None:
+        return None
+    content = []
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])[:top_logprobs]
+        alternatives = [ChatTopLogprob(token=k, logprob=v, bytes=key_bytes(k)) for k, v in ranked]
+        content.append(ChatTokenLogprob(token=token, logprob=logprob if logprob is not None else 0.0,
+                                        bytes=list(token.encode("utf-8")), top_logprobs=alternatives))
+    return ChatChoiceLogprobs(content=content)
 
 
 def timing_of(timings: Timings) -> Timing:

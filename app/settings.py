@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -72,6 +73,8 @@ class Settings(BaseSettings):
                                      "`name=path` pairs served as their own model names.")
     peft_merge: bool = Field(False, description="Merge a single unnamed adapter into the base weights at load "
                              "(faster decode; the base model is then no longer served on its own).")
+    chat_template: str | None = Field(None, description="Chat template for /v1/chat/completions: a Jinja "
+                                      "file path or an inline Jinja string. Default: the tokenizer's own.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint to run.")
     cache_dir: str | None = Field(None, description="Hugging Face download cache, and where the embedded "
                                   "default model is converted once. Default: ~/.cache/saker for the latter.")
@@ -147,6 +150,8 @@ class Settings(BaseSettings):
             raise ValueError("peft_merge applies to one unnamed adapter, not to named adapters")
         if self.quantize and self.device == "cpu":
             raise ValueError(f"quantize={self.quantize} needs a CUDA GPU, but device is cpu")
+        if self.chat_template and "{" not in self.chat_template and not Path(self.chat_template).expanduser().is_file():
+            raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a Jinja template")
         if self.gguf_file and not self.model:
             raise ValueError("gguf_file needs model: the directory or hub repo that holds the GGUF file")
         if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens > self.max_total_tokens:
@@ -161,6 +166,15 @@ class Settings(BaseSettings):
     @property
     def peft_adapters(self) -> dict[str | None, str]:
         return parse_peft_weights(self.peft_weights) if self.peft_weights else {}
+
+    def chat_template_text(self) -> str | None:
+        """The chat template's text: the file's content when chat_template names a file, else the string."""
+        if not self.chat_template:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if "{" not in self.chat_template and path.is_file():
+            return path.read_text(encoding="utf-8")
+        return self.chat_template
 
     @property
     def primary_gpu(self) -> int | None:

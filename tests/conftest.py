@@ -73,8 +73,8 @@ def build_llama(path: Path) -> Path:
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 256,
         "legacy": False,
-        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+        "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
     }))
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.save_pretrained(path)

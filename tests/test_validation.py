@@ -182,7 +182,9 @@ BAD_FIELDS = [
     # -- suffix / stream ------------------------------------------------------------------------------------
     ("suffix", {"suffix": "the end"}, "suffix"),
     ("suffix-number", {"suffix": 5}, "suffix"),
-    ("stream-true", {"stream": True}, "stream"),
+    ("stream-best_of", {"stream": True, "n": 1, "best_of": 2}, "best_of"),
+    ("stream_options-include_usage-string", {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options"),
     ("stream-string", {"stream": "yes"}, "stream"),
     ("stream_options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("stream_options-stream-false", {"stream": False, "stream_options": {"include_usage": True}},

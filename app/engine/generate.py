@@ -151,7 +151,13 @@ class Generator:
         history = TokenHistory(count, vocab, self.prompt_ids, device, counts=needs_counts, seen=needs_seen)
         chooser = TokenChooser(params, device, count)
         k = params.logprobs or 0
+        try:
+            yield from self._steps(logits, cache, seqs, processors, history, chooser, k)
+        finally:
+            self.timings.decode_s = time.perf_counter() - start
 
+    def _steps(self, logits, cache, seqs, processors, history, chooser, k) -> Iterator[TokenEvent]:
+        device = logits.device
         step = 0
         while seqs:
             scores = logits
@@ -212,5 +218,4 @@ class Generator:
                 cache.batch_select_indices(rows)
                 history.select(rows)
                 chooser.select(keep)
-            logits = runner.decode(tokens, cache)
-        self.timings.decode_s = time.perf_counter() - start
+            logits = self.runner.decode(tokens, cache)

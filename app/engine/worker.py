@@ -6,10 +6,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from app.engine.generate import Generator
-from app.engine.output import CompletionOutput, collect
+from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
@@ -130,6 +130,28 @@ class Worker:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     # -- serving ----------------------------------------------------------------------------------------
+    def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
+               ) -> Iterator[tuple[int, Release]]:
+        """Generate prompt after prompt under the lock, yielding (prompt index, release) as text becomes final.
+
+        The lock is held while the caller iterates: closing the iterator (a dropped client) ends the
+        generation at the current step and frees the worker."""
+        self.require_ready()
+        queued = time.perf_counter()
+        with self._lock:
+            timings.queue_s = time.perf_counter() - queued
+            for p, ids in enumerate(prompts):
+                step = Timings()
+                out = OutputStream(params)
+                try:
+                    for release in out.feed(Generator(self.runner, ids, params, max_length=max_length,
+                                                      timings=step)):
+                        yield p, release
+                finally:
+                    timings.prefill_s += step.prefill_s
+                    timings.decode_s += step.decode_s
+                    timings.generated_tokens += out.completion_tokens
+
     def complete(self, prompts: list[list[int]], params: SamplingParams, max_length: int
                  ) -> tuple[list[CompletionOutput], Timings]:
         """Run every prompt (in order) under the lock; timings summed over prompts."""

@@ -1,0 +1,636 @@
+"""``python -m app batch``: push JSONL files of OpenAI-style requests through the model offline.
+
+Each input line is a ``/v1/completions`` body (or a chat body with ``messages``); each answer is one output line
+``{"line": N, "request": <as read>, "result": <the server's JSON + request_time>}`` or, for a malformed line or an
+invalid request, ``{"line": N, "request": ..., "error": <OpenAI error object>}``. Requests go through the same
+``CompletionService`` the HTTP server uses, in process, so results are the JSON the server would return.
+
+- Outputs are resumable: every output line stores its input line number; a rerun skips the lines already answered
+  (results and request errors; internal errors are retried) and appends the rest.
+- Lines are written whole: each group's lines in one write, flushed and fsync'ed; SIGINT/SIGTERM are deferred
+  while a write is in progress, and a torn last line (power loss, SIGKILL) is cut off on the next run.
+- Requests are grouped by a token budget (``--max-batch-tokens``); ``answer_group`` runs one group: the seam where
+  the engine will batch a group's requests in shared forward passes.
+- stdout holds one JSON summary line (the last line); the progress bar and logs go to stderr.
+- Exit codes: 0 every line answered, 1 some lines hold errors (or the run failed), 2 usage or set-up error
+  (nothing was run), 128+signal when interrupted.
+
+No torch import at module level: the parser is built by ``python -m app`` for every command.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from app.errors import APIError, ConfigError, InternalServerError, InvalidRequestError
+from app.protocol import CompletionRequest, parse_request
+
+log = logging.getLogger("saker.batch")
+
+DEFAULT_MAX_BATCH_TOKENS = 8192
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+# Fields the batch runner drops before validation: a file cannot be streamed back.
+_IGNORED_FIELDS = ("stream", "stream_options")
+
+
+class UsageError(Exception):
+    """Bad arguments or inputs: one line on stderr, exit code 2, nothing run."""
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM arrived (BaseException so that per-request ``except Exception`` does not swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# -- arguments ----------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The settings flags (as for ``serve``) plus the batch flags."""
+    from app.settings import add_settings_arguments
+    add_settings_arguments(parser)
+    group = parser.add_argument_group("batch")
+    group.add_argument("inputs", nargs="+", metavar="INPUT",
+                       help="JSONL request files; globs are expanded (quote them to let saker expand them)")
+    where = group.add_mutually_exclusive_group()
+    where.add_argument("-o", "--output", metavar="OUTPUT",
+                       help="output file (one INPUT only). Default: output_<name>.jsonl beside each input")
+    where.add_argument("--output-dir", metavar="DIR", help="write output_<name>.jsonl files into DIR")
+    group.add_argument("--max-batch-tokens", type=_positive_int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
+                       help="token budget of a batch: the sum over its requests of (prompt tokens + max_tokens) "
+                            f"x sequences (n or best_of). Default {DEFAULT_MAX_BATCH_TOKENS}")
+    group.add_argument("--seed", type=_int, default=None,
+                       help="requests without their own seed get one derived from this, the input file name and "
+                            "the line number (sampled results then survive resumes and re-runs)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app batch",
+                                     description="Answer JSONL files of completion requests offline.")
+    add_arguments(parser)
+    return parser
+
+
+# -- inputs and outputs ---------------------------------------------------------------------------------------
+def _natural_key(path: Path) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    """Files named or matched by glob patterns, in the order given (each glob's matches in natural order)."""
+    paths: list[Path] = []
+    for pattern in patterns:
+        if os.path.exists(pattern) or not glob.has_magic(pattern):
+            if not os.path.isfile(pattern):
+                raise UsageError(f"input {pattern} does not exist" if not os.path.exists(pattern)
+                                 else f"input {pattern} is not a file")
+            matches = [Path(pattern)]
+        else:
+            matches = sorted((Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)),
+                             key=_natural_key)
+            if not matches:
+                raise UsageError(f"no input file matches {pattern}")
+        for path in matches:
+            if path.resolve() not in {p.resolve() for p in paths}:
+                paths.append(path)
+    return paths
+
+
+def output_name(path: Path) -> str:
+    """``request_3.jsonl`` -> ``output_request_3.jsonl`` (Together's naming)."""
+    return f"output_{path.stem}.jsonl"
+
+
+@dataclass
+class Job:
+    input: Path
+    output: Path
+    lines: int = 0                                            # non-blank input lines
+    done: dict[int, bool] = field(default_factory=dict)      # line -> answered with a result (False: error)
+    pending: int = 0
+
+
+def plan_jobs(patterns: list[str], output: str | None, output_dir: str | None) -> list[Job]:
+    inputs = expand_inputs(patterns)
+    if output is not None and len(inputs) != 1:
+        raise UsageError(f"-o/--output takes one input, got {len(inputs)}; use --output-dir for several")
+    if output is not None:
+        outputs = [Path(output)]
+    elif output_dir is not None:
+        outputs = [Path(output_dir) / output_name(p) for p in inputs]
+    else:
+        outputs = [p.parent / output_name(p) for p in inputs]
+    # A glob such as data/*.jsonl also matches the outputs of an earlier run: those are not inputs.
+    output_set = {o.resolve() for o in outputs}
+    jobs = []
+    for path, out in zip(inputs, outputs):
+        if path.resolve() in output_set and path.resolve() != out.resolve():
+            print(f"saker batch: skipping {path}: it is the output of another input", file=sys.stderr)
+            continue
+        jobs.append(Job(path, out))
+    seen: dict[Path, Path] = {}
+    for job in jobs:
+        if job.output.resolve() == job.input.resolve():
+            raise UsageError(f"the output {job.output} is the input itself")
+        other = seen.setdefault(job.output.resolve(), job.input)
+        if other is not job.input:
+            raise UsageError(f"inputs {other} and {job.input} would both write {job.output}")
+    if not jobs:
+        raise UsageError("no input files left to answer")
+    return jobs
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, str | None, bytes]]:
+    """(1-based line number, text or None when not UTF-8, raw bytes) for each non-blank line."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            raw = raw.rstrip(b"\r\n")
+            if not raw.strip():
+                continue
+            try:
+                yield number, raw.decode("utf-8"), raw
+            except UnicodeDecodeError:
+                yield number, None, raw
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def parse_line(text: str | None) -> Any:
+    """The JSON value of a line; InvalidRequestError for anything that is not JSON."""
+    if text is None:
+        raise InvalidRequestError("the line is not valid UTF-8")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the line is not valid JSON: {exc}") from None
+
+
+def fingerprint(value: Any) -> str:
+    """Identity of a request (or of a malformed line's text) to check that an output belongs to its input."""
+    data = json.dumps(value, sort_keys=True, ensure_ascii=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(data.encode()).hexdigest()
+
+
+def _identity(text: str | None, raw: bytes) -> Any:
+    """What an output line stores for its input line: the parsed request, or the raw text if malformed."""
+    try:
+        return {"request": parse_line(text)}
+    except InvalidRequestError:
+        return {"raw": text if text is not None else raw.decode("utf-8", "replace")}
+
+
+def _retryable(error: Any) -> bool:
+    """Internal errors (OOM, a crashed step) are retried by a rerun; request errors would only repeat."""
+    return not isinstance(error, dict) or error.get("type") == "server_error"
+
+
+def load_done(job: Job) -> dict[int, str]:
+    """Read an existing output: line -> fingerprint of the answered lines. Cuts a torn last line and drops
+    lines to retry (internal errors, duplicates, unreadable lines) by rewriting the file atomically."""
+    if not job.output.exists():
+        return {}
+    data = job.output.read_bytes()
+    keep: list[bytes] = []
+    prints: dict[int, str] = {}
+    dropped = 0
+    chunks = data.split(b"\n")
+    for i, chunk in enumerate(chunks):
+        if not chunk.strip():
+            continue
+        try:
+            record = json.loads(chunk)
+            number = record["line"]
+            if not isinstance(number, int) or isinstance(number, bool):
+                raise ValueError("line is not an integer")
+        except (ValueError, KeyError, TypeError):
+            # the last chunk without a newline is a write cut short; anything else is not ours
+            dropped += 1
+            where = "a torn last line" if i == len(chunks) - 1 else f"an unreadable line ({i + 1})"
+            log.warning("%s: dropping %s", job.output, where)
+            continue
+        if number in prints or ("error" in record and _retryable(record["error"])):
+            dropped += 1
+            continue
+        ident = {"raw": record["raw"]} if "raw" in record else {"request": record.get("request")}
+        prints[number] = fingerprint(ident)
+        job.done[number] = "result" in record
+        keep.append(chunk)
+    if dropped or (data and not data.endswith(b"\n")):
+        tmp = job.output.with_name(job.output.name + ".tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(b"".join(line + b"\n" for line in keep))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, job.output)
+    return prints
+
+
+def check_job(job: Job) -> None:
+    """Count the input's lines, and check that the lines already answered are the ones in the input."""
+    prints = load_done(job)
+    job.lines = job.pending = 0
+    numbers = set()
+    for number, text, raw in read_lines(job.input):
+        job.lines += 1
+        numbers.add(number)
+        if number not in prints:
+            job.pending += 1
+        elif prints[number] != fingerprint(_identity(text, raw)):
+            raise UsageError(f"{job.output} line for input line {number} holds another request than "
+                             f"{job.input}: the input changed since that output was written; move the output "
+                             f"away (or use --output-dir) to start afresh")
+    extra = sorted(set(prints) - numbers)
+    if extra:
+        raise UsageError(f"{job.output} answers line {extra[0]}, which {job.input} does not have: "
+                         f"the input changed since that output was written")
+
+
+# -- requests --------------------------------------------------------------------------------------------------
+@dataclass
+class Item:
+    """One input line: a valid request to run, or an error already known."""
+    line: int
+    record: dict                      # the output line under construction: line, request/raw
+    kind: str = "completion"          # completion | chat
+    request: Any = None               # the validated request (None when error is set)
+    error: APIError | None = None
+    cost: int = 0                     # tokens it occupies in a batch
+    result: dict | None = None
+
+
+def chat_support():
+    """``app.protocol.ChatCompletionRequest`` once the chat endpoint exists, else None."""
+    from app import protocol
+    return getattr(protocol, "ChatCompletionRequest", None)
+
+
+def derived_seed(base: int, name: str, line: int) -> int:
+    digest = hashlib.sha256(f"{base}:{name}:{line}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def make_item(service, number: int, text: str | None, raw: bytes, *, seed: int | None, source: str) -> Item:
+    """Parse and validate one line (errors become an Item with ``error``); no model work here."""
+    try:
+        body = parse_line(text)
+    except InvalidRequestError as exc:
+        return Item(number, {"line": number, "request": None,
+                             "raw": text if text is not None else raw.decode("utf-8", "replace")}, error=exc)
+    item = Item(number, {"line": number, "request": body})
+    try:
+        if not isinstance(body, dict):
+            raise InvalidRequestError("each line must be a JSON object (a request body)")
+        body = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
+        if seed is not None and body.get("seed") is None:
+            body["seed"] = derived_seed(seed, source, number)
+        if "messages" in body:
+            item.kind = "chat"
+            chat_cls = chat_support()
+            if chat_cls is None or not hasattr(service, "chat"):
+                raise InvalidRequestError("chat requests (messages) are not supported by this build yet",
+                                          param="messages", code="unsupported")
+            item.request = _served_model(service, parse_request(chat_cls, body))
+        else:
+            item.request = _served_model(service, parse_request(CompletionRequest, body))
+        item.cost = request_cost(service, item)
+    except APIError as exc:
+        item.error, item.request = exc, None
+    except Exception as exc:   # noqa: BLE001 - a line never stops the run
+        log.exception("line %d: validation failed", number)
+        item.error, item.request = InternalServerError(f"{type(exc).__name__}: {exc}"), None
+    return item
+
+
+def _served_model(service, request):
+    """``model``/``engine`` are informational in a batch: the loaded model answers. A named PEFT adapter or an
+    alias of the model is kept (it is served); any other name falls back to the main model."""
+    name = getattr(request, "model", None)
+    if name is None:
+        name = getattr(request, "engine", None)
+    if name is None:
+        return request
+    served = set(service.names) | set(service.worker.require_ready().adapters)
+    if name in served:
+        return request
+    update = {"model": None}
+    if "engine" in type(request).model_fields:
+        update["engine"] = None
+    return request.model_copy(update=update)
+
+
+def request_cost(service, item: Item) -> int:
+    """Tokens a request holds in a batch: (prompt tokens + max_tokens) per sequence, as the seed's --budget."""
+    request = item.request
+    n = getattr(request, "n", None) or 1
+    sequences = max(getattr(request, "best_of", None) or n, n)
+    if item.kind == "chat":
+        lengths = [_chat_prompt_tokens(service, request)]
+        max_tokens = getattr(request, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = getattr(request, "max_tokens", None)
+    else:
+        lengths = [len(service.worker.encode(p)) if isinstance(p, str) else len(p) for p in request.prompt_list()]
+        max_tokens = request.max_tokens
+    total = service.max_total_tokens
+    return sum(sequences * (length + (max(total - length, 0) if max_tokens is None else max_tokens))
+               for length in lengths)
+
+
+def _chat_prompt_tokens(service, request) -> int:
+    messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True)
+                for m in getattr(request, "messages", [])]
+    try:
+        ids = service.worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return len(ids)
+    except Exception:   # noqa: BLE001 - only an estimate; the service reports the real error
+        return sum(len(service.worker.encode(str(m.get("content") or ""))) for m in messages)
+
+
+def group_items(items: Iterator[Item], max_tokens: int) -> Iterator[list[Item]]:
+    """Consecutive items in groups whose requests fit the token budget (a request over it goes alone). Lines with
+    an error ride along with their neighbours so that output stays in input order."""
+    group: list[Item] = []
+    used = 0
+    for item in items:
+        if item.error is None and group and used + item.cost > max_tokens and any(i.error is None for i in group):
+            yield group
+            group, used = [], 0
+        group.append(item)
+        used += item.cost
+    if group:
+        yield group
+
+
+def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] | None = None) -> float:
+    """Answer one batch: fills ``item.result`` or ``item.error`` for each request; returns the batch's seconds.
+
+    The engine serves one request at a time today, so the requests run one after another; this is the one place
+    to change when the worker takes a whole batch in shared forward passes (the results must stay identical)."""
+    start = time.perf_counter()
+    for item in items:
+        try:
+            served = service.chat(item.request) if item.kind == "chat" else service.complete(item.request)
+            item.result = served.body if hasattr(served, "body") else served
+        except APIError as exc:
+            item.error = exc
+        except Exception as exc:   # noqa: BLE001 - one bad request (OOM, ...) does not stop the run
+            log.exception("line %d failed", item.line)
+            item.error = InternalServerError(f"{type(exc).__name__}: {exc}")
+        if on_answer is not None:
+            on_answer(item)
+    return time.perf_counter() - start
+
+
+# -- writing --------------------------------------------------------------------------------------------------
+def encode_record(record: dict) -> bytes:
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:   # a lone surrogate from a \ud800 escape: keep it escaped
+        return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
+
+
+class SignalGuard:
+    """SIGINT/SIGTERM raise ``Interrupted`` at once, except while lines are written: then after the write."""
+
+    def __init__(self):
+        self.writing = False
+        self.pending: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def _handler(self, signum, frame):
+        if self.writing:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[signum] = signal.signal(signum, self._handler)
+            except ValueError:   # not the main thread: leave signals alone
+                pass
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    @contextlib.contextmanager
+    def writing_lines(self):
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise Interrupted(signum)
+
+
+def write_lines(handle, records: list[dict], guard: SignalGuard) -> None:
+    data = b"".join(encode_record(r) for r in records)
+    with guard.writing_lines():
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# -- the run --------------------------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    run_id: str
+    seed: int | None
+    request_count: int = 0
+    response_count: int = 0
+    error_count: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def run_time(self) -> float:
+        return time.perf_counter() - self.started
+
+    def summary(self, status: str) -> dict:
+        run_time = self.run_time
+        return {"status": status, "run_id": self.run_id, "request_count": self.request_count,
+                "response_count": self.response_count, "error_count": self.error_count,
+                "run_time_sec": round(run_time, 3), "prompt_tokens": self.prompt_tokens,
+                "total_tokens_generated": self.generated_tokens,
+                "tokens_per_sec": round(self.generated_tokens / run_time, 3) if run_time > 0 else 0.0,
+                "seed": self.seed}
+
+
+def _progress(total: int, disabled: bool):
+    from tqdm import tqdm
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, unit="req", file=sys.stderr, disable=disabled, dynamic_ncols=interactive,
+                mininterval=0.5 if interactive else 30.0, desc="batch")
+
+
+def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | None, progress: bool,
+             stats: Stats, guard: SignalGuard) -> None:
+    """Answer every pending line of every job; Interrupted propagates (the written lines stay whole)."""
+    bar = _progress(sum(j.pending for j in jobs), disabled=not progress)
+    try:
+        for job in jobs:
+            if not job.pending:
+                continue
+            job.output.parent.mkdir(parents=True, exist_ok=True)
+            with open(job.output, "ab") as handle:
+                items = (make_item(service, number, text, raw, seed=seed, source=job.input.name)
+                         for number, text, raw in read_lines(job.input) if number not in job.done)
+
+                def on_answer(item: Item) -> None:
+                    bar.update(1)
+                    if item.result is not None:
+                        usage = item.result.get("usage") or {}
+                        stats.prompt_tokens += usage.get("prompt_tokens", 0)
+                        stats.generated_tokens += usage.get("completion_tokens", 0)
+
+                for group in group_items(items, max_batch_tokens):
+                    runnable = [i for i in group if i.error is None]
+                    seconds = answer_group(service, runnable, on_answer) if runnable else 0.0
+                    records = []
+                    for item in group:
+                        record = dict(item.record)
+                        if item.error is None:
+                            record["result"] = {**item.result,
+                                                "request_time": {"batch_time": seconds,
+                                                                 "batch_size": len(runnable)}}
+                            stats.response_count += 1
+                        else:
+                            record["error"] = item.error.body()["error"]
+                            stats.error_count += 1
+                        records.append(record)
+                    write_lines(handle, records, guard)
+                    for item in group:
+                        job.done[item.line] = item.error is None
+                    bar.update(len(group) - len(runnable))
+                    run_time = stats.run_time
+                    bar.set_postfix_str(f"{stats.generated_tokens / run_time if run_time else 0:.1f} tok/s, "
+                                        f"{stats.error_count} errors", refresh=False)
+    finally:
+        bar.close()
+
+
+def _load_service(settings, worker=None):
+    from app.engine.worker import Worker
+    from app.service import CompletionService
+    if worker is None:
+        worker = Worker.from_settings(settings)
+        worker.load()
+    return CompletionService(settings, worker)
+
+
+def run(args: argparse.Namespace, settings=None, *, service=None, worker=None) -> int:
+    """The batch command on parsed arguments. ``service``/``worker``: injected by tests (no model load)."""
+    from app.settings import settings_from_args
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    try:
+        if settings is None:
+            settings = settings_from_args(args)
+        logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        jobs = plan_jobs(args.inputs, args.output, args.output_dir)
+        for job in jobs:
+            check_job(job)
+        for job in jobs:
+            if job.pending:
+                target = job.output.parent
+                while not target.exists() and target != target.parent:
+                    target = target.parent
+                if not os.access(target, os.W_OK):
+                    raise UsageError(f"cannot write {job.output}: {target} is not writable")
+    except (UsageError, ConfigError) as exc:
+        print(f"saker batch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    stats = Stats(run_id, args.seed)
+    stats.request_count = sum(j.lines for j in jobs)
+    stats.response_count = sum(sum(1 for ok in j.done.values() if ok) for j in jobs)
+    stats.error_count = sum(sum(1 for ok in j.done.values() if not ok) for j in jobs)
+    pending = sum(j.pending for j in jobs)
+    log.info("%d input file(s), %d request line(s), %d already answered, %d to run", len(jobs),
+             stats.request_count, stats.request_count - pending, pending)
+
+    guard = SignalGuard()
+    guard.install()
+    status, code = "SUCCESS", EXIT_OK
+    try:
+        if pending:
+            if service is None:
+                try:
+                    service = _load_service(settings, worker)
+                except ConfigError as exc:
+                    print(f"saker batch: {exc}", file=sys.stderr)
+                    return EXIT_USAGE
+            stats.started = time.perf_counter()
+            run_jobs(service, jobs, max_batch_tokens=args.max_batch_tokens, seed=args.seed,
+                     progress=not args.no_progress, stats=stats, guard=guard)
+        if stats.error_count:
+            status, code = "COMPLETED_WITH_ERRORS", EXIT_ERRORS
+    except Interrupted as exc:
+        guard.restore()
+        name = signal.Signals(exc.signum).name
+        print(f"saker batch: interrupted by {name}; the output holds whole lines only, rerun the same command "
+              f"to resume", file=sys.stderr)
+        status, code = "INTERRUPTED", 128 + exc.signum
+    except Exception:   # noqa: BLE001 - e.g. a full disk: report and give the summary line
+        log.exception("saker batch: the run failed")
+        status, code = "FAILED", EXIT_ERRORS
+    finally:
+        guard.restore()
+    print(json.dumps(stats.summary(status)), flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None, *, service=None, worker=None) -> int:
+    """``python -m app batch ...`` without the ``batch`` word; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:   # argparse: usage errors exit 2, --help exits 0
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    return run(args, service=service, worker=worker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
