@@ -126,6 +126,11 @@ class OutputStream:
             release = self.assemblers[event.index].add(event)
             if release is not None:
                 yield release
+        for assembler in self.assemblers:       # no tokens at all (max_tokens 0): the choice ends here
+            if assembler.finish_reason is None:
+                assembler.finish_reason = "length"
+                yield Release(assembler.index, "", TokenLogprobs() if assembler.want_logprobs else None,
+                              finish_reason="length")
 
     @property
     def completion_tokens(self) -> int:
