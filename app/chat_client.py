@@ -50,7 +50,7 @@ class ChatError(Exception):
 
 
 def _one_line(text: str, limit: int = 500) -> str:
-    text = " ".join(str(text).split())
+    text = printable(" ".join(str(text).split()))
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -73,6 +73,16 @@ def format_error(status: int | None, body: Any) -> str:
     details += [f"{key}={error[key]}" for key in ("param", "code") if error.get(key) is not None]
     suffix = f" ({', '.join(details)})" if details else ""
     return f"{head}{suffix}: {_one_line(error.get('message') or '(no message)')}"
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text as shown in the terminal: control characters (ESC and the like, which a model or a server could send
+    to move the cursor or change colours) appear as ``\\x1b`` escapes; newlines, tabs and CR stay as they are.
+    The conversation keeps the text as it came."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 # -- server-sent events ------------------------------------------------------------------------------------
@@ -381,6 +391,7 @@ class ChatShell:
         """One turn: print the reply as it arrives; keep the turn only when it succeeded (or was cut by Ctrl-C)."""
         messages = self.messages(text)
         reply = Reply()
+        fell_back = False
         try:
             if self.stream:
                 try:
@@ -390,8 +401,7 @@ class ChatShell:
                         raise
                     reply = Reply()
                     self._plain_reply(messages, reply)           # raises the same 400 if it was not streaming
-                    self.stream = False
-                    self.say("(the server refused stream: true; replies now come whole)")
+                    self.stream, fell_back = False, True
             else:
                 self._plain_reply(messages, reply)
         except ChatError as exc:
@@ -411,6 +421,8 @@ class ChatShell:
             self._write("" if reply.content.endswith("\n") else "\n")
             if reply.finish_reason == "length":
                 self.say("[cut at max_tokens; /params max_tokens=N for longer replies]")
+            if fell_back:
+                self.say("(the server refused stream: true; replies now come whole)")
         self.history.append({"role": "user", "content": text})
         self.history.append({"role": "assistant", "content": reply.content})
         return reply
@@ -425,7 +437,7 @@ class ChatShell:
                 return
             try:
                 for piece in iter_chat_stream(response, reply):
-                    self._write(piece)
+                    self._write(printable(piece))
             except (OSError, http.client.HTTPException) as exc:
                 raise ChatError(f"error: the stream broke off: {_one_line(exc) or type(exc).__name__}") from None
 
@@ -448,7 +460,7 @@ class ChatShell:
                             else "error: the server's answer has no choices[0].message") from None
         reply.content = content
         reply.finish_reason = choice.get("finish_reason")
-        self._write(content)
+        self._write(printable(content))
 
     # -- commands
     def handle(self, line: str) -> bool:
@@ -506,6 +518,9 @@ class ChatShell:
     def show_prompt(self) -> None:
         """The rendered prompt of the conversation so far, via vLLM-style /tokenize + /detokenize."""
         messages = self.messages()
+        if not messages:
+            self.say("the conversation is empty: nothing to show yet (send a message or set /system first)")
+            return
         try:
             tokenized = self.client.json("POST", self.client.root_url + "/tokenize",
                                          {"model": self.model, "messages": messages, "add_generation_prompt": True})
@@ -528,8 +543,11 @@ class ChatShell:
         count = tokenized.get("count", len(tokens))
         limit = tokenized.get("max_model_len")
         self.say(f"--- prompt: {count} tokens" + (f" (the model takes {limit})" if limit else "") + " ---")
-        self._write(text if text.endswith("\n") else text + "\n")
+        self._write(printable(text) if text.endswith("\n") else printable(text) + "\n")
         self.say("--- end of prompt ---")
+        if isinstance(limit, int) and isinstance(count, int) and count >= limit:
+            self.say(f"the prompt already fills the model's {limit} tokens: the next message will be refused "
+                     "(/reset starts a new conversation)")
 
     # -- the loop
     def run(self, read_line: Callable[[str], str] = input) -> int:
