@@ -1,9 +1,15 @@
 """gunicorn settings for saker: ``gunicorn -c gunicorn.conf.py wsgi:app``.
 
-Values come from the SAKER_* settings (app/settings.py). Flags given on the command line (``-b HOST:PORT``)
-win over this file. The master never imports torch: the model is loaded in each worker after the fork,
-so CUDA is initialised only there.
+Values come from the SAKER_* settings (app/settings.py, docs/configuration.md). Flags given on the command
+line (``-b HOST:PORT``) win over this file. The master never imports torch: the model is loaded in each worker
+after the fork, so CUDA is initialised only there.
+
+Shutdown: on SIGTERM (``docker stop``, Kubernetes, Slurm's ``scancel``) the master asks each worker to stop;
+a worker stops accepting connections, lets the requests it holds (running, queued for the model, and streams)
+finish for up to ``graceful_timeout`` seconds, then exits. Give the orchestrator a longer grace period than
+that (``docker stop -t``, ``terminationGracePeriodSeconds``). SIGINT/SIGQUIT stop at once.
 """
+import os
 import sys
 
 from app.errors import ConfigError
@@ -15,24 +21,60 @@ except ConfigError as exc:          # one clear line, no traceback
     print(f"saker: {exc}", file=sys.stderr)
     sys.exit(1)
 
+# -- where and how many ----------------------------------------------------------------------------------
 # Where to listen (SAKER_HOST/SAKER_PORT); `-b` on the command line overrides it.
 bind = f"{_settings.host}:{_settings.port}"
-# One worker process per model copy: each worker loads the whole model.
+# One worker process per model copy: each worker loads the whole model (and has its own /metrics registry).
+# On a multi-GPU node prefer one replica per GPU (each with its own port) over several workers.
 workers = _settings.workers
-# gthread: a thread per connection, so /health answers while a generation runs; requests wait for the model.
+# gthread: a pool of threads per worker. A request holds a thread while it waits for the model and while it
+# runs (streams too), so /health, /metrics and 429 answers need threads beyond the model's queue:
+# keep SAKER_THREADS > SAKER_MAX_QUEUE + 1 (see the check below).
 worker_class = "gthread"
 threads = _settings.threads
+# Most open connections per worker (idle keep-alive ones included); gunicorn's default.
+worker_connections = 1000
 # Never load the app in the master: the model (and CUDA) belong to the worker.
 preload_app = False
-# The gthread heartbeat does not depend on request length, so long generations do not trip this.
+# Never recycle workers after N requests: reloading the model costs seconds to minutes.
+max_requests = 0
+
+# -- time limits -----------------------------------------------------------------------------------------
+# The arbiter kills a worker whose main loop has not checked in for this long. In gthread the main loop keeps
+# checking in while threads generate, so long generations do not trip it; a model load runs in a background
+# thread for the same reason.
 timeout = 120
-# SIGTERM: stop accepting, give in-flight requests this long to finish, then exit.
-graceful_timeout = 120
+# SIGTERM: stop accepting, give in-flight requests this long to finish, then exit (SAKER_GRACEFUL_TIMEOUT).
+graceful_timeout = _settings.graceful_timeout
+# Seconds an idle keep-alive connection stays open. Behind nginx (upstream keepalive) keep this above 0;
+# nginx's own keepalive_timeout towards gunicorn should be lower than this.
 keepalive = 5
-# Log to stderr. gunicorn's access log stays off: saker logs failed requests itself (structured access logs
-# are tracked in the operations issue).
+# The worker heartbeat file: on /dev/shm (memory) where there is one, so a slow disk (Docker's overlay
+# filesystem) cannot stall the heartbeat.
+worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+# -- requests --------------------------------------------------------------------------------------------
+# gunicorn's own header limits stay at their defaults (request line 4094 bytes, 100 header fields of at most
+# 8190 bytes each); the body limit is SAKER_MAX_REQUEST_BYTES, checked by the app (413) from Content-Length
+# before the body is read, and while reading a chunked body.
+limit_request_line = 4094
+limit_request_fields = 100
+limit_request_field_size = 8190
+# X-Forwarded-* from a reverse proxy are honoured by the app (werkzeug ProxyFix, SAKER_PROXY_HOPS), which
+# also fixes the client address in the access log. gunicorn itself only trusts X-Forwarded-Proto from these.
+forwarded_allow_ips = "127.0.0.1,::1"
+
+# -- logs ------------------------------------------------------------------------------------------------
+# gunicorn's access log stays off: saker writes one JSON line per request itself (SAKER_ACCESS_LOG), with
+# the request id, token counts and timings. Errors and saker's log go to stderr.
+accesslog = None
 errorlog = "-"
 loglevel = _settings.log_level
 # gunicorn 27's control socket (a shared path under ~/.gunicorn) is not used by saker; several servers on one
 # host would fight over it.
 control_socket_disable = True
+
+if threads <= _settings.max_queue + 1:
+    print(f"saker: warning: SAKER_THREADS={threads} leaves no thread for /health while SAKER_MAX_QUEUE="
+          f"{_settings.max_queue} requests wait; set SAKER_THREADS to at least {_settings.max_queue + 2}",
+          file=sys.stderr)

@@ -58,7 +58,31 @@ def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_er
         response.headers["X-Request-ID"] = getattr(g, "request_id", "")
         return response
 
+    _install_operations(app, settings, worker)
     return app
+
+
+def _install_operations(app: Flask, settings: Settings, worker) -> None:
+    """Access log and metrics (every request, 401s included), API keys, /metrics, /openapi.json, ProxyFix.
+    The before_request hooks run in this order after the request id: record, in-flight count, key check."""
+    from werkzeug.middleware.proxy_fix import ProxyFix
+
+    from app.access_log import AccessLog, install_access_log
+    from app.auth import install_auth
+    from app.metrics import Metrics, install_metrics
+    from app.openapi import install_openapi
+
+    metrics = Metrics(worker)
+    access_log = AccessLog(settings.access_log, settings.log_prompts)
+    install_access_log(app, access_log, on_finish=[metrics.observe])
+    install_metrics(app, metrics)
+    install_auth(app, settings)
+    install_openapi(app)
+    app.extensions["saker.metrics"] = metrics
+    app.extensions["saker.access_log"] = access_log
+    if settings.proxy_hops:
+        hops = settings.proxy_hops
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops, x_port=hops, x_prefix=hops)
 
 
 def error_response(err: APIError):
@@ -87,7 +111,8 @@ def _register_errors(app: Flask) -> None:
                                         headers={"Allow": allowed} if allowed else None)
         elif status == 413:
             limit = app.config.get("MAX_CONTENT_LENGTH")
-            err = RequestTooLargeError(f"The request body is larger than the {limit} bytes allowed")
+            err = RequestTooLargeError(f"The request body is larger than the {limit} bytes allowed "
+                                       f"(SAKER_MAX_REQUEST_BYTES={limit})")
         elif status < 500:
             err = InvalidRequestError(exc.description or exc.name, status=status)
         else:

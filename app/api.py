@@ -1,11 +1,13 @@
 """The HTTP blueprint: parse -> service -> JSON. Nothing else lives here (no torch)."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
+from app.access_log import RequestRecord, current_record
 from app.errors import APIError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
 from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                           parse_request)
@@ -81,9 +83,12 @@ def tokenizer_info():
 
 def _answer(body):
     service = _service()
+    record = current_record() or RequestRecord("", "", "")
+    record.request_body(body)
     if body.stream:
-        return _event_stream(service, service.prepare(body))
+        return _event_stream(service, service.prepare(body), record)
     served = service.complete(body)
+    record.answered(served.body, served.timings)
     response = jsonify(served.body)
     t = served.timings
     response.headers["X-Saker-Queue-Ms"] = f"{t.queue_s * 1000:.3f}"
@@ -93,31 +98,44 @@ def _answer(body):
     return response
 
 
-def _event_stream(service, job) -> Response:
+def _event_stream(service, job, record: RequestRecord) -> Response:
     """``data: {chunk}`` frames as tokens become final, then ``data: [DONE]``. An error after the first byte
     is sent as a ``data: {"error": ...}`` frame. A client that goes away closes this generator: the worker
     stops at the current step and takes the next request."""
     request_id = g.request_id
+    chunks = service.stream(job)
+    # The first chunk is awaited here, before the 200 goes out: a full queue (429), a queue timeout or an
+    # error before the first token (503 out of memory, ...) is an HTTP error the client can act on.
+    try:
+        first = next(chunks, None)
+    except BaseException:
+        chunks.close()
+        raise
+    record.stream_started(job.model)
 
     def frames():
-        chunks = service.stream(job)
         finished = False
         try:
-            for chunk in chunks:
+            for chunk in itertools.chain([first] if first is not None else [], chunks):
+                record.stream_chunk(chunk)
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             finished = True
         except APIError as err:
+            record.error_code = err.code or err.type
             yield f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\n"
         except Exception:   # noqa: BLE001 - reported in the stream, logged here
             log.exception("stream %s failed", request_id)
+            record.error_code = InternalServerError.code
             err = InternalServerError(f"The server had an error while streaming (request id {request_id})")
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             chunks.close()              # a dropped client lands here: the worker is freed at once
+            record.stream_ended(job.prompts, job.timings)
             if not finished:
                 log.info("stream %s ended early after %d generated tokens", request_id,
                          job.timings.generated_tokens)
         yield "data: [DONE]\n\n"
+        record.finish()
 
     return Response(frames(), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

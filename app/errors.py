@@ -65,8 +65,9 @@ class RequestTooLargeError(InvalidRequestError):
 
 
 class AuthenticationError(APIError):
+    """401: missing or wrong API key (OpenAI's shape: invalid_request_error / invalid_api_key)."""
     status = 401
-    type = "authentication_error"
+    type = "invalid_request_error"
     code = "invalid_api_key"
 
 
@@ -87,6 +88,20 @@ class ModelNotReadyError(ServiceUnavailableError):
 
     def __init__(self, message: str, **kwargs):
         kwargs.setdefault("headers", {"Retry-After": "5"})
+        super().__init__(message, **kwargs)
+
+
+class QueueTimeoutError(ServiceUnavailableError):
+    """503: the request waited longer than SAKER_QUEUE_TIMEOUT for the model."""
+    code = "queue_timeout"
+
+
+class OutOfMemoryError(ServiceUnavailableError):
+    """503: the accelerator ran out of memory during this request; the cache was freed, the server goes on."""
+    code = "out_of_memory"
+
+    def __init__(self, message: str, **kwargs):
+        kwargs.setdefault("headers", {"Retry-After": "1"})
         super().__init__(message, **kwargs)
 
 

@@ -440,3 +440,19 @@ class TokenizerInfo(BaseModel):
     vocab_size: int
     chat_template: str | None = None
     add_bos_token: bool | None = None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer (and a stream's error frame): OpenAI's shape, see app/errors.py."""
+    error: ErrorDetail

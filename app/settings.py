@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.errors import ConfigError
@@ -101,13 +101,31 @@ class Settings(BaseSettings):
     max_best_of: int = Field(20, ge=1, description="Largest `best_of`.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings in `stop`.")
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
+    max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides the one it "
+                           "serves); more get 429 (model is overloaded) with Retry-After. Keep it below threads.")
+    queue_timeout: float = Field(120.0, gt=0, description="Seconds a request may wait for the model; longer "
+                                 "gets 503 with Retry-After.")
 
     # -- serving ---------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Bind address (gunicorn.conf.py and `python -m app serve`).")
     port: int = Field(8000, ge=0, le=65535, description="Bind port. `make serve` uses $PORT when set.")
     workers: int = Field(1, ge=1, description="gunicorn worker processes; each holds its own model copy.")
-    threads: int = Field(8, ge=1, description="gunicorn threads per worker (requests wait their turn for the "
-                         "model; threads answer health checks and queue the rest).")
+    threads: int = Field(16, ge=1, description="gunicorn threads per worker (requests wait their turn for the "
+                         "model; threads answer health checks and queue the rest). Keep above max_queue + 1.")
+    graceful_timeout: int = Field(120, gt=0, description="Seconds gunicorn gives in-flight requests to "
+                                  "finish after SIGTERM before it kills the worker.")
+    proxy_hops: int = Field(0, ge=0, description="Reverse proxies in front of saker whose X-Forwarded-For/"
+                            "-Proto/-Host/-Port/-Prefix headers are trusted (werkzeug ProxyFix); 0 = none.")
+
+    # -- security and observability ------------------------------------------------------------------------
+    api_keys: SecretStr | None = Field(None, description="Comma-separated API keys; when set (or api_key_file), "
+                                       "`Authorization: Bearer <key>` is required on /v1/* and the tokenizer "
+                                       "routes.")
+    api_key_file: str | None = Field(None, description="File with one API key per line (blank lines and "
+                                     "# comments ignored); adds to api_keys.")
+    metrics_require_key: bool = Field(False, description="Require an API key on /metrics too (when keys are set).")
+    access_log: str = Field("-", description="Where the JSON access log goes: - (stderr), a file path, or off.")
+    log_prompts: bool = Field(False, description="Put prompts and outputs in the access log (off: never logged).")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @field_validator("log_level", mode="before")
@@ -156,6 +174,14 @@ class Settings(BaseSettings):
             raise ValueError("gguf_file needs model: the directory or hub repo that holds the GGUF file")
         if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens > self.max_total_tokens:
             raise ValueError("max_input_tokens cannot exceed max_total_tokens")
+        if self.api_key_file:
+            path = Path(self.api_key_file).expanduser()
+            if not path.is_file():
+                raise ValueError(f"api_key_file {self.api_key_file} is not a file")
+            if not self.api_key_list:
+                raise ValueError(f"api_key_file {self.api_key_file} holds no keys")
+        if self.api_keys is not None and not self.api_key_list:
+            raise ValueError("api_keys is set but holds no keys")
         return self
 
     # -- derived values ----------------------------------------------------------------------------------
@@ -175,6 +201,21 @@ class Settings(BaseSettings):
         if "{" not in self.chat_template and path.is_file():
             return path.read_text(encoding="utf-8")
         return self.chat_template
+
+    @property
+    def api_key_list(self) -> list[str]:
+        """Every accepted API key: api_keys (comma-separated) then api_key_file (one per line)."""
+        keys: list[str] = []
+        if self.api_keys is not None:
+            keys += [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
+        if self.api_key_file:
+            path = Path(self.api_key_file).expanduser()
+            if path.is_file():
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    line = line.strip()
+                    if line and not line.startswith("#"):
+                        keys.append(line)
+        return keys
 
     @property
     def primary_gpu(self) -> int | None:

@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from app.engine.admission import Admission
 from app.engine.generate import Generator
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
+from app.engine.oom import out_of_memory_as_503
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.errors import ConfigError, ModelNotReadyError
@@ -51,10 +53,12 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 class Worker:
-    def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel]):
+    def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None):
         self.names = names
         self._loader = loader
         self._lock = threading.Lock()
+        self.admission = admission or Admission()     # who may wait for the lock, and how long (429/503)
+        self.load_seconds: float | None = None
         self._ready = threading.Event()
         self.error: str | None = None
         self.runner: ModelRunner | None = None
@@ -62,7 +66,8 @@ class Worker:
 
     @classmethod
     def from_settings(cls, settings) -> "Worker":
-        return cls(tuple(settings.model_names), lambda: load_model(settings))
+        return cls(tuple(settings.model_names), lambda: load_model(settings),
+                   Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout))
 
     @classmethod
     def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel) -> "Worker":
@@ -82,6 +87,7 @@ class Worker:
         self.info = ModelInfo(self.names, tuple(loaded.adapters), context_length(model, tok),
                               self.runner.vocab_size, loaded.source)
         self.warm_up()
+        self.load_seconds = loaded.load_seconds
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
                  ", ".join(self.names + self.info.adapters), loaded.source, loaded.load_seconds,
                  self.info.context_length)
@@ -138,7 +144,7 @@ class Worker:
         generation at the current step and frees the worker."""
         self.require_ready()
         queued = time.perf_counter()
-        with self._lock:
+        with self.admission.slot(), self._lock, out_of_memory_as_503():
             timings.queue_s = time.perf_counter() - queued
             for p, ids in enumerate(prompts):
                 step = Timings()
@@ -158,7 +164,7 @@ class Worker:
         self.require_ready()
         timings = Timings()
         queued = time.perf_counter()
-        with self._lock:
+        with self.admission.slot(), self._lock, out_of_memory_as_503():
             timings.queue_s = time.perf_counter() - queued
             outputs = []
             for ids in prompts:

@@ -1,0 +1,99 @@
+"""Admission to the model: at most ``capacity`` requests run at once, at most ``max_queue`` wait for their
+turn, and none waits longer than ``timeout`` seconds.
+
+The worker wraps each request in ``with admission.slot():``. A request that finds the queue full gets
+``OverloadedError`` (429, with Retry-After) at once; one that waits too long gets ``QueueTimeoutError`` (503).
+Waiters are served first come, first served. Today ``capacity`` is 1 (the worker's lock serves one request at
+a time); a batching worker can admit several requests per slot pool without changing the callers.
+No torch and no Flask here.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from typing import Iterator
+
+from app.errors import OverloadedError, QueueTimeoutError
+
+_RETRY_MIN_S, _RETRY_MAX_S = 1, 60
+
+
+class Admission:
+    def __init__(self, max_queue: int | None = None, timeout: float | None = None, capacity: int = 1):
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        if max_queue is not None and max_queue < 0:
+            raise ValueError("max_queue must be >= 0 or None (unbounded)")
+        if timeout is not None and timeout <= 0:
+            raise ValueError("timeout must be > 0 or None (wait forever)")
+        self.max_queue = max_queue          # None: unbounded
+        self.timeout = timeout              # None: wait as long as it takes
+        self.capacity = capacity
+        self.active = 0                     # requests holding a slot
+        self.waiting = 0                    # requests waiting for one
+        self.rejected = 0                   # turned away because the queue was full (429)
+        self.timed_out = 0                  # gave up waiting (503)
+        self._mean_hold_s: float | None = None
+        self._cond = threading.Condition()
+
+    # -- the seam -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one slot for the body of the ``with``; raises before the body when it cannot get one."""
+        self.acquire()
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.release(time.monotonic() - start)
+
+    def acquire(self) -> None:
+        with self._cond:
+            if self.active < self.capacity and self.waiting == 0:
+                self.active += 1
+                return
+            if self.max_queue is not None and self.waiting >= self.max_queue:
+                self.rejected += 1
+                retry = self.retry_after_s()
+                raise OverloadedError(
+                    f"The model is overloaded: {self.waiting} requests are already waiting for it, the most "
+                    f"allowed (SAKER_MAX_QUEUE={self.max_queue}). Retry after {retry} s.",
+                    headers={"Retry-After": str(retry)})
+            self.waiting += 1
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            try:
+                while self.active >= self.capacity:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self.timed_out += 1
+                        retry = self.retry_after_s()
+                        raise QueueTimeoutError(
+                            f"The model is overloaded: this request waited {self.timeout:g} s for its turn, the "
+                            f"longest allowed (SAKER_QUEUE_TIMEOUT={self.timeout:g}). Retry after {retry} s.",
+                            headers={"Retry-After": str(retry)})
+                    self._cond.wait(remaining)
+                self.active += 1
+            finally:
+                self.waiting -= 1
+                if self.active < self.capacity:     # a slot is free and we did not take it: pass it on
+                    self._cond.notify()
+
+    def release(self, held_s: float = 0.0) -> None:
+        with self._cond:
+            self.active -= 1
+            self._mean_hold_s = held_s if self._mean_hold_s is None else 0.8 * self._mean_hold_s + 0.2 * held_s
+            self._cond.notify()
+
+    # -- what clients and metrics read --------------------------------------------------------------------
+    def retry_after_s(self) -> int:
+        """Seconds until a retry has a fair chance: the queue ahead times the mean service time, 1..60."""
+        mean = self._mean_hold_s or 1.0
+        estimate = mean * (self.waiting + 1) / self.capacity
+        return int(min(_RETRY_MAX_S, max(_RETRY_MIN_S, math.ceil(estimate))))
+
+    def snapshot(self) -> dict[str, int]:
+        with self._cond:
+            return {"active": self.active, "waiting": self.waiting, "rejected": self.rejected,
+                    "timed_out": self.timed_out}

@@ -1,0 +1,124 @@
+"""Prometheus metrics (``GET /metrics``), one registry per app.
+
+Each gunicorn worker process holds one model and one registry, so a scrape sees the worker that answered it.
+With ``SAKER_WORKERS=1`` (one model copy per replica, the recommended layout) that is the whole replica; with
+more workers per replica scrape each worker's numbers separately or run one replica per worker
+(docs/deployment.md). Everything is observed from the request's ``RequestRecord`` when the request is done.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from flask import Flask, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+
+from app.access_log import RequestRecord
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                   600.0)
+PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+                     2.5)
+TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class _CudaMemory:
+    """Allocated/reserved bytes per CUDA device, only once this process has initialised CUDA."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            import torch
+            if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return
+            allocated = GaugeMetricFamily("saker_gpu_memory_allocated_bytes", "Tensor memory allocated by torch",
+                                          labels=["device"])
+            reserved = GaugeMetricFamily("saker_gpu_memory_reserved_bytes", "Memory held by torch's caching "
+                                         "allocator", labels=["device"])
+            for i in range(torch.cuda.device_count()):
+                allocated.add_metric([str(i)], torch.cuda.memory_allocated(i))
+                reserved.add_metric([str(i)], torch.cuda.memory_reserved(i))
+        except Exception:   # noqa: BLE001 - a scrape must never fail because of the GPU probe
+            return
+        yield allocated
+        yield reserved
+
+
+class Metrics:
+    def __init__(self, worker):
+        self.worker = worker
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("saker_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.errors = Counter("saker_request_errors", "Error answers (and in-stream error frames) by route and "
+                              "error code", ["route", "code"], registry=r)
+        self.latency = Histogram("saker_request_duration_seconds", "End-to-end request time (a stream: until its "
+                                 "last frame)", ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("saker_queue_wait_seconds", "Time a generation request waited for the model",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("saker_time_to_first_token_seconds", "Time to first token: a stream's first "
+                              "chunk after the request arrived; a plain request's queue wait plus prefill",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("saker_time_per_output_token_seconds", "Decode time divided by the generated "
+                              "tokens of a request (all its choices)", buckets=PER_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("saker_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("saker_generation_tokens", "Tokens generated", registry=r)
+        self.request_prompt_tokens = Histogram("saker_request_prompt_tokens", "Prompt tokens per request",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("saker_request_generation_tokens", "Generated tokens per "
+                                                   "request", buckets=TOKEN_BUCKETS, registry=r)
+        self.in_flight = Gauge("saker_requests_in_flight", "HTTP requests being answered (streams included)",
+                               registry=r)
+        Gauge("saker_queue_depth", "Requests waiting for the model", registry=r).set_function(
+            lambda: self.worker.admission.waiting)
+        Gauge("saker_requests_running", "Requests the model is working on", registry=r).set_function(
+            lambda: self.worker.admission.active)
+        Gauge("saker_requests_rejected", "Requests turned away since start: queue full (429)",
+              registry=r).set_function(lambda: self.worker.admission.rejected)
+        Gauge("saker_requests_queue_timeouts", "Requests that gave up waiting since start (503)",
+              registry=r).set_function(lambda: self.worker.admission.timed_out)
+        Gauge("saker_model_load_seconds", "Time the model took to load (0 until loaded)", registry=r).set_function(
+            lambda: self.worker.load_seconds or 0.0)
+        Gauge("saker_model_ready", "1 once the model is loaded and serving", registry=r).set_function(
+            lambda: 1.0 if self.worker.ready else 0.0)
+        ProcessCollector(registry=r)
+        r.register(_CudaMemory())
+
+    # -- per request ----------------------------------------------------------------------------------------
+    def started(self) -> None:
+        self.in_flight.inc()
+
+    def observe(self, record: RequestRecord) -> None:
+        self.in_flight.dec()
+        route = record.route
+        self.requests.labels(route, record.method, str(record.status)).inc()
+        if record.error_code:
+            self.errors.labels(route, record.error_code).inc()
+        if record.duration_s is not None:
+            self.latency.labels(route).observe(record.duration_s)
+        if record.queue_s is not None:
+            self.queue_wait.observe(record.queue_s)
+        if record.ttft_s is not None:
+            self.ttft.observe(record.ttft_s)
+        if record.prompt_tokens is not None:
+            self.prompt_tokens.inc(record.prompt_tokens)
+            self.request_prompt_tokens.observe(record.prompt_tokens)
+        if record.completion_tokens is not None:
+            self.generation_tokens.inc(record.completion_tokens)
+            self.request_generation_tokens.observe(record.completion_tokens)
+            if record.completion_tokens > 0 and record.decode_s:
+                self.tpot.observe(record.decode_s / record.completion_tokens)
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.registry), mimetype=None, content_type=CONTENT_TYPE_LATEST)
+
+
+def install_metrics(app: Flask, metrics: Metrics) -> Callable[[RequestRecord], None]:
+    """``GET /metrics`` and the in-flight count; returns the callback that observes a finished request."""
+
+    @app.before_request
+    def _count_in_flight():
+        metrics.started()
+
+    app.add_url_rule("/metrics", "metrics", metrics.render, methods=["GET"])
+    return metrics.observe
