@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     max_n: int = Field(20, ge=1, description="Largest `n`.")
     max_best_of: int = Field(20, ge=1, description="Largest `best_of`.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings in `stop`.")
+    max_batch_size: int = Field(8, ge=1, description="Most sequences decoded together (continuous batching: "
+                                "requests join the running batch at step boundaries). 1 = one request at a time.")
+    max_batch_tokens: int | None = Field(None, gt=0, description="Most KV-cache tokens (prompt + max_tokens per "
+                                         "sequence) in the batch; a request that does not fit waits. Unset: no "
+                                         "bound beyond max_batch_size.")
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
     max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides the one it "
                            "serves); more get 429 (model is overloaded) with Retry-After. Keep it below threads.")

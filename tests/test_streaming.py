@@ -3,6 +3,7 @@ models, where characters span tokens and stop strings span token boundaries; fra
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -116,11 +117,11 @@ def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkey
     calls = {"n": 0}
     real = runner.decode
 
-    def failing(tokens, cache):
+    def failing(tokens, cache, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected fault")
-        return real(tokens, cache)
+        return real(tokens, cache, **kwargs)
 
     monkeypatch.setattr(runner, "decode", failing)
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
@@ -154,7 +155,11 @@ def test_closing_a_stream_early_frees_the_worker(gpt2_app):
     iterator = iter(response.response)
     first = next(iterator)
     assert first.startswith(b"data: ") or first.startswith("data: ")
-    assert worker._lock.locked()
+    assert worker.admission.snapshot()["active"] == 1
     response.close()
-    assert not worker._lock.locked()
+    assert worker.admission.snapshot()["active"] == 0
+    deadline = time.time() + 30
+    while worker.scheduler.batch.groups and time.time() < deadline:
+        time.sleep(0.01)
+    assert not worker.scheduler.batch.groups, "the scheduler dropped the cancelled request"
     assert client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200

@@ -49,22 +49,44 @@ class SequenceState:
     text: str = ""
 
 
-class Generator:
-    """Runs one prompt through the model for ``params``; iterate it for events (prompt first)."""
+class RequestGroup:
+    """One prompt of one request: its candidates (``n``/``best_of``) as rows of a decode batch, with their own
+    processors, seeded generators, stop rules and detokenizers. Batches may hold several groups."""
 
     def __init__(self, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, *,
-                 max_length: int, timings: Timings | None = None):
+                 max_length: int, timings: Timings | None = None, tag: int = 0):
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.max_length = max_length
         self.timings = timings or Timings()
+        self.tag = tag                              # which prompt of its request this is
         self.want_logprobs = params.logprobs is not None
         self.want_candidate_logprob = self.want_logprobs or params.num_candidates > params.n
+        self.k = params.logprobs or 0
+        self.needs_prompt_logits = params.echo and self.want_logprobs
+        self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
+        self.seqs: list[SequenceState] = []
+        self.step = 0
+        self.cancelled = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def generates(self) -> bool:
+        return self.max_new > 0
+
+    @property
+    def budget_tokens(self) -> int:
+        """KV tokens this group may hold at most: what the batch token budget counts."""
+        return (len(self.prompt_ids) + max(self.max_new, 0)) * self.params.num_candidates
 
     # -- prompt -----------------------------------------------------------------------------------------
-    def _prompt_event(self, logits: torch.Tensor | None) -> PromptEvent:
+    def prompt_event(self, logits: torch.Tensor | None) -> PromptEvent:
+        """The prompt's text and (with echo + logprobs) its logprobs from the prefill logits (L, V)."""
         params, tok = self.params, self.tokenizer
         if not params.echo:
             return PromptEvent(len(self.prompt_ids), "", None)
@@ -75,8 +97,8 @@ class Generator:
         ids = torch.tensor(self.prompt_ids[1:], device=lp.device)
         chosen = lp[:-1].gather(-1, ids.view(-1, 1)).squeeze(-1).tolist() if len(ids) else []
         top_vals = top_ids = None
-        if params.logprobs:
-            top = torch.topk(lp[:-1], params.logprobs, dim=-1)
+        if self.k:
+            top = torch.topk(lp[:-1], self.k, dim=-1)
             top_vals, top_ids = top.values.tolist(), top.indices.tolist()
         detok = IncrementalDetokenizer(tok, skip_special_tokens=params.skip_special_tokens)
         out = TokenLogprobs()
@@ -104,118 +126,295 @@ class Generator:
         cand_ids = [chosen_id] + [i for i in ids if i != chosen_id]
         cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id]
         keys = candidate_keys(self.tokenizer, detok, cand_ids, self.runner.byte_level)
-        pairs = sorted(zip(keys, cand_vals), key=lambda kv: -kv[1])
-        return dict(pairs)
+        return dict(sorted(zip(keys, cand_vals), key=lambda kv: -kv[1]))
 
-    # -- generation -------------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[PromptEvent | TokenEvent]:
-        params, runner = self.params, self.runner
-        need_prompt_logits = params.echo and self.want_logprobs
-        max_new = params.max_tokens if params.max_tokens is not None else self.max_length - len(self.prompt_ids)
-        generate = max_new > 0
-        if not generate and not need_prompt_logits:
-            yield self._prompt_event(None)
-            return
-
-        start = time.perf_counter()
-        with runner.adapter(params.adapter), torch.inference_mode():
-            logits, cache = runner.prefill(self.prompt_ids, all_logits=need_prompt_logits)
-            prompt_event = self._prompt_event(logits[0] if need_prompt_logits else None)
-            self.timings.prefill_s = time.perf_counter() - start
-            yield prompt_event
-            if not generate:
-                return
-            yield from self._decode(logits[:, -1, :], cache, max_new)
-
-    def _decode(self, last_logits: torch.Tensor, cache, max_new: int) -> Iterator[TokenEvent]:
-        params, runner, tok = self.params, self.runner, self.tokenizer
-        start = time.perf_counter()
+    # -- decoding ---------------------------------------------------------------------------------------
+    def begin(self, device, vocab: int) -> None:
+        """Set up the candidates (after the prefill): stop rules, detokenizers, processors, generators."""
+        params, tok = self.params, self.tokenizer
         count = params.num_candidates
-        device = last_logits.device
-        vocab = last_logits.shape[-1]
-        logits = last_logits.float().expand(count, vocab)
-        if count > 1:
-            cache.batch_repeat_interleave(count)
-
         stop_strings = StopStrings(params.stop, params.include_stop_str_in_output)
-        eos = frozenset(runner.eos_token_ids)
-        seqs = [SequenceState(i, IncrementalDetokenizer(tok, self.prompt_ids, params.skip_special_tokens),
-                              StoppingCriteria(eos_token_ids=eos, stop_token_ids=params.stop_token_ids,
-                                               stop_strings=stop_strings, ignore_eos=params.ignore_eos,
-                                               min_tokens=params.min_tokens, max_tokens=max_new,
-                                               max_length=self.max_length))
-                for i in range(count)]
+        eos = frozenset(self.runner.eos_token_ids)
+        self.seqs = [SequenceState(i, IncrementalDetokenizer(tok, self.prompt_ids, params.skip_special_tokens),
+                                   StoppingCriteria(eos_token_ids=eos, stop_token_ids=params.stop_token_ids,
+                                                    stop_strings=stop_strings, ignore_eos=params.ignore_eos,
+                                                    min_tokens=params.min_tokens, max_tokens=self.max_new,
+                                                    max_length=self.max_length))
+                     for i in range(count)]
         suppress = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
-        processors = build_processors(params, vocab=vocab, suppress_ids=suppress, device=device)
+        self.processors = build_processors(params, vocab=vocab, suppress_ids=suppress, device=device)
         needs_counts, needs_seen = history_needs(params)
-        history = TokenHistory(count, vocab, self.prompt_ids, device, counts=needs_counts, seen=needs_seen)
-        chooser = TokenChooser(params, device, count)
-        k = params.logprobs or 0
-        try:
-            yield from self._steps(logits, cache, seqs, processors, history, chooser, k)
-        finally:
-            self.timings.decode_s = time.perf_counter() - start
+        self.history = TokenHistory(count, vocab, self.prompt_ids, device, counts=needs_counts, seen=needs_seen)
+        self.chooser = TokenChooser(params, device, count)
 
-    def _steps(self, logits, cache, seqs, processors, history, chooser, k) -> Iterator[TokenEvent]:
-        device = logits.device
-        step = 0
-        while seqs:
-            scores = logits
-            if processors:
-                scores = logits.clone()
-                for proc in processors:
-                    scores = proc(scores, history, step)
-            tokens = chooser(scores)
-            chosen_lp = top_vals = top_ids = None
-            if self.want_candidate_logprob:
-                lp = raw_logprobs(logits)
-                chosen_lp = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
-                if k:
-                    top = torch.topk(lp, k, dim=-1)
-                    top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-            token_list = tokens.tolist()
-            history.add(tokens)
-            step += 1
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """This group's next tokens from its rows of raw float32 logits (stays on the device)."""
+        scores = logits
+        if self.processors:
+            scores = logits.clone()
+            for proc in self.processors:
+                scores = proc(scores, self.history, self.step)
+        tokens = self.chooser(scores)
+        self.history.add(tokens)
+        self.step += 1
+        return tokens
 
-            keep: list[int] = []
-            for row, seq in enumerate(seqs):
-                token_id = token_list[row]
-                top_dict = None
-                if self.want_logprobs:
-                    top_dict = self._top_dict(seq.detok, token_id, chosen_lp[row],
-                                              top_ids[row] if k else [], top_vals[row] if k else [])
-                seq.token_ids.append(token_id)
-                piece = ""
-                if seq.stopping.stop_token(token_id, len(seq.token_ids)):
-                    piece = seq.detok.flush()       # bytes held before an EOS/stop token are final now
-                    seq.text += piece
-                before = len(seq.text)
-                added = seq.detok.add(token_id)
-                piece += added
-                seq.text += added
-                decision = seq.stopping(token_id, seq.text, before, len(seq.token_ids),
-                                        len(self.prompt_ids) + len(seq.token_ids))
-                if decision.stop and decision.text_end in (None, len(seq.text)):
-                    tail = seq.detok.flush()
-                    piece += tail
-                    seq.text += tail
-                    if decision.text_end is not None:
-                        decision = StopDecision(True, decision.reason, len(seq.text))
-                event = TokenEvent(seq.index, token_id, piece,
-                                   chosen_lp[row] if chosen_lp is not None else None, top_dict)
-                if decision.stop:
-                    event.finish_reason = decision.reason
-                    event.text_end = decision.text_end
-                else:
-                    keep.append(row)
-                yield event
-            if len(keep) < len(seqs):
-                if not keep:
-                    break
-                rows = torch.tensor(keep, device=device)
-                seqs = [seqs[i] for i in keep]
-                tokens = tokens.index_select(0, rows)
-                cache.batch_select_indices(rows)
-                history.select(rows)
-                chooser.select(keep)
-            logits = self.runner.decode(tokens, cache)
+    def settle(self, tokens: list[int], chosen_lp: list[float] | None, top_ids: list[list[int]] | None,
+               top_vals: list[list[float]] | None) -> tuple[list[TokenEvent], list[int]]:
+        """Host side of a step: detokenize, check stops, build events. Returns the events and the rows
+        (indices into this group's rows) that go on."""
+        events, keep = [], []
+        k = self.k
+        for row, seq in enumerate(self.seqs):
+            token_id = tokens[row]
+            top_dict = None
+            if self.want_logprobs:
+                top_dict = self._top_dict(seq.detok, token_id, chosen_lp[row],
+                                          top_ids[row][:k] if k else [], top_vals[row][:k] if k else [])
+            seq.token_ids.append(token_id)
+            piece = ""
+            if seq.stopping.stop_token(token_id, len(seq.token_ids)):
+                piece = seq.detok.flush()           # bytes held before an EOS/stop token are final now
+                seq.text += piece
+            before = len(seq.text)
+            added = seq.detok.add(token_id)
+            piece += added
+            seq.text += added
+            decision = seq.stopping(token_id, seq.text, before, len(seq.token_ids),
+                                    len(self.prompt_ids) + len(seq.token_ids))
+            if decision.stop and decision.text_end in (None, len(seq.text)):
+                tail = seq.detok.flush()
+                piece += tail
+                seq.text += tail
+                if decision.text_end is not None:
+                    decision = StopDecision(True, decision.reason, len(seq.text))
+            event = TokenEvent(seq.index, token_id, piece, chosen_lp[row] if chosen_lp is not None else None,
+                               top_dict)
+            if decision.stop:
+                event.finish_reason = decision.reason
+                event.text_end = decision.text_end
+            else:
+                keep.append(row)
+            events.append(event)
+        self.timings.generated_tokens += len(events)
+        return events, keep
+
+    def select(self, keep: list[int]) -> None:
+        if len(keep) == len(self.seqs):
+            return
+        self.seqs = [self.seqs[i] for i in keep]
+        if keep:
+            rows = torch.tensor(keep, device=self.history.device)
+            self.history.select(rows)
+            self.chooser.select(keep)
+
+
+def sample_step(groups: list[RequestGroup], logits: torch.Tensor
+                ) -> tuple[list[tuple[list[TokenEvent], list[int]]], torch.Tensor]:
+    """One step for groups whose rows are consecutive in ``logits`` (B, V): choose tokens per group, one
+    transfer to the host, then events. Returns each group's (events, rows that go on) and the tokens (B,)."""
+    chosen_parts, offset = [], 0
+    for group in groups:
+        chosen_parts.append(group.choose(logits[offset:offset + group.rows]))
+        offset += group.rows
+    tokens = chosen_parts[0] if len(chosen_parts) == 1 else torch.cat(chosen_parts)
+    chosen_lp = top_vals = top_ids = None
+    if any(g.want_candidate_logprob for g in groups):
+        lp = raw_logprobs(logits)
+        chosen_lp = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+        k = max((g.k for g in groups if g.want_logprobs), default=0)
+        if k:
+            top = torch.topk(lp, k, dim=-1)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    token_list = tokens.tolist()
+    events, offset = [], 0
+    for group in groups:
+        sl = slice(offset, offset + group.rows)
+        events.append(group.settle(token_list[sl], chosen_lp[sl] if chosen_lp else None,
+                                   top_ids[sl] if top_ids else None, top_vals[sl] if top_vals else None))
+        offset += group.rows
+    return events, tokens
+
+
+def mergeable(cache) -> bool:
+    """Caches whose layers are plain DynamicLayers can be padded and joined into one batch."""
+    return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
+
+
+class DecodeBatch:
+    """The running batch: one KV cache for the rows of several groups, left-padded to a common length.
+
+    Each row keeps its own positions; an attention mask hides the padding. A group joins after its prefill
+    and leaves when its last candidate finishes; one forward per step serves every row."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.groups: list[RequestGroup] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None       # (B, L) 1 = real token, 0 = padding; None: no padding
+        self.positions: torch.Tensor | None = None  # (B,) position of the token fed next
+        self.tokens: torch.Tensor | None = None     # (B,) token fed next
+        self.length = 0                             # cached columns
+
+    @property
+    def rows(self) -> int:
+        return sum(g.rows for g in self.groups)
+
+    @property
+    def adapter(self) -> str | None:
+        return self.groups[0].params.adapter if self.groups else None
+
+    def accepts(self, group: RequestGroup) -> bool:
+        if not self.groups:
+            return True
+        return group.params.adapter == self.adapter and mergeable(self.cache)
+
+    def add(self, group: RequestGroup, cache, tokens: torch.Tensor) -> None:
+        """Join a prefilled group: its cache (rows, prompt length) and its first chosen tokens."""
+        length = len(group.prompt_ids)
+        device = tokens.device
+        positions = torch.full((group.rows,), length, dtype=torch.long, device=device)
+        if not self.groups:
+            self.groups, self.cache, self.mask = [group], cache, None
+            self.positions, self.tokens, self.length = positions, tokens, length
+            return
+        new_len = max(self.length, length)
+        old_mask = self.mask if self.mask is not None else \
+            torch.ones(self.rows, self.length, dtype=torch.long, device=device)
+        grp_mask = torch.ones(group.rows, length, dtype=torch.long, device=device)
+        for layer, new_layer in zip(self.cache.layers, cache.layers):
+            layer.keys = torch.cat([_left_pad(layer.keys, new_len), _left_pad(new_layer.keys, new_len)])
+            layer.values = torch.cat([_left_pad(layer.values, new_len), _left_pad(new_layer.values, new_len)])
+        self.mask = torch.cat([_left_pad(old_mask, new_len, dim=1), _left_pad(grp_mask, new_len, dim=1)])
+        self.positions = torch.cat([self.positions, positions])
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.length = new_len
+        self.groups.append(group)
+
+    def keep(self, keep_rows: list[int], tokens: torch.Tensor) -> None:
+        """After a step: keep these batch rows (their next tokens are ``tokens`` rows) and drop the rest."""
+        self.groups = [g for g in self.groups if g.rows]
+        if not keep_rows:
+            self.groups, self.cache, self.mask, self.positions, self.tokens, self.length = [], None, None, None, None, 0
+            return
+        if len(keep_rows) == tokens.shape[0]:
+            self.tokens = tokens
+            return
+        index = torch.tensor(keep_rows, device=tokens.device)
+        self.tokens = tokens.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.cache.batch_select_indices(index)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, index)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop leading columns that are padding in every row (a long prompt left the batch)."""
+        leading = int((self.mask.cumsum(1) == 0).sum(1).min())
+        if leading:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, leading:]
+                layer.values = layer.values[:, :, leading:]
+            self.mask = self.mask[:, leading:]
+            self.length -= leading
+        if bool(self.mask.all()):
+            self.mask = None
+
+    def forward(self) -> torch.Tensor:
+        """One decode step for every row; float32 logits (B, V)."""
+        mask = None
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype,
+                                                         device=self.mask.device)], dim=1)
+            mask = self.mask
+        logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask,
+                                    position_ids=self.positions if mask is not None else None)
+        self.positions = self.positions + 1
+        self.length += 1
+        return logits
+
+
+def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
+
+
+def admit(batch: DecodeBatch, group: RequestGroup) -> list[PromptEvent | TokenEvent]:
+    """Prefill a group, sample its first tokens from the prefill's logits and, if it goes on, add it to the
+    batch. Returns its events so far: the prompt's, then its first tokens'."""
+    start = time.perf_counter()
+    if not group.generates and not group.needs_prompt_logits:
+        return [group.prompt_event(None)]
+    logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
+    events: list[PromptEvent | TokenEvent] = [group.prompt_event(logits[0] if group.needs_prompt_logits else None)]
+    if not group.generates:
+        group.timings.prefill_s += time.perf_counter() - start
+        return events
+    last = logits[:, -1, :].float()
+    count = group.params.num_candidates
+    group.begin(last.device, last.shape[-1])
+    if count > 1:
+        cache.batch_repeat_interleave(count)
+        last = last.expand(count, last.shape[-1])
+    [(first, keep)], tokens = sample_step([group], last)
+    events += first
+    group.select(keep)
+    if keep:
+        if len(keep) < count:
+            index = torch.tensor(keep, device=tokens.device)
+            cache.batch_select_indices(index)
+            tokens = tokens.index_select(0, index)
+        batch.add(group, cache, tokens)
+    group.timings.prefill_s += time.perf_counter() - start
+    return events
+
+
+def step(batch: DecodeBatch) -> list[tuple[RequestGroup, list[TokenEvent]]]:
+    """One decode step of the whole batch; each group's events. Finished candidates leave the batch."""
+    logits = batch.forward()
+    groups = list(batch.groups)
+    results, tokens = sample_step(groups, logits)
+    keep_rows, offset, out = [], 0, []
+    for group, (events, keep) in zip(groups, results):
+        keep_rows += [offset + r for r in keep]
+        offset += group.rows
+        group.select(keep)
+        out.append((group, events))
+    batch.keep(keep_rows, tokens)
+    return out
+
+
+def drop(batch: DecodeBatch, group: RequestGroup) -> None:
+    """Take a group out of the batch (its client went away)."""
+    keep_rows, offset = [], 0
+    for g in batch.groups:
+        if g is not group:
+            keep_rows += list(range(offset, offset + g.rows))
+        offset += g.rows
+    group.seqs = []
+    batch.keep(keep_rows, batch.tokens)
+
+
+class Generator:
+    """One prompt run alone, start to end: the events of a single group (warm-up, tests and tools)."""
+
+    def __init__(self, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, *,
+                 max_length: int, timings: Timings | None = None):
+        self.group = RequestGroup(runner, prompt_ids, params, max_length=max_length, timings=timings)
+
+    def __iter__(self) -> Iterator[PromptEvent | TokenEvent]:
+        group = self.group
+        with group.runner.adapter(group.params.adapter), torch.inference_mode():
+            batch = DecodeBatch(group.runner)
+            yield from admit(batch, group)
+            start = time.perf_counter()
+            try:
+                while batch.groups:
+                    for _, events in step(batch):
+                        yield from events
+            finally:
+                group.timings.decode_s += time.perf_counter() - start

@@ -113,24 +113,30 @@ class OutputStream:
         self.prompt: PromptEvent | None = None
         self.assemblers: list[ChoiceAssembler] = []
 
-    def feed(self, events: Iterable[PromptEvent | TokenEvent]) -> Iterator[Release]:
-        for event in events:
-            if isinstance(event, PromptEvent):
-                self.prompt = event
-                base = len(event.text) if self.params.echo else 0
-                self.assemblers = [ChoiceAssembler(i, self.params, base)
-                                   for i in range(self.params.num_candidates)]
-                for i in range(self.params.num_candidates):
-                    yield prompt_release(event, i, self.params)
-                continue
-            release = self.assemblers[event.index].add(event)
-            if release is not None:
-                yield release
-        for assembler in self.assemblers:       # no tokens at all (max_tokens 0): the choice ends here
+    def push(self, event: PromptEvent | TokenEvent) -> list[Release]:
+        """What this event makes final (the prompt's event opens every choice)."""
+        if isinstance(event, PromptEvent):
+            self.prompt = event
+            base = len(event.text) if self.params.echo else 0
+            self.assemblers = [ChoiceAssembler(i, self.params, base) for i in range(self.params.num_candidates)]
+            return [prompt_release(event, i, self.params) for i in range(self.params.num_candidates)]
+        release = self.assemblers[event.index].add(event)
+        return [release] if release is not None else []
+
+    def finish(self) -> list[Release]:
+        """After the last event: choices that got no tokens at all (max_tokens 0) end here."""
+        out = []
+        for assembler in self.assemblers:
             if assembler.finish_reason is None:
                 assembler.finish_reason = "length"
-                yield Release(assembler.index, "", TokenLogprobs() if assembler.want_logprobs else None,
-                              finish_reason="length")
+                out.append(Release(assembler.index, "", TokenLogprobs() if assembler.want_logprobs else None,
+                                   finish_reason="length"))
+        return out
+
+    def feed(self, events: Iterable[PromptEvent | TokenEvent]) -> Iterator[Release]:
+        for event in events:
+            yield from self.push(event)
+        yield from self.finish()
 
     @property
     def completion_tokens(self) -> int:

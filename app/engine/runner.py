@@ -49,8 +49,14 @@ class ModelRunner:
                          logits_to_keep=0 if all_logits else 1)
         return out.logits, out.past_key_values
 
-    def decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
-        """One step for a batch of sequences; logits (B, V)."""
+    def decode(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One step for a batch of sequences; float32 logits (B, V). With left padding, ``attention_mask``
+        (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions."""
+        kwargs = {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.input_device)
+            kwargs["position_ids"] = position_ids.view(-1, 1).to(self.input_device)
         out = self.model(input_ids=tokens.view(-1, 1).to(self.input_device), past_key_values=cache,
-                         use_cache=True)
+                         use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()

@@ -19,6 +19,7 @@ class TokenHistory:
     """Per-row counts of generated tokens and a mask of prompt+generated tokens, kept only when needed."""
 
     def __init__(self, batch: int, vocab: int, prompt_ids: list[int], device, *, counts: bool, seen: bool):
+        self.device = device
         self.counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device) if counts else None
         self.seen = None
         if seen:

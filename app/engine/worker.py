@@ -2,6 +2,7 @@
 time under a lock. Concurrent callers wait their turn here."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -9,12 +10,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from app.engine.admission import Admission
-from app.engine.generate import Generator
+from app.engine.generate import Generator, PromptEvent, RequestGroup, TokenEvent
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_as_503
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
+from app.engine.scheduler import Scheduler
 from app.errors import ConfigError, ModelNotReadyError
 
 log = logging.getLogger("saker.worker")
@@ -53,11 +55,15 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 class Worker:
-    def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None):
+    def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
+                 *, max_batch_size: int = 8, max_batch_tokens: int | None = None):
         self.names = names
         self._loader = loader
-        self._lock = threading.Lock()
-        self.admission = admission or Admission()     # who may wait for the lock, and how long (429/503)
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.scheduler: Scheduler | None = None
+        # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
+        self.admission = admission or Admission(capacity=max_batch_size)
         self.load_seconds: float | None = None
         self._ready = threading.Event()
         self.error: str | None = None
@@ -67,11 +73,13 @@ class Worker:
     @classmethod
     def from_settings(cls, settings) -> "Worker":
         return cls(tuple(settings.model_names), lambda: load_model(settings),
-                   Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout))
+                   Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
+                             capacity=settings.max_batch_size),
+                   max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens)
 
     @classmethod
-    def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel) -> "Worker":
-        worker = cls(names, lambda: loaded)
+    def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **kwargs) -> "Worker":
+        worker = cls(names, lambda: loaded, **kwargs)
         worker.load()
         return worker
 
@@ -87,6 +95,9 @@ class Worker:
         self.info = ModelInfo(self.names, tuple(loaded.adapters), context_length(model, tok),
                               self.runner.vocab_size, loaded.source)
         self.warm_up()
+        self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
+                                   max_batch_tokens=self.max_batch_tokens)
+        self.scheduler.start()
         self.load_seconds = loaded.load_seconds
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
                  ", ".join(self.names + self.info.adapters), loaded.source, loaded.load_seconds,
@@ -136,42 +147,45 @@ class Worker:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     # -- serving ----------------------------------------------------------------------------------------
-    def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
-               ) -> Iterator[tuple[int, Release]]:
-        """Generate prompt after prompt under the lock, yielding (prompt index, release) as text becomes final.
-
-        The lock is held while the caller iterates: closing the iterator (a dropped client) ends the
-        generation at the current step and frees the worker."""
+    def events(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
+               ) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
+        """Run the prompts (as groups of the scheduler's batch, side by side with other requests), yielding
+        ``(prompt index, event)``. Closing the iterator (a dropped client) cancels the request: the
+        scheduler drops it at the next step."""
         self.require_ready()
         queued = time.perf_counter()
-        with self.admission.slot(), self._lock, out_of_memory_as_503():
-            timings.queue_s = time.perf_counter() - queued
-            for p, ids in enumerate(prompts):
-                step = Timings()
-                out = OutputStream(params)
-                try:
-                    for release in out.feed(Generator(self.runner, ids, params, max_length=max_length,
-                                                      timings=step)):
-                        yield p, release
-                finally:
-                    timings.prefill_s += step.prefill_s
-                    timings.decode_s += step.decode_s
-                    timings.generated_tokens += out.completion_tokens
+        with self.admission.slot(), out_of_memory_as_503():
+            admitted = time.perf_counter()
+            groups = [RequestGroup(self.runner, ids, params, max_length=max_length, tag=p)
+                      for p, ids in enumerate(prompts)]
+            ticket = self.scheduler.submit(groups)
+            try:
+                yield from ticket
+            finally:
+                ticket.cancel()
+                timings.queue_s = admitted - queued + max(g.timings.queue_s for g in groups)
+                timings.prefill_s += sum(g.timings.prefill_s for g in groups)
+                timings.decode_s += max(g.timings.decode_s for g in groups)
+                timings.generated_tokens += sum(g.timings.generated_tokens for g in groups)
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
+               ) -> Iterator[tuple[int, Release]]:
+        """``(prompt index, release)`` as each choice's text becomes final (stop strings held back)."""
+        outs = [OutputStream(params) for _ in prompts]
+        events = self.events(prompts, params, max_length, timings)
+        with contextlib.closing(events):
+            for p, event in events:
+                for release in outs[p].push(event):
+                    yield p, release
+        for p, out in enumerate(outs):
+            for release in out.finish():
+                yield p, release
 
     def complete(self, prompts: list[list[int]], params: SamplingParams, max_length: int
                  ) -> tuple[list[CompletionOutput], Timings]:
-        """Run every prompt (in order) under the lock; timings summed over prompts."""
-        self.require_ready()
+        """Every prompt to the end; the outputs in prompt order."""
         timings = Timings()
-        queued = time.perf_counter()
-        with self.admission.slot(), self._lock, out_of_memory_as_503():
-            timings.queue_s = time.perf_counter() - queued
-            outputs = []
-            for ids in prompts:
-                step = Timings()
-                outputs.append(collect(iter(Generator(self.runner, ids, params, max_length=max_length,
-                                                      timings=step)), params))
-                timings.prefill_s += step.prefill_s
-                timings.decode_s += step.decode_s
-                timings.generated_tokens += outputs[-1].completion_tokens
-        return outputs, timings
+        per_prompt: list[list[PromptEvent | TokenEvent]] = [[] for _ in prompts]
+        for p, event in self.events(prompts, params, max_length, timings):
+            per_prompt[p].append(event)
+        return [collect(events, params) for events in per_prompt], timings

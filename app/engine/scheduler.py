@@ -1,0 +1,181 @@
+"""Continuous batching: one thread owns the model and runs decode steps for every request in flight.
+
+Requests arrive as groups (one per prompt) and wait in a queue. Between steps the scheduler admits waiting
+groups while the batch has room (``max_batch_size`` rows, ``max_batch_tokens`` KV tokens, the same PEFT
+adapter): each is prefilled, samples its first tokens and joins the running batch. Every step is one forward
+for all rows; finished candidates leave at once, and a group whose client went away is dropped at the next
+step. Events go back to each request through its ``Ticket``.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import Iterator
+
+import torch
+
+from app.engine.generate import DecodeBatch, PromptEvent, RequestGroup, TokenEvent, admit, drop, mergeable, step
+from app.engine.runner import ModelRunner
+
+log = logging.getLogger("saker.scheduler")
+
+_DONE = object()
+
+
+class Ticket:
+    """A request's view of its groups: iterate for ``(tag, event)``; ``cancel()`` when the client is gone."""
+
+    def __init__(self, groups: list[RequestGroup]):
+        self.groups = groups
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._open = len(groups)
+        self.submitted = time.perf_counter()
+
+    def put(self, group: RequestGroup, event: PromptEvent | TokenEvent) -> None:
+        self._events.put((group.tag, event))
+
+    def done(self, group: RequestGroup) -> None:
+        self._events.put((group.tag, _DONE))
+
+    def fail(self, group: RequestGroup, exc: BaseException) -> None:
+        self._events.put((group.tag, exc))
+
+    def cancel(self) -> None:
+        for group in self.groups:
+            group.cancelled = True
+
+    def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
+        while self._open:
+            tag, item = self._events.get()
+            if item is _DONE:
+                self._open -= 1
+            elif isinstance(item, BaseException):
+                self.cancel()
+                raise item
+            else:
+                yield tag, item
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, max_batch_size: int = 8, max_batch_tokens: int | None = None):
+        self.runner = runner
+        self.max_batch_size = max(1, max_batch_size)
+        self.max_batch_tokens = max_batch_tokens
+        self.batch = DecodeBatch(runner)
+        self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
+        self._tickets: dict[int, Ticket] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.max_rows_seen = 0                  # the largest batch a step has served (stats and tests)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="saker-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, groups: list[RequestGroup]) -> Ticket:
+        ticket = Ticket(groups)
+        with self._cond:
+            for group in groups:
+                group.submitted = ticket.submitted
+                self._pending.append((group, ticket))
+            self._cond.notify()
+        return ticket
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                self._iteration()
+            except Exception:   # noqa: BLE001 - the loop must survive anything; groups were failed already
+                log.exception("scheduler iteration failed")
+
+    def _take_admissible(self) -> list[tuple[RequestGroup, Ticket]]:
+        with self._cond:
+            while not self._pending and not self.batch.groups:
+                self._cond.wait()
+            taken: list[tuple[RequestGroup, Ticket]] = []
+            rows = self.batch.rows
+            tokens = sum(g.budget_tokens for g in self.batch.groups)
+            adapter = self.batch.adapter if self.batch.groups else None
+            busy = bool(self.batch.groups)
+            while self._pending:
+                group, ticket = self._pending[0]
+                if group.cancelled:
+                    self._pending.popleft()
+                    ticket.done(group)
+                    continue
+                if busy:
+                    if rows + group.params.num_candidates > self.max_batch_size:
+                        break
+                    if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
+                        break
+                    if group.params.adapter != adapter or not self.batch.accepts(group):
+                        break
+                self._pending.popleft()
+                taken.append((group, ticket))
+                busy, adapter = True, group.params.adapter
+                rows += group.params.num_candidates
+                tokens += group.budget_tokens
+            return taken
+
+    def _iteration(self) -> None:
+        taken = self._take_admissible()
+        adapter = taken[0][0].params.adapter if taken else self.batch.adapter
+        with self.runner.adapter(adapter), torch.inference_mode():
+            for i, (group, ticket) in enumerate(taken):
+                if self.batch.groups and not mergeable(self.batch.cache):
+                    with self._cond:            # this model's cache cannot be joined: one group at a time
+                        self._pending.extendleft(reversed(taken[i:]))
+                    break
+                self._tickets[id(group)] = ticket
+                group.timings.queue_s = time.perf_counter() - group.submitted
+                try:
+                    events = admit(self.batch, group)
+                except BaseException as exc:    # noqa: BLE001 - this group fails, the batch goes on
+                    self._forget(group).fail(group, exc)
+                    self._after_failure(exc)
+                    continue
+                for event in events:
+                    ticket.put(group, event)
+                if group not in self.batch.groups:
+                    self._forget(group).done(group)
+            for group in [g for g in self.batch.groups if g.cancelled]:
+                drop(self.batch, group)
+                self._forget(group).done(group)
+            if not self.batch.groups:
+                return
+            start = time.perf_counter()
+            try:
+                results = step(self.batch)
+            except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
+                for group in self.batch.groups:
+                    self._forget(group).fail(group, exc)
+                self.batch = DecodeBatch(self.runner)
+                self._after_failure(exc)
+                return
+            self.steps += 1
+            took = time.perf_counter() - start
+            self.max_rows_seen = max(self.max_rows_seen, sum(len(events) for _, events in results))
+            for group, events in results:
+                group.timings.decode_s += took
+                ticket = self._tickets[id(group)]
+                for event in events:
+                    ticket.put(group, event)
+                if not group.rows:
+                    self._forget(group).done(group)
+
+    def _forget(self, group: RequestGroup) -> Ticket:
+        return self._tickets.pop(id(group))
+
+    def _after_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, torch.OutOfMemoryError):
+            from app.engine.oom import free_memory
+            free_memory()

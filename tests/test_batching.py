@@ -1,0 +1,137 @@
+"""Continuous batching keeps fidelity: a request's greedy text and logprobs are the same (within 1e-4 in
+float32) whether it ran alone or in a batch with others of different lengths, settings and arrival times."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.generate import Generator, RequestGroup
+from app.engine.output import collect
+from app.engine.params import SamplingParams
+from conftest import make_settings
+from references import ref_logprobs
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def batch_worker(request):
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+    path = request.getfixturevalue(f"{request.param}_dir")
+    settings = make_settings(model=str(path))
+    worker = Worker.from_loaded(("m",), load_model(settings), max_batch_size=16)
+    return worker, path
+
+
+def alone(worker, ids, params):
+    return collect(iter(Generator(worker.runner, ids, params, max_length=256)), params)
+
+
+def batched(worker, requests, late=()):
+    """Submit ``requests`` [(ids, params)] together (one scheduler iteration admits them all), then the
+    ``late`` ones after the first tokens are out (they join the running batch)."""
+    groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, (ids, params) in enumerate(requests)]
+    ticket = worker.scheduler.submit(groups)
+    per = {i: [] for i in range(len(requests) + len(late))}
+    late_ticket = None
+    seen = 0
+    for tag, event in ticket:
+        per[tag].append(event)
+        seen += 1
+        if seen == 3 * len(requests) and late and late_ticket is None:
+            late_groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=len(requests) + i)
+                           for i, (ids, params) in enumerate(late)]
+            late_ticket = worker.scheduler.submit(late_groups)
+    if late_ticket is not None:
+        for tag, event in late_ticket:
+            per[tag].append(event)
+    params_of = [p for _, p in requests] + [p for _, p in late]
+    return [collect(per[i], params_of[i]) for i in range(len(params_of))]
+
+
+def same(a, b):
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert [c.finish_reason for c in a.choices] == [c.finish_reason for c in b.choices]
+    for x, y in zip(a.choices, b.choices):
+        if x.logprobs is not None:
+            assert x.logprobs.tokens == y.logprobs.tokens
+            assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=TOL)
+            for tx, ty in zip(x.logprobs.top_logprobs, y.logprobs.top_logprobs):
+                if tx is None or ty is None:
+                    assert tx is ty
+                    continue
+                assert tx.keys() == ty.keys()
+                assert list(tx.values()) == pytest.approx(list(ty.values()), abs=TOL)
+
+
+def test_greedy_requests_of_different_lengths_match_alone(batch_worker, reference):
+    worker, path = batch_worker
+    model, tok = reference(path)
+    texts = ["Hello", "Once upon a time there was", "The capital of France is Paris. The capital of Italy is",
+             "東京 🙂", "a", "Passage: The bedroom is north of the garden. Question: How do you go"]
+    requests = [(tok(t).input_ids, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, logprobs=2, ignore_eos=True))
+                for i, t in enumerate(texts)]
+    before = worker.scheduler.max_rows_seen
+    results = batched(worker, requests)
+    assert worker.scheduler.max_rows_seen >= len(texts) or before >= len(texts)
+    for (ids, params), result in zip(requests, results):
+        same(result, alone(worker, ids, params))
+        # and against a plain forward of the whole sequence
+        gen_lps = result.choices[0].logprobs.token_logprobs
+        full = ids + result.choices[0].token_ids
+        lp = ref_logprobs(model, full)
+        expected = [lp[len(ids) + i - 1, t].item() for i, t in enumerate(result.choices[0].token_ids)]
+        assert gen_lps == pytest.approx(expected, abs=TOL)
+
+
+def test_late_joiners_mixed_settings_and_n(batch_worker, reference):
+    worker, path = batch_worker
+    _, tok = reference(path)
+    first = [
+        (tok("Once upon a time").input_ids, SamplingParams(max_tokens=20, temperature=0.0, logprobs=1,
+                                                           ignore_eos=True)),
+        (tok("Hello").input_ids, SamplingParams(max_tokens=12, temperature=0.9, seed=11, n=3, top_k=20)),
+        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                   repetition_penalty=1.3, logprobs=0,
+                                                                   stop=("e",))),
+    ]
+    late = [
+        (tok("Passage: The bedroom is north of the garden. Question:").input_ids,
+         SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, echo=True, ignore_eos=True)),
+        (tok("x").input_ids, SamplingParams(max_tokens=15, temperature=0.7, seed=5, best_of=3, n=2, top_p=0.9,
+                                            logprobs=0)),
+    ]
+    results = batched(worker, first, late)
+    for (ids, params), result in zip(first + late, results):
+        same(result, alone(worker, ids, params))
+
+
+def test_cancelled_request_leaves_the_others_intact(batch_worker, reference):
+    worker, path = batch_worker
+    _, tok = reference(path)
+    keep_ids = tok("Once upon a time").input_ids
+    keep_params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True)
+    doomed = RequestGroup(worker.runner, tok("Hello there").input_ids,
+                          SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), max_length=256)
+    kept = RequestGroup(worker.runner, keep_ids, keep_params, max_length=256)
+    doomed_ticket = worker.scheduler.submit([doomed])
+    kept_ticket = worker.scheduler.submit([kept])
+    for n, _ in enumerate(doomed_ticket):
+        if n == 5:
+            doomed_ticket.cancel()
+    events = [event for _, event in kept_ticket]
+    same(collect(events, keep_params), alone(worker, keep_ids, keep_params))
+    assert doomed.timings.generated_tokens < 200
+
+
+def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=1)
+    _, tok = reference(gpt2_dir)
+    requests = [(tok(t).input_ids, SamplingParams(max_tokens=6, temperature=0.0)) for t in ("Hello", "Once upon")]
+    results = batched(worker, requests)
+    assert worker.scheduler.max_rows_seen == 1
+    for (ids, params), result in zip(requests, results):
+        same(result, alone(worker, ids, params))
