@@ -1,4 +1,6 @@
-"""``python -m app serve [--model ... --host ... --port ...]``: the development server (Flask's)."""
+"""``python -m app serve [--model ... --host ... --port ...]``: the development server (Flask's).
+``python -m app batch [settings flags] INPUT [INPUT ...] [-o OUTPUT | --output-dir DIR]``: JSONL files offline
+(see ``app/batch.py`` and docs/batch.md)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve the model with Flask's development server "
                                          "(production: gunicorn -c gunicorn.conf.py wsgi:app)")
     add_settings_arguments(serve)
+    from app import batch as batch_command
+    batch = sub.add_parser("batch", help="answer JSONL files of requests offline (docs/batch.md)",
+                           description="Answer JSONL files of completion requests offline.")
+    batch_command.add_arguments(batch)
     from app import chat_client
     chat = sub.add_parser("chat", help="an interactive chat shell for a running server (this one or any "
                                        "OpenAI-compatible one)")
@@ -26,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"saker: {exc}", file=sys.stderr)
         return 2
+    if args.command == "batch":
+        return batch_command.run(args, settings)
     if args.command == "serve":
         from app import create_app
         app = create_app(settings, exit_on_load_error=True)

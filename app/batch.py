@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from app.errors import APIError, ConfigError, InternalServerError, InvalidRequestError
-from app.protocol import CompletionRequest, parse_request
+from app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 log = logging.getLogger("saker.batch")
 
@@ -87,9 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("-o", "--output", metavar="OUTPUT",
                        help="output file (one INPUT only). Default: output_<name>.jsonl beside each input")
     where.add_argument("--output-dir", metavar="DIR", help="write output_<name>.jsonl files into DIR")
-    group.add_argument("--max-batch-tokens", type=_positive_int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
-                       help="token budget of a batch: the sum over its requests of (prompt tokens + max_tokens) "
-                            f"x sequences (n or best_of). Default {DEFAULT_MAX_BATCH_TOKENS}")
+    # --max-batch-tokens is the setting of that name (generated above): the same token budget the server's
+    # batches use; here it defaults to DEFAULT_MAX_BATCH_TOKENS.
     group.add_argument("--seed", type=_int, default=None,
                        help="requests without their own seed get one derived from this, the input file name and "
                             "the line number (sampled results then survive resumes and re-runs)")
@@ -140,6 +139,7 @@ class Job:
     lines: int = 0                                            # non-blank input lines
     done: dict[int, bool] = field(default_factory=dict)      # line -> answered with a result (False: error)
     pending: int = 0
+    dirty: bool = False                                       # its output needs cleaning (see scan_output)
 
 
 def plan_jobs(patterns: list[str], output: str | None, output_dir: str | None) -> list[Job]:
@@ -220,16 +220,25 @@ def _retryable(error: Any) -> bool:
     return not isinstance(error, dict) or error.get("type") == "server_error"
 
 
-def load_done(job: Job) -> dict[int, str]:
-    """Read an existing output: line -> fingerprint of the answered lines. Cuts a torn last line and drops
-    lines to retry (internal errors, duplicates, unreadable lines) by rewriting the file atomically."""
-    if not job.output.exists():
-        return {}
-    data = job.output.read_bytes()
-    keep: list[bytes] = []
-    prints: dict[int, str] = {}
-    dropped = 0
+@dataclass
+class OutputState:
+    """What an existing output holds: the answered lines, and whether it needs cleaning before appending."""
+    keep: list[bytes] = field(default_factory=list)           # the lines to keep, without their newline
+    prints: dict[int, str] = field(default_factory=dict)      # line -> fingerprint of its request
+    done: dict[int, bool] = field(default_factory=dict)       # line -> answered with a result (False: error)
+    dirty: bool = False                                       # a torn last line or lines to drop
+
+
+def scan_output(path: Path) -> OutputState:
+    """Read an output without changing it. Lines to drop: a torn last line (a write cut short by power loss or
+    SIGKILL), unreadable lines, repeated line numbers, and internal errors (to be retried)."""
+    state = OutputState()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return state
     chunks = data.split(b"\n")
+    state.dirty = bool(data) and not data.endswith(b"\n")
     for i, chunk in enumerate(chunks):
         if not chunk.strip():
             continue
@@ -239,43 +248,76 @@ def load_done(job: Job) -> dict[int, str]:
             if not isinstance(number, int) or isinstance(number, bool):
                 raise ValueError("line is not an integer")
         except (ValueError, KeyError, TypeError):
-            # the last chunk without a newline is a write cut short; anything else is not ours
-            dropped += 1
-            where = "a torn last line" if i == len(chunks) - 1 else f"an unreadable line ({i + 1})"
-            log.warning("%s: dropping %s", job.output, where)
+            if i != len(chunks) - 1:
+                log.warning("%s: dropping unreadable line %d", path, i + 1)
+            state.dirty = True
             continue
-        if number in prints or ("error" in record and _retryable(record["error"])):
-            dropped += 1
+        if number in state.prints or ("error" in record and _retryable(record["error"])):
+            state.dirty = True
             continue
         ident = {"raw": record["raw"]} if "raw" in record else {"request": record.get("request")}
-        prints[number] = fingerprint(ident)
-        job.done[number] = "result" in record
-        keep.append(chunk)
-    if dropped or (data and not data.endswith(b"\n")):
-        tmp = job.output.with_name(job.output.name + ".tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(b"".join(line + b"\n" for line in keep))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, job.output)
-    return prints
+        state.prints[number] = fingerprint(ident)
+        state.done[number] = "result" in record
+        state.keep.append(chunk)
+    return state
+
+
+def rewrite_output(path: Path, keep: list[bytes]) -> None:
+    """Replace the output by the kept lines, atomically (a crash leaves the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(b"".join(line + b"\n" for line in keep))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def open_output(job: Job):
+    """Open the output for appending, holding an exclusive lock (two runs on one file would answer lines twice);
+    read what it holds under the lock and clean it if needed. None when another run holds the lock."""
+    import fcntl
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        handle = open(job.output, "ab")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return None
+        except OSError as exc:   # a file system without locks: go on without one
+            log.warning("cannot lock %s (%s); make sure no other run writes it", job.output, exc)
+        try:
+            same = os.stat(job.output).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:             # another run replaced the file after we opened it: lock the new one
+            handle.close()
+            continue
+        state = scan_output(job.output)
+        if state.dirty:
+            rewrite_output(job.output, state.keep)
+            handle.close()       # the lock was on the old file; take it on the new one
+            continue
+        job.done = state.done
+        return handle
 
 
 def check_job(job: Job) -> None:
     """Count the input's lines, and check that the lines already answered are the ones in the input."""
-    prints = load_done(job)
+    state = scan_output(job.output)
+    job.done, job.dirty = state.done, state.dirty
     job.lines = job.pending = 0
     numbers = set()
     for number, text, raw in read_lines(job.input):
         job.lines += 1
         numbers.add(number)
-        if number not in prints:
+        if number not in state.prints:
             job.pending += 1
-        elif prints[number] != fingerprint(_identity(text, raw)):
+        elif state.prints[number] != fingerprint(_identity(text, raw)):
             raise UsageError(f"{job.output} line for input line {number} holds another request than "
                              f"{job.input}: the input changed since that output was written; move the output "
                              f"away (or use --output-dir) to start afresh")
-    extra = sorted(set(prints) - numbers)
+    extra = sorted(set(state.prints) - numbers)
     if extra:
         raise UsageError(f"{job.output} answers line {extra[0]}, which {job.input} does not have: "
                          f"the input changed since that output was written")
@@ -292,12 +334,6 @@ class Item:
     error: APIError | None = None
     cost: int = 0                     # tokens it occupies in a batch
     result: dict | None = None
-
-
-def chat_support():
-    """``app.protocol.ChatCompletionRequest`` once the chat endpoint exists, else None."""
-    from app import protocol
-    return getattr(protocol, "ChatCompletionRequest", None)
 
 
 def derived_seed(base: int, name: str, line: int) -> int:
@@ -321,14 +357,11 @@ def make_item(service, number: int, text: str | None, raw: bytes, *, seed: int |
             body["seed"] = derived_seed(seed, source, number)
         if "messages" in body:
             item.kind = "chat"
-            chat_cls = chat_support()
-            if chat_cls is None or not hasattr(service, "chat"):
-                raise InvalidRequestError("chat requests (messages) are not supported by this build yet",
-                                          param="messages", code="unsupported")
-            item.request = _served_model(service, parse_request(chat_cls, body))
+            request = parse_request(ChatCompletionRequest, body)
         else:
-            item.request = _served_model(service, parse_request(CompletionRequest, body))
-        item.cost = request_cost(service, item)
+            request = parse_request(CompletionRequest, body)
+        item.request = _served_model(service, request)
+        item.cost = request_cost(service, item.request)
     except APIError as exc:
         item.error, item.request = exc, None
     except Exception as exc:   # noqa: BLE001 - a line never stops the run
@@ -354,34 +387,16 @@ def _served_model(service, request):
     return request.model_copy(update=update)
 
 
-def request_cost(service, item: Item) -> int:
-    """Tokens a request holds in a batch: (prompt tokens + max_tokens) per sequence, as the seed's --budget."""
-    request = item.request
-    n = getattr(request, "n", None) or 1
-    sequences = max(getattr(request, "best_of", None) or n, n)
-    if item.kind == "chat":
-        lengths = [_chat_prompt_tokens(service, request)]
-        max_tokens = getattr(request, "max_completion_tokens", None)
-        if max_tokens is None:
-            max_tokens = getattr(request, "max_tokens", None)
-    else:
-        lengths = [len(service.worker.encode(p)) if isinstance(p, str) else len(p) for p in request.prompt_list()]
-        max_tokens = request.max_tokens
+def request_cost(service, request) -> int:
+    """Tokens a request holds in a batch: (prompt tokens + max_tokens) per sequence (n, or best_of candidates),
+    as the seed's ``--budget``; max_tokens null counts up to the context. ``service.prepare`` also checks the
+    request against the model (context length, limits), so those errors are known before any batch runs."""
+    job = service.prepare(request)
+    params = job.params
     total = service.max_total_tokens
-    return sum(sequences * (length + (max(total - length, 0) if max_tokens is None else max_tokens))
-               for length in lengths)
-
-
-def _chat_prompt_tokens(service, request) -> int:
-    messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True)
-                for m in getattr(request, "messages", [])]
-    try:
-        ids = service.worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return len(ids)
-    except Exception:   # noqa: BLE001 - only an estimate; the service reports the real error
-        return sum(len(service.worker.encode(str(m.get("content") or ""))) for m in messages)
+    return sum(params.num_candidates * (len(ids) + (max(total - len(ids), 0) if params.max_tokens is None
+                                                    else params.max_tokens))
+               for ids in job.prompts)
 
 
 def group_items(items: Iterator[Item], max_tokens: int) -> Iterator[list[Item]]:
@@ -407,8 +422,7 @@ def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] |
     start = time.perf_counter()
     for item in items:
         try:
-            served = service.chat(item.request) if item.kind == "chat" else service.complete(item.request)
-            item.result = served.body if hasattr(served, "body") else served
+            item.result = service.complete(item.request).body
         except APIError as exc:
             item.error = exc
         except Exception as exc:   # noqa: BLE001 - one bad request (OOM, ...) does not stop the run
@@ -478,21 +492,27 @@ def write_lines(handle, records: list[dict], guard: SignalGuard) -> None:
 class Stats:
     run_id: str
     seed: int | None
-    request_count: int = 0
-    response_count: int = 0
-    error_count: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+    jobs: list[Job]
+    errors_now: int = 0               # error lines written by this run (for the progress bar)
+    prompt_tokens: int = 0            # this run's
+    generated_tokens: int = 0         # this run's (completion tokens, best_of candidates included)
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def run_time(self) -> float:
         return time.perf_counter() - self.started
 
+    def counts(self) -> tuple[int, int, int]:
+        """(input lines, lines answered with a result, lines with an error) over the outputs as they now are."""
+        results = sum(1 for job in self.jobs for ok in job.done.values() if ok)
+        errors = sum(1 for job in self.jobs for ok in job.done.values() if not ok)
+        return sum(job.lines for job in self.jobs), results, errors
+
     def summary(self, status: str) -> dict:
         run_time = self.run_time
-        return {"status": status, "run_id": self.run_id, "request_count": self.request_count,
-                "response_count": self.response_count, "error_count": self.error_count,
+        requests, responses, errors = self.counts()
+        return {"status": status, "run_id": self.run_id, "request_count": requests,
+                "response_count": responses, "error_count": errors,
                 "run_time_sec": round(run_time, 3), "prompt_tokens": self.prompt_tokens,
                 "total_tokens_generated": self.generated_tokens,
                 "tokens_per_sec": round(self.generated_tokens / run_time, 3) if run_time > 0 else 0.0,
@@ -507,25 +527,37 @@ def _progress(total: int, disabled: bool):
 
 
 def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | None, progress: bool,
-             stats: Stats, guard: SignalGuard) -> None:
-    """Answer every pending line of every job; Interrupted propagates (the written lines stay whole)."""
+             stats: Stats, guard: SignalGuard) -> list[Job]:
+    """Answer every pending line of every job; returns the jobs skipped because another run holds their output.
+    Interrupted propagates (the lines written so far are whole)."""
     bar = _progress(sum(j.pending for j in jobs), disabled=not progress)
+
+    def show(done: int) -> None:
+        run_time = stats.run_time
+        bar.set_postfix_str(f"{stats.generated_tokens / run_time if run_time else 0:.1f} tok/s, "
+                            f"{stats.errors_now} errors", refresh=False)
+        bar.update(done)
+
+    def on_answer(item: Item) -> None:
+        if item.result is not None:
+            usage = item.result.get("usage") or {}
+            stats.prompt_tokens += usage.get("prompt_tokens", 0)
+            stats.generated_tokens += usage.get("completion_tokens", 0)
+        show(1)
+
+    skipped = []
     try:
         for job in jobs:
-            if not job.pending:
+            if not job.pending and not job.dirty:
                 continue
-            job.output.parent.mkdir(parents=True, exist_ok=True)
-            with open(job.output, "ab") as handle:
+            handle = open_output(job)
+            if handle is None:
+                log.error("another run is writing %s: %s is left to it", job.output, job.input)
+                skipped.append(job)
+                continue
+            with handle:
                 items = (make_item(service, number, text, raw, seed=seed, source=job.input.name)
                          for number, text, raw in read_lines(job.input) if number not in job.done)
-
-                def on_answer(item: Item) -> None:
-                    bar.update(1)
-                    if item.result is not None:
-                        usage = item.result.get("usage") or {}
-                        stats.prompt_tokens += usage.get("prompt_tokens", 0)
-                        stats.generated_tokens += usage.get("completion_tokens", 0)
-
                 for group in group_items(items, max_batch_tokens):
                     runnable = [i for i in group if i.error is None]
                     seconds = answer_group(service, runnable, on_answer) if runnable else 0.0
@@ -536,20 +568,17 @@ def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | Non
                             record["result"] = {**item.result,
                                                 "request_time": {"batch_time": seconds,
                                                                  "batch_size": len(runnable)}}
-                            stats.response_count += 1
                         else:
                             record["error"] = item.error.body()["error"]
-                            stats.error_count += 1
+                            stats.errors_now += 1
                         records.append(record)
                     write_lines(handle, records, guard)
                     for item in group:
                         job.done[item.line] = item.error is None
-                    bar.update(len(group) - len(runnable))
-                    run_time = stats.run_time
-                    bar.set_postfix_str(f"{stats.generated_tokens / run_time if run_time else 0:.1f} tok/s, "
-                                        f"{stats.error_count} errors", refresh=False)
+                    show(len(group) - len(runnable))
     finally:
         bar.close()
+    return skipped
 
 
 def _load_service(settings, worker=None):
@@ -584,29 +613,30 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None) -
         print(f"saker batch: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    stats = Stats(run_id, args.seed)
-    stats.request_count = sum(j.lines for j in jobs)
-    stats.response_count = sum(sum(1 for ok in j.done.values() if ok) for j in jobs)
-    stats.error_count = sum(sum(1 for ok in j.done.values() if not ok) for j in jobs)
+    stats = Stats(run_id, args.seed, jobs)
+    requests = stats.counts()[0]
     pending = sum(j.pending for j in jobs)
-    log.info("%d input file(s), %d request line(s), %d already answered, %d to run", len(jobs),
-             stats.request_count, stats.request_count - pending, pending)
+    log.info("%d input file(s), %d request line(s), %d already answered, %d to run", len(jobs), requests,
+             requests - pending, pending)
 
     guard = SignalGuard()
     guard.install()
     status, code = "SUCCESS", EXIT_OK
     try:
-        if pending:
-            if service is None:
-                try:
-                    service = _load_service(settings, worker)
-                except ConfigError as exc:
-                    print(f"saker batch: {exc}", file=sys.stderr)
-                    return EXIT_USAGE
+        if pending and service is None:
+            try:
+                service = _load_service(settings, worker)
+            except ConfigError as exc:
+                print(f"saker batch: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+        if pending or any(job.dirty for job in jobs):
             stats.started = time.perf_counter()
-            run_jobs(service, jobs, max_batch_tokens=args.max_batch_tokens, seed=args.seed,
-                     progress=not args.no_progress, stats=stats, guard=guard)
-        if stats.error_count:
+            skipped = run_jobs(service, jobs, max_batch_tokens=settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
+                               seed=args.seed,
+                               progress=not args.no_progress, stats=stats, guard=guard)
+            if skipped:
+                status, code = "INCOMPLETE", EXIT_ERRORS
+        if status == "SUCCESS" and stats.counts()[2]:
             status, code = "COMPLETED_WITH_ERRORS", EXIT_ERRORS
     except Interrupted as exc:
         guard.restore()
