@@ -238,7 +238,7 @@ def sample_step(groups: list[RequestGroup], logits: torch.Tensor
 
 def mergeable(cache) -> bool:
     """Caches whose layers are plain DynamicLayers can be padded and joined into one batch."""
-    return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
+    return all(type(layer).__name__ in ("DynamicLayer", "GrowingLayer") for layer in getattr(cache, "layers", [None]))
 
 
 class DecodeBatch:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.engine.kv_cache import use_growing_layers
 from app.engine.logprobs import is_byte_level
 
 
@@ -45,6 +46,7 @@ class ModelRunner:
         from transformers import DynamicCache
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
         cache = DynamicCache(config=self.model.config)
+        use_growing_layers(cache)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
         return out.logits, out.past_key_values
