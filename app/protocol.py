@@ -23,6 +23,10 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 # max_tokens (null = up to the context) nor prompt (required).
 _NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
                               "skip_special_tokens"})
+# Below this a temperature is greedy (as in vLLM): dividing float32 logits by a tinier one overflows to inf.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# repetition_penalty divides (or multiplies) logits; outside this range float32 logits overflow to +-inf.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class StreamOptions(BaseModel):
@@ -60,7 +64,7 @@ class SamplingRequest(BaseModel):
     # extensions (vLLM names)
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: Number | None = Field(None, ge=0, le=1)
-    repetition_penalty: Number | None = Field(None, gt=0)
+    repetition_penalty: Number | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     min_tokens: StrictInt = Field(0, ge=0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
@@ -144,7 +148,8 @@ class SamplingRequest(BaseModel):
             n=self.n,
             best_of=best_of,
             max_tokens=self.max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
+            temperature=1.0 if self.temperature is None else
+            0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
             min_p=float(self.min_p or 0.0),
@@ -289,10 +294,33 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
+def _lone_surrogate_field(value: Any, field: str | None = None) -> str | None:
+    """The top-level field holding a string with a lone UTF-16 surrogate (JSON's ``"\\ud800"``), which is
+    not Unicode: tokenizers and UTF-8 encoders fail on it. None when every string is valid."""
+    stack = [(field, value)]
+    while stack:
+        name, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return name or "body"
+        elif isinstance(item, dict):
+            stack.extend((name or key, v) for key, v in item.items())
+            stack.extend((name or key, key) for key in item)
+        elif isinstance(item, list):
+            stack.extend((name, v) for v in item)
+    return None
+
+
 def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
     """Validate a JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object", param=None)
+    bad = _lone_surrogate_field(body)
+    if bad is not None:
+        raise InvalidRequestError(f"{bad} holds a lone UTF-16 surrogate escape (such as \\ud800), which is not "
+                                  f"valid Unicode", param=None if bad == "body" else bad)
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:

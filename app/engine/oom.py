@@ -25,18 +25,19 @@ def free_memory() -> None:
 def out_of_memory_as_503() -> Iterator[None]:
     """Turn ``torch.OutOfMemoryError`` (= ``torch.cuda.OutOfMemoryError``) raised in the body into a 503
     ``OutOfMemoryError`` for this request only. The frames of the failed generation (which hold its KV cache
-    and logits) are cleared before the cache is emptied, and the 503 is raised outside the ``except`` so
-    that it does not keep the original exception (and its tensors) alive as ``__context__``."""
+    and logits) are cleared and dropped from the exception before the cache is emptied, so nothing keeps
+    those tensors alive (the 503 may still name the OOM exception as its ``__context__``)."""
     detail = None
     try:
         yield
     except torch.OutOfMemoryError as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
         del exc
     if detail is None:
         return
     free_memory()
     log.error("out of memory during a request (%s); cache freed, serving on", detail)
     raise OutOfMemoryError("The server ran out of accelerator memory for this request and freed it again; "
-                           "retry, or ask for fewer tokens (prompt, max_tokens, n, best_of)")
+                           "retry, or ask for fewer tokens (prompt, max_tokens, n, best_of)") from None
