@@ -6,11 +6,12 @@ invalid request, ``{"line": N, "request": ..., "error": <OpenAI error object>}``
 ``CompletionService`` the HTTP server uses, in process, so results are the JSON the server would return.
 
 - Outputs are resumable: every output line stores its input line number; a rerun skips the lines already answered
-  (results and request errors; internal errors are retried) and appends the rest.
+  (results and request errors; internal errors, out-of-memory and overload errors are retried) and appends the
+  rest.
 - Lines are written whole: each group's lines in one write, flushed and fsync'ed; SIGINT/SIGTERM are deferred
   while a write is in progress, and a torn last line (power loss, SIGKILL) is cut off on the next run.
-- Requests are grouped by a token budget (``--max-batch-tokens``); ``answer_group`` runs one group: the seam where
-  the engine will batch a group's requests in shared forward passes.
+- Requests are grouped by a token budget (``--max-batch-tokens``, the engine's setting of that name); ``answer_group``
+  hands one group to the engine at once, whose scheduler decodes its requests in shared forward passes.
 - stdout holds one JSON summary line (the last line); the progress bar and logs go to stderr.
 - Exit codes: 0 every line answered, 1 some lines hold errors (or the run failed), 2 usage or set-up error
   (nothing was run), 128+signal when interrupted.
@@ -26,9 +27,11 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -216,8 +219,9 @@ def _identity(text: str | None, raw: bytes) -> Any:
 
 
 def _retryable(error: Any) -> bool:
-    """Internal errors (OOM, a crashed step) are retried by a rerun; request errors would only repeat."""
-    return not isinstance(error, dict) or error.get("type") == "server_error"
+    """Errors of the run (internal errors, out of memory, overload) are retried by a rerun; errors about the
+    request (``invalid_request_error``) would only repeat and count as answered."""
+    return not isinstance(error, dict) or error.get("type") != "invalid_request_error"
 
 
 @dataclass
@@ -417,20 +421,59 @@ def group_items(items: Iterator[Item], max_tokens: int) -> Iterator[list[Item]]:
 def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] | None = None) -> float:
     """Answer one batch: fills ``item.result`` or ``item.error`` for each request; returns the batch's seconds.
 
-    The engine serves one request at a time today, so the requests run one after another; this is the one place
-    to change when the worker takes a whole batch in shared forward passes (the results must stay identical)."""
+    The batch's requests go to the engine together: up to as many at once as the worker admits (its
+    ``max_batch_size``), so that its scheduler decodes them in shared forward passes (continuous batching; a
+    request joins as rows free up). This is the one place that decides how a batch reaches the engine.
+    ``on_answer`` runs in the calling thread, in completion order."""
     start = time.perf_counter()
-    for item in items:
-        try:
-            item.result = service.complete(item.request).body
-        except APIError as exc:
-            item.error = exc
-        except Exception as exc:   # noqa: BLE001 - one bad request (OOM, ...) does not stop the run
-            log.exception("line %d failed", item.line)
-            item.error = InternalServerError(f"{type(exc).__name__}: {exc}")
-        if on_answer is not None:
-            on_answer(item)
+    admission = getattr(getattr(service, "worker", None), "admission", None)
+    concurrency = min(len(items), max(1, getattr(admission, "capacity", 1)))
+    if concurrency <= 1:
+        for item in items:
+            _answer(service, item)
+            if on_answer is not None:
+                on_answer(item)
+        return time.perf_counter() - start
+    todo = iter(items)
+    lock = threading.Lock()
+    stop = threading.Event()
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            _answer(service, item)
+            finished.put(item)
+
+    # daemon threads: after SIGINT/SIGTERM the requests in flight must not keep the process alive
+    for i in range(concurrency):
+        threading.Thread(target=work, name=f"saker-batch-{i}", daemon=True).start()
+    try:
+        for _ in items:
+            while True:
+                try:
+                    item = finished.get(timeout=0.25)     # a timeout: signals are handled while waiting
+                    break
+                except queue.Empty:
+                    continue
+            if on_answer is not None:
+                on_answer(item)
+    finally:
+        stop.set()                                        # interrupted: start nothing more
     return time.perf_counter() - start
+
+
+def _answer(service, item: Item) -> None:
+    try:
+        item.result = service.complete(item.request).body
+    except APIError as exc:
+        item.error = exc
+    except Exception as exc:   # noqa: BLE001 - one bad request does not stop the run
+        log.exception("line %d failed", item.line)
+        item.error = InternalServerError(f"{type(exc).__name__}: {exc}")
 
 
 # -- writing --------------------------------------------------------------------------------------------------
@@ -631,8 +674,8 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None) -
                 return EXIT_USAGE
         if pending or any(job.dirty for job in jobs):
             stats.started = time.perf_counter()
-            skipped = run_jobs(service, jobs, max_batch_tokens=settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
-                               seed=args.seed,
+            budget = settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+            skipped = run_jobs(service, jobs, max_batch_tokens=budget, seed=args.seed,
                                progress=not args.no_progress, stats=stats, guard=guard)
             if skipped:
                 status, code = "INCOMPLETE", EXIT_ERRORS
