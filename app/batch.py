@@ -62,16 +62,6 @@ class Interrupted(BaseException):
 
 
 # -- arguments ----------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
-
-
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -113,6 +103,7 @@ def _natural_key(path: Path) -> list:
 def expand_inputs(patterns: list[str]) -> list[Path]:
     """Files named or matched by glob patterns, in the order given (each glob's matches in natural order)."""
     paths: list[Path] = []
+    seen: set[Path] = set()
     for pattern in patterns:
         if os.path.exists(pattern) or not glob.has_magic(pattern):
             if not os.path.isfile(pattern):
@@ -125,7 +116,8 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
             if not matches:
                 raise UsageError(f"no input file matches {pattern}")
         for path in matches:
-            if path.resolve() not in {p.resolve() for p in paths}:
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
                 paths.append(path)
     return paths
 
