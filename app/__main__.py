@@ -24,9 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="an interactive chat shell for a running server (this one or any "
                                        "OpenAI-compatible one)")
     chat_client.add_arguments(chat)
+    from app import bench as bench_command
+    bench = sub.add_parser("bench", help="the performance suite: table, JSON and plot in docs/performance/ "
+                                         "(docs/performance.md)",
+                           description="Benchmark our server (started here) or any OpenAI-compatible one (--url).")
+    bench_command.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "chat":
         return chat_client.main(args)
+    if args.command == "bench":
+        return bench_command.main(args)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:

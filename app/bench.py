@@ -1,0 +1,1448 @@
+"""``python -m app bench``: the performance suite (issue 6). A benchmark, not a test: it measures, prints a table,
+and writes ``bench.json`` and ``bench.png`` into ``docs/performance/`` (``--out-dir``).
+
+Parts (``--only A,B,...``; default A,B,C,T,L, plus D with ``--gpu``):
+
+- A  server ms per generated token (HTTP round trip / tokens) on a GPT-2-small-shaped model (12 layers, 768 wide,
+     32k byte-level BPE trained offline, random weights), 64-token prompt, 32 greedy tokens (ignore_eos), fp32 on
+     CPU, divided by in-process ``model.generate()`` ms per token on the same model, same prompt, same tokens.
+     The two sides alternate (server, generate, server, ...) and never overlap. Goal <= 0.90.
+- B  aggregate generated tokens/s with 8 concurrent clients divided by one client's (same model). Goal >= 2.2.
+- C  tiny model (the tests' size), ``max_tokens: 1``: median HTTP round trip minus the median in-process forward
+     of the same prompt. Goal <= 5 ms.
+- T  streaming time to first token vs the server's own prefill time (``timing.prefill_ms``).
+- L  latency percentiles (p50/p90/p99 of the whole request and of the first token) at 1/2/4/8/16 clients.
+- D  (GPU) a 1B-class Llama-shaped model in bf16: server decode ms/token divided by the bandwidth floor
+     (weight bytes / device-to-device copy bandwidth). Goal <= 1.3. ``--only D --device cuda``.
+
+The bench starts its own gunicorn (``SAKER_MODEL`` = the generated model) unless ``--url`` points at a running
+OpenAI-compatible server; then only the HTTP-side measurements run (no in-process references, no ratios that need
+them). Models are built once into ``--cache-dir`` (default ``.cache/bench``).
+
+Torch threads: the bench process and the server use the same number (``--threads``, default: torch's default
+here); the server gets it as OMP_NUM_THREADS/MKL_NUM_THREADS, the bench calls ``torch.set_num_threads``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import http.client
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "docs" / "performance"
+DEFAULT_CACHE = ROOT / ".cache" / "bench"
+ALL_PARTS = ("A", "B", "C", "T", "L", "D")
+DEFAULT_PARTS = ("A", "B", "C", "T", "L")
+SCHEMA = 1
+MODEL_VERSION = 1           # bump when the generated models change shape, so cached ones are rebuilt
+
+GOALS = {"A": ("<=", 0.90), "B": (">=", 2.2), "C": ("<=", 5.0), "D": ("<=", 1.3)}
+
+# About 64 GPT-2 tokens of plain English: the prompt sent to servers whose tokenizer we do not know (--url).
+PROMPT_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lamp and a "
+    "notebook in which he recorded the weather, the ships that passed, and the small events of the island. "
+    "Over forty years the notebooks filled a whole shelf, and nobody but him had ever read a single page of them."
+)
+TINY_PROMPT = "The capital of France is Paris. The capital of Italy is"
+TINY_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Once upon a time there was a small model that liked to count: one two three four five.",
+    "Hello world! Hello there, general Kenobi. The quick brown fox jumps over the lazy dog.",
+    "Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the office?",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 and symbols ! ? , . ; : ' \" ( ) [ ] { } - + * / = < >",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """How much of everything one run does (full or --quick)."""
+    prompt_tokens: int = 64
+    a_tokens: int = 32
+    a_reps: int = 9
+    warmup: int = 2
+    b_tokens: int = 32
+    b_rounds: int = 3
+    b_single_requests: int = 4          # requests of the 1-client run, per round
+    b_clients: int = 8
+    b_per_client: int = 2               # requests per client in the 8-client run, per round
+    c_rounds: int = 10
+    c_per_round: int = 30
+    t_tokens: int = 16
+    t_reps: int = 9
+    l_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    l_tokens: int = 16
+    l_requests: int = 24                # requests per level (at least 2 per client)
+    l_level_seconds: float = 45.0       # no new requests after this long at one level
+    d_tokens: int = 128
+    d_reps: int = 5
+
+    @classmethod
+    def quick(cls) -> "Plan":
+        return cls(a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
+                   c_rounds=3, c_per_round=10, t_tokens=8, t_reps=3, l_tokens=8, l_requests=4,
+                   l_level_seconds=10.0, d_tokens=16, d_reps=2)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    kind: str                 # gpt2 | llama
+    layers: int
+    width: int
+    heads: int
+    vocab: int                # BPE vocabulary to train
+    positions: int
+    intermediate: int = 0     # llama only
+    kv_heads: int = 0         # llama only
+
+    @property
+    def dir_name(self) -> str:
+        return f"{self.name}-v{MODEL_VERSION}"
+
+
+GPT2_SMALL = ModelSpec("gpt2-small-32k", "gpt2", layers=12, width=768, heads=12, vocab=32000, positions=1024)
+GPT2_TINY = ModelSpec("gpt2-tiny", "gpt2", layers=2, width=64, heads=4, vocab=400, positions=256)
+LLAMA_1B = ModelSpec("llama-1b-32k", "llama", layers=16, width=2048, heads=32, vocab=32000, positions=2048,
+                     intermediate=8192, kv_heads=8)
+LLAMA_SMALL = ModelSpec("llama-small-32k", "llama", layers=4, width=512, heads=8, vocab=32000, positions=2048,
+                        intermediate=1024, kv_heads=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models, built offline into the cache
+# ---------------------------------------------------------------------------------------------------------------
+def _stdlib_corpus(limit_chars: int = 6_000_000) -> list[str]:
+    """Text to train a 32k byte-level BPE on, offline and the same on every run: the Python standard library's
+    sources (tests left out), in sorted order."""
+    import sysconfig
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "test" in path.parts or "tests" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        size += len(text)
+        if size >= limit_chars:
+            break
+    return texts
+
+
+def _train_tokenizer(path: Path, vocab: int, texts: list[str]):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2TokenizerFast
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts + [PROMPT_TEXT, TINY_PROMPT], vocab_size=vocab, min_frequency=2,
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    path.mkdir(parents=True, exist_ok=True)
+    bpe.save_model(str(path))
+    tok = GPT2TokenizerFast.from_pretrained(str(path), bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                            unk_token="<|endoftext|>", add_bos_token=False)
+    tok.save_pretrained(path)
+    return tok
+
+
+def ensure_model(spec: ModelSpec, cache_dir: Path, log: Callable[[str], None], device: str = "cpu") -> Path:
+    """Build ``spec`` once (tokenizer trained in seconds, random weights, seed 0); later runs reuse the folder."""
+    target = cache_dir / spec.dir_name
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import shutil
+
+    import torch
+    start = time.perf_counter()
+    log(f"building {spec.name} into {target} (once)")
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tok_source = cache_dir / f"tokenizer-{spec.vocab}-v{MODEL_VERSION}"
+        if spec.vocab == 400:
+            tok = _train_tokenizer(tmp, spec.vocab, TINY_CORPUS * 20)
+        else:
+            if not (tok_source / "tokenizer.json").is_file():
+                _train_tokenizer(tok_source, spec.vocab, _stdlib_corpus())
+            from transformers import GPT2TokenizerFast
+            tok = GPT2TokenizerFast.from_pretrained(str(tok_source))
+            tok.save_pretrained(tmp)
+        torch.manual_seed(0)
+        eos = tok.eos_token_id
+        if spec.kind == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+            config = GPT2Config(vocab_size=len(tok), n_positions=spec.positions, n_embd=spec.width,
+                                n_layer=spec.layers, n_head=spec.heads, bos_token_id=eos, eos_token_id=eos,
+                                initializer_range=0.2 if spec.width <= 64 else 0.02)
+            model = GPT2LMHeadModel(config).eval()
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            config = LlamaConfig(vocab_size=len(tok), hidden_size=spec.width, intermediate_size=spec.intermediate,
+                                 num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                                 num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.positions,
+                                 rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=eos,
+                                 eos_token_id=eos, dtype="bfloat16")
+            build_device = device if device.startswith("cuda") else "cpu"
+            with torch.device(build_device):
+                model = LlamaForCausalLM(config)
+            model = model.to(torch.bfloat16).eval()
+        model.save_pretrained(tmp)
+        del model
+        if not target.exists():
+            tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"built {spec.name} in {time.perf_counter() - start:.1f} s")
+    return target
+
+
+def load_reference(path: Path, dtype: str = "float32", device: str = "cpu"):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
+    return model, tok
+
+
+def prompt_ids(tok, count: int) -> list[int]:
+    """Exactly ``count`` ids of the English prompt (repeated when the tokenizer packs it tighter)."""
+    ids = list(tok(PROMPT_TEXT, add_special_tokens=False)["input_ids"])
+    while len(ids) < count:
+        ids += ids
+    return ids[:count]
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), without numpy."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary(values: list[float], digits: int = 3) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"median": round(statistics.median(values), digits), "p25": round(percentile(values, 25), digits),
+            "p75": round(percentile(values, 75), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "n": len(values), "values": [round(v, digits) for v in values]}
+
+
+def latency_summary(values: list[float], digits: int = 2) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"p50": round(percentile(values, 50), digits), "p90": round(percentile(values, 90), digits),
+            "p99": round(percentile(values, 99), digits), "max": round(max(values), digits), "n": len(values)}
+
+
+def check_goal(part: str, value: float | None) -> bool | None:
+    if value is None or part not in GOALS or (isinstance(value, float) and math.isnan(value)):
+        return None
+    op, goal = GOALS[part]
+    return value <= goal if op == "<=" else value >= goal
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTTP client: http.client over keep-alive connections, one per thread (no client library in the measurement)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Reply:
+    e2e_s: float
+    tokens: int
+    text: str
+    ttft_s: float | None = None             # streaming: first frame that carries a token
+    timing: dict | None = None              # the server's timing (saker: body/usage chunk or X-Saker-* headers)
+    prompt_tokens: int | None = None
+    start: float = 0.0
+    end: float = 0.0
+
+
+class HTTPError(RuntimeError):
+    pass
+
+
+class Client:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+        parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.https else 80)
+        prefix = parts.path.rstrip("/")
+        self.prefix = prefix[:-3] if prefix.endswith("/v1") else prefix
+        self.url = f"{parts.scheme}://{parts.netloc}{self.prefix}"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def _connection(self, fresh: bool = False) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            conn = cls(self.host, self.port, timeout=self.timeout)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def get_json(self, path: str) -> dict:
+        conn = self._connection()
+        try:
+            conn.request("GET", self.prefix + path, headers=self.headers)
+            resp = conn.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionError, BrokenPipeError):
+            conn = self._connection(fresh=True)
+            conn.request("GET", self.prefix + path, headers=self.headers)
+            resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise HTTPError(f"GET {path}: HTTP {resp.status}: {data[:300]!r}")
+        return json.loads(data)
+
+    def _send(self, path: str, payload: bytes) -> tuple[http.client.HTTPResponse, float]:
+        """Send on the kept-alive connection; a connection the server closed while idle is reopened once (the
+        clock starts again with the attempt that counts)."""
+        for attempt in (0, 1):
+            conn = self._connection(fresh=attempt == 1)
+            start = time.perf_counter()
+            try:
+                conn.request("POST", self.prefix + path, body=payload, headers=self.headers)
+                return conn.getresponse(), start
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def complete(self, body: dict) -> Reply:
+        """One /v1/completions request; streamed when ``body['stream']``."""
+        resp, start = self._send("/v1/completions", json.dumps(body).encode())
+        if resp.status != 200:
+            data = resp.read()
+            raise HTTPError(f"POST /v1/completions: HTTP {resp.status}: {data[:500]!r}")
+        if body.get("stream"):
+            return self._read_stream(resp, start)
+        data = resp.read()
+        end = time.perf_counter()
+        obj = json.loads(data)
+        usage = obj.get("usage") or {}
+        text = "".join(c.get("text", "") for c in obj.get("choices", []))
+        timing = obj.get("timing") or _header_timing(resp)
+        return Reply(end - start, int(usage.get("completion_tokens", 0)), text, timing=timing,
+                     prompt_tokens=usage.get("prompt_tokens"), start=start, end=end)
+
+    @staticmethod
+    def _read_stream(resp, start: float) -> Reply:
+        ttft = None
+        frames = 0
+        text = []
+        usage = timing = None
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            obj = json.loads(payload)
+            if "error" in obj:
+                raise HTTPError(f"stream error frame: {obj['error']}")
+            for choice in obj.get("choices") or []:
+                lp = choice.get("logprobs") or {}
+                if choice.get("text") or choice.get("finish_reason") or lp.get("tokens"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    frames += 1
+                    text.append(choice.get("text") or "")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            if obj.get("timing"):
+                timing = obj["timing"]
+        resp.read()                                  # the chunked terminator, so the connection can be reused
+        end = time.perf_counter()
+        tokens = int(usage["completion_tokens"]) if usage else frames
+        return Reply(end - start, tokens, "".join(text), ttft_s=ttft, timing=timing,
+                     prompt_tokens=usage.get("prompt_tokens") if usage else None, start=start, end=end)
+
+
+def _header_timing(resp) -> dict | None:
+    names = {"queue_ms": "X-Saker-Queue-Ms", "prefill_ms": "X-Saker-Prefill-Ms", "decode_ms": "X-Saker-Decode-Ms"}
+    out = {}
+    for key, header in names.items():
+        value = resp.getheader(header)
+        if value is not None:
+            with contextlib.suppress(ValueError):
+                out[key] = float(value)
+    return out or None
+
+
+def closed_loop(client: Client, make_body: Callable[[int, int], dict], clients: int, per_client: int,
+                seconds: float | None = None) -> tuple[list[Reply], float]:
+    """``clients`` threads, each sending requests back to back (``per_client`` of them, fewer if ``seconds`` run
+    out); returns the replies and the wall time from the first send to the last answer."""
+    replies: list[Reply] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(clients)
+    deadline = [math.inf]
+
+    def run(i: int) -> None:
+        try:
+            client._connection()                     # connect before the clock starts
+            barrier.wait()
+            if i == 0:
+                deadline[0] = time.perf_counter() + (seconds or math.inf)
+            for j in range(per_client):
+                if j and time.perf_counter() > deadline[0]:
+                    break
+                reply = client.complete(make_body(i, j))
+                with lock:
+                    replies.append(reply)
+        except BaseException as exc:                 # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.abort()
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"bench-client-{i}") for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    wall = max(r.end for r in replies) - min(r.start for r in replies)
+    return replies, wall
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# our server under gunicorn
+# ---------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def settings_fields() -> set[str]:
+    from app.settings import Settings
+    return set(Settings.model_fields)
+
+
+class Server:
+    """gunicorn -c gunicorn.conf.py wsgi:app on 127.0.0.1, in its own process group (stopped with it)."""
+
+    def __init__(self, model_dir: Path, name: str, env: dict[str, str], log_dir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        self.env = {"SAKER_MODEL": str(model_dir), "SAKER_SERVED_MODEL_NAME": name, "SAKER_LOG_LEVEL": "warning",
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+        gunicorn = str(Path(sys.executable).parent / "gunicorn")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"gunicorn-{name}-{self.port}.log"
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen([gunicorn, "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{self.port}", "wsgi:app"],
+                                     cwd=ROOT, env={**os.environ, **self.env}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    if sock.recv(64).startswith(b"HTTP/1.1 200"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gunicorn not ready after {timeout:.0f} s:\n{self.output()[-3000:]}")
+
+    def worker_pids(self) -> list[int]:
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            return [int(c) for c in children]
+        except OSError:
+            return []
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self.log.closed:
+            self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.plan = Plan.quick() if args.quick else Plan()
+        self.parts = parse_parts(args)
+        self.external = args.url is not None
+        self.cache_dir = Path(args.cache_dir).expanduser().resolve()
+        self.out_dir = Path(args.out_dir).expanduser().resolve()
+        self.results: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
+        self.servers: list[Server] = []
+        self.server_info: dict[str, Any] = {}
+        self.models: dict[str, Any] = {}
+        self.threads = args.threads
+        self._refs: dict[str, Any] = {}
+        self.log_lines: list[str] = []
+        monitor = CpuMonitor()
+        self.cpu = monitor if monitor.available() else None
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def log(self, message: str) -> None:
+        line = f"[bench {time.strftime('%H:%M:%S')}] {message}"
+        self.log_lines.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    @staticmethod
+    def settle() -> None:
+        """Between the server's turn and the in-process turn: let the other side's OpenMP threads go idle."""
+        time.sleep(0.05)
+
+    def main_spec(self) -> ModelSpec:
+        return GPT2_TINY if self.args.size == "tiny" else GPT2_SMALL
+
+    def server_env(self, device: str = "cpu", dtype: str = "float32") -> dict[str, str]:
+        fields = settings_fields()
+        env = {"SAKER_DEVICE": device, "SAKER_DTYPE": dtype,
+               "SAKER_THREADS": str(max(max(self.plan.l_levels), self.plan.b_clients) + 4),
+               "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        if self.args.max_batch_size is not None:
+            if "max_batch_size" in fields:
+                env["SAKER_MAX_BATCH_SIZE"] = str(self.args.max_batch_size)
+            else:
+                self.log("--max-batch-size ignored: this server has no max_batch_size setting")
+        for item in self.args.server_env or []:
+            key, _, value = item.partition("=")
+            env[key] = value
+        return env
+
+    def start_server(self, model_dir: Path, name: str, device: str = "cpu", dtype: str = "float32") -> Server:
+        env = self.server_env(device, dtype)
+        self.log(f"starting gunicorn for {name} ({', '.join(f'{k}={v}' for k, v in env.items())})")
+        start = time.perf_counter()
+        server = Server(model_dir, name, env, self.cache_dir / "logs")
+        self.servers.append(server)
+        server.wait_ready()
+        self.log(f"gunicorn ready in {time.perf_counter() - start:.1f} s on {server.url}")
+        fields = settings_fields()
+        info = {"url": server.url, "model": name, "env": env, "ready_s": round(time.perf_counter() - start, 1),
+                "max_batch_size_setting": "max_batch_size" in fields}
+        if "max_batch_size" in fields:
+            from app.settings import Settings
+            default = Settings.model_fields["max_batch_size"].default
+            info["max_batch_size"] = int(env.get("SAKER_MAX_BATCH_SIZE", os.environ.get("SAKER_MAX_BATCH_SIZE",
+                                                                                        default)))
+        self.server_info[name] = info
+        return server
+
+    def wait_idle(self, limit: float) -> float:
+        """Wait (up to ``limit`` s) until other processes use under 10 % of the CPU over 5 s."""
+        start = time.perf_counter()
+        while True:
+            snap = self.cpu.snapshot()
+            time.sleep(5.0)
+            share = self.cpu.since(snap).get("foreign_cpu_share", 0)
+            waited = time.perf_counter() - start
+            if share < 0.1:
+                return round(waited, 1)
+            if waited >= limit:
+                self.log(f"still busy after {waited:.0f} s ({share:.0%} of the CPU used by others); going on")
+                return round(waited, 1)
+            self.log(f"waiting for a quiet machine: others use {share:.0%} of the CPU")
+
+    def stop_server(self, server: Server) -> None:
+        server.stop()
+        if server in self.servers:
+            self.servers.remove(server)
+
+    def reference(self, key: str, path: Path, dtype: str = "float32", device: str = "cpu"):
+        if key not in self._refs:
+            self._refs[key] = load_reference(path, dtype, device)
+        return self._refs[key]
+
+    def run_part(self, part: str, fn: Callable[[], dict | None]) -> None:
+        self.log(f"part {part} ...")
+        start = time.perf_counter()
+        snap = self.cpu.snapshot() if self.cpu else None
+        try:
+            result = fn()
+            if result is not None:
+                result["seconds"] = round(time.perf_counter() - start, 1)
+                if snap is not None:
+                    result["cpu"] = self.cpu.since(snap)
+                    share = result["cpu"].get("foreign_cpu_share", 0)
+                    if share > 0.05:
+                        self.log(f"warning: other processes used {share:.0%} of the CPU during part {part}")
+                self.results[part] = result
+        except Exception as exc:   # noqa: BLE001 - one part failing does not lose the others
+            import traceback
+            self.errors[part] = f"{type(exc).__name__}: {exc}"
+            self.log(f"part {part} failed: {self.errors[part]}")
+            traceback.print_exc(file=sys.stderr)
+        self.log(f"part {part} done in {time.perf_counter() - start:.1f} s")
+
+    # -- orchestration ---------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        import torch
+        started = time.time()
+        torch.set_num_threads(self.threads)
+        machine = machine_info(self.threads)
+        self.log(f"machine: {machine['cpu_model']}, {machine['cores']} cores, torch {machine['torch']}, "
+                 f"{self.threads} torch threads, load average {machine['load_average_start']}")
+        if self.args.wait_idle and self.cpu:
+            machine["waited_for_idle_s"] = self.wait_idle(self.args.wait_idle)
+        if self.cpu:
+            snap = self.cpu.snapshot()
+            time.sleep(1.0)
+            machine["foreign_cpu_share_before"] = self.cpu.since(snap).get("foreign_cpu_share")
+            if machine["foreign_cpu_share_before"] > 0.1:
+                self.log(f"warning: other processes use {machine['foreign_cpu_share_before']:.0%} of the CPU; "
+                         f"timings will be noisy (--wait-idle SECONDS waits for a quiet machine)")
+        run_snap = self.cpu.snapshot() if self.cpu else None
+        try:
+            main_parts = [p for p in ("A", "T", "B", "L") if p in self.parts]
+            if self.external:
+                self._run_external(main_parts)
+            else:
+                self._run_ours(main_parts)
+            if "D" in self.parts:
+                if self.external:
+                    self.errors["D"] = "D needs our own server and the model in-process (not with --url)"
+                else:
+                    self.run_part("D", self.part_d)
+        finally:
+            for server in list(self.servers):
+                self.stop_server(server)
+        machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        if run_snap is not None:
+            machine["foreign_cpu_share_during_run"] = self.cpu.since(run_snap).get("foreign_cpu_share")
+        report = {
+            "schema": SCHEMA, "started": _dt.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - started, 1), "quick": bool(self.args.quick),
+            "target": self.args.url or "saker (started by the bench)", "parts": list(self.parts),
+            "machine": machine, "plan": asdict(self.plan), "models": self.models, "servers": self.server_info,
+            "goals": {k: {"op": op, "value": v} for k, (op, v) in GOALS.items()},
+            "results": self.results, "errors": self.errors,
+        }
+        return report
+
+    def _run_ours(self, main_parts: list[str]) -> None:
+        spec = self.main_spec()
+        if main_parts or ("C" in self.parts and spec is GPT2_TINY):
+            path = ensure_model(spec, self.cache_dir, self.log)
+            self.models["main"] = self._model_meta(spec, path)
+        if main_parts:
+            server = self.start_server(path, spec.name)
+            try:
+                client = Client(server.url)
+                self.main_client, self.main_name, self.main_path = client, spec.name, path
+                for part in main_parts:
+                    self.run_part(part, getattr(self, f"part_{part.lower()}"))
+                if self.args.profile and "A" in self.parts:
+                    self.run_part("profile", lambda: self.profile_a(server))
+            finally:
+                if "C" in self.parts and spec is GPT2_TINY:
+                    self._tiny_server = server       # reused by C
+                else:
+                    self.stop_server(server)
+        if "C" in self.parts:
+            self.run_part("C", self.part_c)
+
+    def _run_external(self, main_parts: list[str]) -> None:
+        client = Client(self.args.url, self.args.api_key)
+        name = self.args.model
+        if not name:
+            models = client.get_json("/v1/models")
+            name = models["data"][0]["id"]
+        self.server_info[name] = {"url": client.url, "model": name, "started_by_bench": False}
+        self.main_client, self.main_name, self.main_path = client, name, None
+        for part in main_parts:
+            self.run_part(part, getattr(self, f"part_{part.lower()}"))
+        if "C" in self.parts:
+            self.run_part("C", self.part_c)
+
+    def _model_meta(self, spec: ModelSpec, path: Path) -> dict:
+        config = json.loads((path / "config.json").read_text())
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return {"name": spec.name, "kind": spec.kind, "layers": spec.layers, "width": spec.width,
+                "heads": spec.heads, "vocab": config.get("vocab_size"), "dir": str(path),
+                "weights_bytes": weights, "dtype": config.get("dtype") or config.get("torch_dtype")}
+
+    # -- request bodies ---------------------------------------------------------------------------------------
+    def body(self, max_tokens: int, stream: bool = False, prompt: Any = None) -> dict:
+        body: dict[str, Any] = {"model": self.main_name, "max_tokens": max_tokens, "temperature": 0}
+        if prompt is None:
+            prompt = self._main_prompt()
+        body["prompt"] = prompt
+        if not self.args.no_ignore_eos:
+            body["ignore_eos"] = True
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _main_prompt(self) -> Any:
+        if self.external:
+            return self.args.prompt or PROMPT_TEXT
+        if not hasattr(self, "_prompt_ids"):
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(self.main_path))
+            self._prompt_ids = prompt_ids(tok, self.plan.prompt_tokens)
+        return self._prompt_ids
+
+    # -- A: server vs generate() --------------------------------------------------------------------------------
+    def part_a(self) -> dict:
+        import torch
+        plan, client = self.plan, self.main_client
+        tokens = plan.a_tokens
+        body = self.body(tokens)
+        model = tok = ids = None
+        if not self.external:
+            model, tok = self.reference("main", self.main_path)
+            ids = torch.tensor([self._main_prompt()])
+
+        def generate() -> tuple[float, list[int]]:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                     min_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+                elapsed = time.perf_counter() - start
+            return elapsed, out[0, ids.shape[1]:].tolist()
+
+        for _ in range(plan.warmup):
+            client.complete(body)
+            if model is not None:
+                self.settle()
+                generate()
+                self.settle()
+        server_ms, gen_ms, paired, timings, texts = [], [], [], [], []
+        gen_ids: list[int] = []
+        for rep in range(plan.a_reps):
+            # alternate which side goes first, so a slow drift in the machine does not favour one side
+            order = ("server", "generate") if rep % 2 == 0 else ("generate", "server")
+            this: dict[str, float] = {}
+            for side in order:
+                if side == "server":
+                    reply = client.complete(body)
+                    if reply.tokens != tokens:
+                        raise RuntimeError(f"the server generated {reply.tokens} tokens, not {tokens} "
+                                           f"(is ignore_eos supported? try --no-ignore-eos)")
+                    this["server"] = reply.e2e_s * 1000 / tokens
+                    timings.append(reply.timing or {})
+                    texts.append(reply.text)
+                elif model is not None:
+                    elapsed, gen_ids = generate()
+                    this["generate"] = elapsed * 1000 / len(gen_ids)
+                self.settle()
+            server_ms.append(this["server"])
+            if "generate" in this:
+                gen_ms.append(this["generate"])
+                paired.append(this["server"] / this["generate"])
+        result: dict[str, Any] = {"prompt_tokens": plan.prompt_tokens, "generated_tokens": tokens,
+                                  "server_ms_per_token": summary(server_ms)}
+        result["server_timing_ms"] = _timing_summary(timings, tokens)
+        if gen_ms:
+            ratio = statistics.median(server_ms) / statistics.median(gen_ms)
+            expected = tok.decode(gen_ids, skip_special_tokens=True)
+            result.update({"generate_ms_per_token": summary(gen_ms), "ratio": round(ratio, 3),
+                           "paired_ratio": summary(paired), "goal": GOALS["A"][1], "met": check_goal("A", ratio),
+                           "same_text_as_generate": all(t == expected for t in texts)})
+        return result
+
+    # -- T: time to first token vs prefill ------------------------------------------------------------------------
+    def part_t(self) -> dict:
+        import torch
+        plan, client = self.plan, self.main_client
+        body = self.body(plan.t_tokens, stream=True)
+        for _ in range(plan.warmup):
+            client.complete(body)
+        ttft, prefill, overhead, forward = [], [], [], []
+        model = None
+        if not self.external:
+            model, _ = self.reference("main", self.main_path)
+            ids = torch.tensor([self._main_prompt()])
+            with torch.inference_mode():
+                model(ids)
+        for _ in range(plan.t_reps):
+            reply = client.complete(body)
+            if reply.ttft_s is None:
+                raise RuntimeError("the stream carried no token")
+            ttft.append(reply.ttft_s * 1000)
+            server_prefill = (reply.timing or {}).get("prefill_ms")
+            if server_prefill is not None:
+                prefill.append(server_prefill)
+                overhead.append(reply.ttft_s * 1000 - server_prefill)
+            self.settle()
+            if model is not None:
+                with torch.inference_mode():
+                    start = time.perf_counter()
+                    model(ids)
+                    forward.append((time.perf_counter() - start) * 1000)
+                self.settle()
+        result = {"prompt_tokens": plan.prompt_tokens, "max_tokens": plan.t_tokens, "ttft_ms": summary(ttft)}
+        if prefill:
+            result["server_prefill_ms"] = summary(prefill)
+            result["ttft_minus_prefill_ms"] = summary(overhead)
+        if forward:
+            result["in_process_forward_ms"] = summary(forward)
+        return result
+
+    # -- B: 8 clients vs 1 --------------------------------------------------------------------------------------
+    def part_b(self) -> dict:
+        plan, client = self.plan, self.main_client
+        body = self.body(plan.b_tokens)
+        closed_loop(client, lambda i, j: body, plan.b_clients, 1)        # warm the threads and the batch path
+        single, multi, single_lat, multi_lat = [], [], [], []
+        for _ in range(plan.b_rounds):
+            replies, wall = closed_loop(client, lambda i, j: body, 1, plan.b_single_requests)
+            single.append(sum(r.tokens for r in replies) / wall)
+            single_lat += [r.e2e_s * 1000 for r in replies]
+            replies, wall = closed_loop(client, lambda i, j: body, plan.b_clients, plan.b_per_client)
+            multi.append(sum(r.tokens for r in replies) / wall)
+            multi_lat += [r.e2e_s * 1000 for r in replies]
+        ratio = statistics.median(multi) / statistics.median(single)
+        paired = [m / s for m, s in zip(multi, single)]
+        return {"clients": plan.b_clients, "prompt_tokens": plan.prompt_tokens, "generated_tokens": plan.b_tokens,
+                "single_tokens_per_s": summary(single, 2), "multi_tokens_per_s": summary(multi, 2),
+                "single_latency_ms": latency_summary(single_lat), "multi_latency_ms": latency_summary(multi_lat),
+                "ratio": round(ratio, 3), "paired_ratio": summary(paired), "goal": GOALS["B"][1],
+                "met": check_goal("B", ratio)}
+
+    # -- L: latency percentiles vs clients ----------------------------------------------------------------------
+    def part_l(self) -> dict:
+        plan, client = self.plan, self.main_client
+        body = self.body(plan.l_tokens, stream=True)
+        levels = []
+        for clients in plan.l_levels:
+            per_client = max(2 if not self.args.quick else 1, math.ceil(plan.l_requests / clients))
+            closed_loop(client, lambda i, j: body, clients, 1)             # warm-up at this level
+            replies, wall = closed_loop(client, lambda i, j: body, clients, per_client, plan.l_level_seconds)
+            queue = [r.timing.get("queue_ms") for r in replies if r.timing and "queue_ms" in r.timing]
+            levels.append({
+                "clients": clients, "requests": len(replies),
+                "latency_ms": latency_summary([r.e2e_s * 1000 for r in replies]),
+                "ttft_ms": latency_summary([r.ttft_s * 1000 for r in replies if r.ttft_s is not None]),
+                "queue_ms": latency_summary(queue) if queue else None,
+                "tokens_per_s": round(sum(r.tokens for r in replies) / wall, 2)})
+            lat = levels[-1]["latency_ms"]
+            self.log(f"  {clients:2d} clients: p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms, "
+                     f"{levels[-1]['tokens_per_s']:.1f} tok/s over {len(replies)} requests")
+        return {"prompt_tokens": plan.prompt_tokens, "generated_tokens": plan.l_tokens, "stream": True,
+                "levels": levels}
+
+    # -- C: HTTP overhead on the tiny model ---------------------------------------------------------------------
+    def part_c(self) -> dict:
+        import torch
+        plan = self.plan
+        server = getattr(self, "_tiny_server", None)
+        path = None
+        if self.external:
+            client, name = self.main_client, self.main_name
+            prompt = self.args.prompt or TINY_PROMPT
+        else:
+            path = ensure_model(GPT2_TINY, self.cache_dir, self.log)
+            self.models["tiny"] = self._model_meta(GPT2_TINY, path)
+            if server is None:
+                server = self.start_server(path, GPT2_TINY.name)
+            client, name, prompt = Client(server.url), GPT2_TINY.name, TINY_PROMPT
+        body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        try:
+            model = ids = None
+            if path is not None:
+                model, tok = self.reference("tiny", path)
+                ids = torch.tensor([tok(prompt)["input_ids"]])
+
+            def forward() -> float:
+                with torch.inference_mode():
+                    start = time.perf_counter()
+                    model(input_ids=ids)
+                    return (time.perf_counter() - start) * 1000
+
+            for _ in range(5):
+                client.complete(body)
+                if model is not None:
+                    forward()
+            rtt, fwd, timings = [], [], []
+            for _ in range(plan.c_rounds):
+                for _ in range(plan.c_per_round):
+                    reply = client.complete(body)
+                    rtt.append(reply.e2e_s * 1000)
+                    timings.append(reply.timing or {})
+                self.settle()
+                if model is not None:
+                    fwd += [forward() for _ in range(plan.c_per_round)]
+                    self.settle()
+            result: dict[str, Any] = {"prompt": prompt, "round_trip_ms": summary(rtt)}
+            result["server_timing_ms"] = _timing_summary(timings, None)
+            if fwd:
+                overhead = statistics.median(rtt) - statistics.median(fwd)
+                result.update({"prompt_tokens": int(ids.shape[1]), "forward_ms": summary(fwd),
+                               "overhead_ms": round(overhead, 3), "goal": GOALS["C"][1],
+                               "met": check_goal("C", overhead)})
+            return result
+        finally:
+            client.close()
+            if server is not None:
+                self.stop_server(server)
+                self._tiny_server = None
+
+    # -- D: GPU decode vs the bandwidth floor ---------------------------------------------------------------
+    def part_d(self) -> dict:
+        import torch
+        plan = self.plan
+        device = self.args.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"--device {device} but no CUDA GPU is visible")
+        spec = LLAMA_SMALL if self.args.quick else LLAMA_1B
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        path = ensure_model(spec, self.cache_dir, self.log, device=device)
+        self.models["gpu"] = self._model_meta(spec, path)
+        model, tok = self.reference("gpu", path, dtype, device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        bandwidth = copy_bandwidth(device, (256 if self.args.quick else 1024) * 2 ** 20)
+        floor_ms = weight_bytes / bandwidth * 1000
+        ids = prompt_ids(tok, plan.prompt_tokens)
+        server = self.start_server(path, spec.name, device=device, dtype=dtype)
+        client = Client(server.url)
+        body = {"model": spec.name, "prompt": ids, "max_tokens": plan.d_tokens, "temperature": 0,
+                "ignore_eos": True}
+        try:
+            for _ in range(plan.warmup):
+                client.complete(body)
+            decode, e2e, gen = [], [], []
+            t_ids = torch.tensor([ids], device=device)
+            for _ in range(plan.d_reps):
+                reply = client.complete(body)
+                timing = reply.timing or {}
+                if "decode_ms" in timing and reply.tokens > 1:
+                    decode.append(timing["decode_ms"] / (reply.tokens - 1))   # the first token comes from prefill
+                e2e.append(reply.e2e_s * 1000 / reply.tokens)
+                self.settle()
+                with torch.inference_mode():
+                    _sync(device)
+                    start = time.perf_counter()
+                    model.generate(t_ids, attention_mask=torch.ones_like(t_ids), max_new_tokens=plan.d_tokens,
+                                   min_new_tokens=plan.d_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+                    _sync(device)
+                    gen.append((time.perf_counter() - start) * 1000 / plan.d_tokens)
+                self.settle()
+        finally:
+            client.close()
+            self.stop_server(server)
+        result = {"device": device_name(device), "dtype": dtype, "parameters": parameter_count(model),
+                  "weight_bytes": weight_bytes, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+                  "floor_ms_per_token": round(floor_ms, 3), "generated_tokens": plan.d_tokens,
+                  "server_e2e_ms_per_token": summary(e2e), "generate_ms_per_token": summary(gen)}
+        if decode:
+            ratio = statistics.median(decode) / floor_ms
+            result.update({"server_decode_ms_per_token": summary(decode), "ratio": round(ratio, 3),
+                           "goal": GOALS["D"][1], "met": check_goal("D", ratio)})
+        self._refs.pop("gpu", None)
+        return result
+
+    # -- where the server's time goes (py-spy) ----------------------------------------------------------------
+    def profile_a(self, server: Server) -> dict:
+        import shutil
+        py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not Path(py_spy).exists():
+            raise RuntimeError("py-spy is not installed (pip install -r requirements-bench.txt)")
+        pids = server.worker_pids()
+        if not pids:
+            raise RuntimeError("no gunicorn worker found")
+        raw = self.out_dir / "profile-A.txt"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        body = self.body(self.plan.a_tokens)
+        proc = subprocess.Popen([py_spy, "record", "--pid", str(pids[0]), "--rate", "200", "--format", "raw",
+                                 "--output", str(raw), "--nonblocking", "--threads"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)
+        try:
+            for _ in range(max(3, self.plan.a_reps // 2)):
+                self.main_client.complete(body)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        if not raw.is_file():
+            raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')[-500:]}")
+        return summarize_profile(raw)
+
+
+def _timing_summary(timings: list[dict], tokens: int | None) -> dict:
+    out = {}
+    for key in ("queue_ms", "prefill_ms", "decode_ms"):
+        values = [t[key] for t in timings if key in t]
+        if values:
+            out[key] = summary(values)
+    if tokens and "decode_ms" in out:
+        out["decode_ms_per_token"] = round(out["decode_ms"]["median"] / max(tokens - 1, 1), 3)
+    return out
+
+
+def summarize_profile(raw: Path, top: int = 25) -> dict:
+    """py-spy's collapsed stacks -> the busiest functions of the thread that ran the model (inclusive share)."""
+    totals: dict[str, int] = {}
+    self_totals: dict[str, int] = {}
+    samples = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        if not any("generate.py" in f or "runner.py" in f for f in frames):
+            continue                                   # idle threads (accept loops, keep-alive polls)
+        n = int(count)
+        samples += n
+        for frame in set(frames):
+            totals[frame] = totals.get(frame, 0) + n
+        self_totals[frames[-1]] = self_totals.get(frames[-1], 0) + n
+    rank = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    rank_self = sorted(self_totals.items(), key=lambda kv: -kv[1])[:top]
+    return {"raw": raw.name, "samples": samples,
+            "inclusive": [{"frame": f, "share": round(n / samples, 3)} for f, n in rank] if samples else [],
+            "self": [{"frame": f, "share": round(n / samples, 3)} for f, n in rank_self] if samples else []}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: str, nbytes: int, reps: int = 20) -> float:
+    """Bytes per second moved by a device-to-device copy (each copy reads and writes ``nbytes``)."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def device_name(device: str) -> str:
+    import torch
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_model()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+class CpuMonitor:
+    """How much of the machine's CPU went to processes other than the bench and its servers: the honest noise
+    figure of a run on a shared machine. Ours = this process and its descendants (reaped children count through
+    their parents' cutime/cstime); busy = /proc/stat's non-idle time. Steal is the hypervisor's share."""
+
+    def __init__(self):
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.cores = os.cpu_count() or 1
+
+    @staticmethod
+    def _system() -> tuple[int, int]:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        return user + nice + system + irq + softirq, steal
+
+    def _ours(self) -> int:
+        stats: dict[int, tuple[int, int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                raw = (entry / "stat").read_text()
+            except OSError:
+                continue
+            rest = raw[raw.rindex(")") + 2:].split()
+            # fields after the name: state ppid ... utime(14) stime(15) cutime(16) cstime(17), 1-based from pid
+            stats[int(entry.name)] = (int(rest[1]), sum(int(x) for x in rest[11:15]))
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in stats.items():
+            children.setdefault(ppid, []).append(pid)
+        total, todo = 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            if pid in stats:
+                total += stats[pid][1]
+            todo.extend(children.get(pid, []))
+        return total
+
+    def snapshot(self) -> tuple[float, int, int, int]:
+        busy, steal = self._system()
+        return time.perf_counter(), busy, steal, self._ours()
+
+    def since(self, snap: tuple[float, int, int, int]) -> dict:
+        now = self.snapshot()
+        capacity = (now[0] - snap[0]) * self.cores * self.tick
+        if capacity <= 0:
+            return {}
+        foreign = max(0, (now[1] - snap[1]) - (now[3] - snap[3]))
+        return {"foreign_cpu_share": round(min(1.0, foreign / capacity), 3),
+                "steal_share": round((now[2] - snap[2]) / capacity, 3),
+                "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+    def available(self) -> bool:
+        try:
+            self.snapshot()
+            return True
+        except (OSError, ValueError, IndexError):
+            return False
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+    import transformers
+    info = {"cpu_model": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "torch_threads": threads,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    with contextlib.suppress(OSError, ValueError):
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
+        info["memory_gib"] = round(int(mem[1]) / 2 ** 20, 1)
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report: table, JSON, plot
+# ---------------------------------------------------------------------------------------------------------------
+def _spread(s: dict | None) -> str:
+    if not s or not s.get("n"):
+        return ""
+    return f"IQR {s['p25']:g}-{s['p75']:g}, range {s['min']:g}-{s['max']:g}, n={s['n']}"
+
+
+def _met(value: bool | None) -> str:
+    return {True: "met", False: "NOT met", None: ""}[value]
+
+
+def table_rows(report: dict) -> list[tuple[str, str, str, str, str]]:
+    """(part, measure, median, spread, goal/result) rows."""
+    r = report["results"]
+    rows: list[tuple[str, str, str, str, str]] = []
+
+    def med(s: dict | None) -> str:
+        return f"{s['median']:g}" if s and s.get("n") else "-"
+
+    if "A" in r:
+        a = r["A"]
+        rows.append(("A", f"server ms/token (HTTP, {a['generated_tokens']} tokens)", med(a["server_ms_per_token"]),
+                     _spread(a["server_ms_per_token"]), ""))
+        if "ratio" in a:
+            rows.append(("A", "generate() ms/token (in-process)", med(a["generate_ms_per_token"]),
+                         _spread(a["generate_ms_per_token"]), ""))
+            rows.append(("A", "ratio server / generate()", f"{a['ratio']:g}", "paired " + _spread(a["paired_ratio"]),
+                         f"<= {a['goal']:g}: {_met(a['met'])}"))
+    if "B" in r:
+        b = r["B"]
+        rows.append(("B", "1 client tokens/s", med(b["single_tokens_per_s"]), _spread(b["single_tokens_per_s"]), ""))
+        rows.append(("B", f"{b['clients']} clients tokens/s", med(b["multi_tokens_per_s"]),
+                     _spread(b["multi_tokens_per_s"]), ""))
+        rows.append(("B", f"ratio {b['clients']} / 1", f"{b['ratio']:g}", "paired " + _spread(b["paired_ratio"]),
+                     f">= {b['goal']:g}: {_met(b['met'])}"))
+    if "C" in r:
+        c = r["C"]
+        rows.append(("C", "round trip ms (max_tokens 1)", med(c["round_trip_ms"]), _spread(c["round_trip_ms"]), ""))
+        if "overhead_ms" in c:
+            rows.append(("C", "in-process forward ms", med(c["forward_ms"]), _spread(c["forward_ms"]), ""))
+            rows.append(("C", "overhead ms (round trip - forward)", f"{c['overhead_ms']:g}", "",
+                         f"<= {c['goal']:g}: {_met(c['met'])}"))
+    if "T" in r:
+        t = r["T"]
+        rows.append(("T", "time to first token ms (stream)", med(t["ttft_ms"]), _spread(t["ttft_ms"]), ""))
+        if "server_prefill_ms" in t:
+            rows.append(("T", "server prefill_ms", med(t["server_prefill_ms"]), _spread(t["server_prefill_ms"]), ""))
+            rows.append(("T", "TTFT - prefill ms", med(t["ttft_minus_prefill_ms"]),
+                         _spread(t["ttft_minus_prefill_ms"]), ""))
+        if "in_process_forward_ms" in t:
+            rows.append(("T", "in-process prompt forward ms", med(t["in_process_forward_ms"]),
+                         _spread(t["in_process_forward_ms"]), ""))
+    if "L" in r:
+        for level in r["L"]["levels"]:
+            lat, ttft = level["latency_ms"], level["ttft_ms"]
+            rows.append(("L", f"{level['clients']:2d} clients latency p50/p90/p99 ms",
+                         f"{lat['p50']:g}/{lat['p90']:g}/{lat['p99']:g}",
+                         f"TTFT p50/p99 {ttft['p50']:g}/{ttft['p99']:g}, {level['tokens_per_s']:g} tok/s, "
+                         f"n={level['requests']}", ""))
+    if "D" in r:
+        d = r["D"]
+        rows.append(("D", f"bandwidth floor ms/token ({d['device']})", f"{d['floor_ms_per_token']:g}",
+                     f"{d['weight_bytes'] / 1e9:.2f} GB at {d['copy_bandwidth_gb_s']:g} GB/s", ""))
+        if "ratio" in d:
+            rows.append(("D", "server decode ms/token", med(d["server_decode_ms_per_token"]),
+                         _spread(d["server_decode_ms_per_token"]), ""))
+            rows.append(("D", "ratio decode / floor", f"{d['ratio']:g}", "", f"<= {d['goal']:g}: {_met(d['met'])}"))
+        rows.append(("D", "generate() ms/token (in-process)", med(d["generate_ms_per_token"]),
+                     _spread(d["generate_ms_per_token"]), ""))
+    for part, message in report["errors"].items():
+        rows.append((part, "FAILED", "-", message[:100], ""))
+    return rows
+
+
+def format_table(report: dict) -> str:
+    header = ("part", "measure", "median", "spread", "goal")
+    rows = [header] + table_rows(report)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| part | measure | median | spread | goal |", "|---|---|---|---|---|"]
+    for row in table_rows(report):
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Latency percentiles vs clients, tokens/s vs clients, A's two sides, TTFT vs prefill (what ran)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    r = report["results"]
+    panels = [p for p in ("L", "Lt", "A", "T", "D") if (p[0] in r)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.6 * len(panels), 7.0), 4.4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "L":
+            levels = r["L"]["levels"]
+            xs = [lv["clients"] for lv in levels]
+            for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+                ax.plot(xs, [lv["latency_ms"][key] for lv in levels], style, label=f"request {key}")
+            ax.plot(xs, [lv["ttft_ms"]["p50"] for lv in levels], "x-", color="grey", label="first token p50")
+            ax.plot(xs, [lv["ttft_ms"]["p99"] for lv in levels], "x:", color="grey", label="first token p99")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_yscale("log")
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel("ms")
+            ax.set_title(f"L: latency ({r['L']['generated_tokens']} tokens, streamed)")
+            ax.legend(fontsize=7)
+        elif panel == "Lt":
+            levels = r["L"]["levels"]
+            xs = [lv["clients"] for lv in levels]
+            ax.plot(xs, [lv["tokens_per_s"] for lv in levels], "o-", label="aggregate tokens/s")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel("generated tokens / s")
+            title = "throughput vs clients"
+            if "B" in r:
+                title += f" (B: 8/1 = {r['B']['ratio']:g})"
+            ax.set_title(title)
+        elif panel == "A":
+            a = r["A"]
+            names = ["server (HTTP)"]
+            series = [a["server_ms_per_token"]]
+            if "generate_ms_per_token" in a:
+                names.append("generate()")
+                series.append(a["generate_ms_per_token"])
+            meds = [s["median"] for s in series]
+            errs = [[s["median"] - s["min"] for s in series], [s["max"] - s["median"] for s in series]]
+            ax.bar(names, meds, yerr=errs, capsize=6, color=["tab:blue", "tab:orange"][:len(names)])
+            ax.set_ylabel("ms per generated token (median, min-max)")
+            ax.set_title(f"A: ratio {a.get('ratio', '-')} (goal <= {GOALS['A'][1]})")
+        elif panel == "T":
+            t = r["T"]
+            names, series = ["TTFT (stream)"], [t["ttft_ms"]]
+            if "server_prefill_ms" in t:
+                names.append("server prefill")
+                series.append(t["server_prefill_ms"])
+            if "in_process_forward_ms" in t:
+                names.append("in-process forward")
+                series.append(t["in_process_forward_ms"])
+            meds = [s["median"] for s in series]
+            errs = [[s["median"] - s["min"] for s in series], [s["max"] - s["median"] for s in series]]
+            ax.bar(names, meds, yerr=errs, capsize=6, color=["tab:green", "tab:purple", "tab:orange"][:len(names)])
+            ax.set_ylabel("ms (median, min-max)")
+            ax.set_title(f"T: first token vs prefill ({t['prompt_tokens']}-token prompt)")
+            ax.tick_params(axis="x", labelsize=8)
+        elif panel == "D":
+            d = r["D"]
+            names, meds, errs_lo, errs_hi = ["bandwidth floor"], [d["floor_ms_per_token"]], [0], [0]
+            for label, key in (("server decode", "server_decode_ms_per_token"),
+                               ("generate()", "generate_ms_per_token")):
+                if d.get(key, {}).get("n"):
+                    s = d[key]
+                    names.append(label)
+                    meds.append(s["median"])
+                    errs_lo.append(s["median"] - s["min"])
+                    errs_hi.append(s["max"] - s["median"])
+            ax.bar(names, meds, yerr=[errs_lo, errs_hi], capsize=6, color=["grey", "tab:blue", "tab:orange"])
+            ax.set_ylabel("ms per token")
+            ax.set_title(f"D: {d['device']}, ratio {d.get('ratio', '-')} (goal <= {GOALS['D'][1]})", fontsize=9)
+    machine = report["machine"]
+    fig.suptitle(f"saker bench {report['started']}" + (" (quick)" if report["quick"] else "") +
+                 f"\n{machine['cpu_model']}, {machine['cores']} cores, torch {machine['torch']}, "
+                 f"{machine['torch_threads']} threads", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+def parse_parts(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.only:
+        parts = [p.strip().upper() for p in args.only.split(",") if p.strip()]
+        unknown = [p for p in parts if p not in ALL_PARTS]
+        if unknown:
+            raise SystemExit(f"saker bench: unknown part(s) {', '.join(unknown)}; choose from {', '.join(ALL_PARTS)}")
+        return tuple(p for p in ALL_PARTS if p in parts)
+    return DEFAULT_PARTS + (("D",) if args.gpu else ())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,D "
+                        "(default A,B,C,T,L; D with --gpu)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute: fewer repetitions, "
+                        "fewer tokens (numbers are not comparable with a full run)")
+    parser.add_argument("--size", choices=("small", "tiny"), default="small",
+                        help="model for A/B/T/L: small = GPT-2-small shape (the suite's definition), tiny = the "
+                        "tests' 2-layer model (smoke runs)")
+    parser.add_argument("--url", help="benchmark this running OpenAI-compatible server instead of starting ours "
+                        "(base URL, with or without /v1); only HTTP-side measurements run")
+    parser.add_argument("--model", help="with --url: the model name to request (default: the first of /v1/models)")
+    parser.add_argument("--api-key", help="with --url: sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--prompt", help="with --url: the prompt text (default: a ~64-token English paragraph)")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for servers that "
+                        "reject the vLLM extension; generations may then end early)")
+    parser.add_argument("--gpu", action="store_true", help="also run D (needs a CUDA GPU)")
+    parser.add_argument("--device", default="cuda", help="device for part D (default cuda); A-C run on the CPU")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in the bench process and the "
+                        "server (OMP_NUM_THREADS); default: torch's default on this machine")
+    parser.add_argument("--max-batch-size", type=int, default=None, help="passed to our server as "
+                        "SAKER_MAX_BATCH_SIZE (when that setting exists)")
+    parser.add_argument("--server-env", action="append", metavar="KEY=VALUE", help="extra environment for our "
+                        "server, e.g. SAKER_COMPILE=1 (repeatable)")
+    parser.add_argument("--profile", action="store_true", help="after A, record the server with py-spy for a few "
+                        "requests and summarize where its time goes (profile-A.txt in the output folder)")
+    parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS", help="first wait up to this "
+                        "long for other processes to leave the CPU alone (a shared machine makes timings noisy)")
+    parser.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where bench.json and bench.png go "
+                        "(default docs/performance)")
+    parser.add_argument("--name", default=None, help="file name stem (default: bench, or external with --url)")
+    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where generated models are kept "
+                        "(default .cache/bench)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    bench = Bench(args)
+    interrupted = False
+    try:
+        report = bench.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        for server in list(bench.servers):
+            bench.stop_server(server)
+        raise
+    finally:
+        if interrupted:
+            print("saker bench: interrupted", file=sys.stderr)
+    stem = args.name or ("external" if args.url else "bench")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{stem}.json"
+    png_path = out_dir / f"{stem}.png"
+    report["table_markdown"] = markdown_table(report)
+    json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    drew = plot(report, png_path)
+    print(format_table(report))
+    print(f"\nwrote {json_path}" + (f" and {png_path}" if drew else " (no plot: pip install matplotlib)"))
+    return 1 if report["errors"] else 0
