@@ -6,6 +6,7 @@ import json
 import logging
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.access_log import RequestRecord, current_record
 from app.errors import APIError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
@@ -27,6 +28,11 @@ def json_body() -> object:
     if mimetype and mimetype != "application/json" and not mimetype.endswith("+json"):
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {mimetype}")
     raw = request.get_data(cache=False)
+    limit = request.max_content_length
+    if limit is not None and request.content_length is None and len(raw) >= limit:
+        # A chunked body is read up to the limit and no further; one byte more means it is too large.
+        if request.environ["wsgi.input"].read(1):
+            raise RequestEntityTooLarge()
     if not raw.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:

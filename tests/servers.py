@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 class Gunicorn:
-    def __init__(self, env: dict[str, str], args: tuple[str, ...] = ()):
+    def __init__(self, env: dict[str, str], args: tuple[str, ...] = (), app: str = "wsgi:app"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
@@ -30,7 +30,7 @@ class Gunicorn:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen([gunicorn, "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{self.port}", *args,
-                                      "wsgi:app"], cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                      app], cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 120) -> None:
@@ -61,3 +61,82 @@ class Gunicorn:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def nginx_binary() -> str | None:
+    """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
+    import shutil
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
+                                          if os.access(p, os.X_OK)), None)
+
+
+class Nginx:
+    """nginx in the foreground as the current user, with every path (pid, logs, temp files) under ``root``,
+    serving ``deploy/nginx/saker.conf`` with its upstream pointed at ``upstream`` and its listener on a free
+    loopback port."""
+
+    def __init__(self, root: Path, upstream: str, site: Path = ROOT / "deploy" / "nginx" / "saker.conf"):
+        import re
+        self.binary = nginx_binary()
+        assert self.binary, "nginx is not installed"
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        root.mkdir(parents=True, exist_ok=True)
+        conf = site.read_text()
+        conf, n_up = re.subn(r"server 127\.0\.0\.1:8000;", f"server {upstream};", conf)
+        conf, n_listen = re.subn(r"listen 80;", f"listen 127.0.0.1:{self.port};", conf)
+        assert n_up == 1 and n_listen == 1, "deploy/nginx/saker.conf changed shape"
+        (root / "saker.conf").write_text(conf)
+        user = ""
+        if os.geteuid() == 0:           # workers would otherwise switch to nobody and lose the temp paths
+            import grp
+            import pwd
+            user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
+        temp = "\n".join(f"    {name}_temp_path {root / name};" for name in
+                         ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        (root / "nginx.conf").write_text(f"""
+daemon off;
+worker_processes 1;
+pid {root / 'nginx.pid'};
+error_log {root / 'error.log'} info;
+{user}
+events {{ worker_connections 256; }}
+http {{
+    access_log {root / 'access.log'};
+{temp}
+    include {root / 'saker.conf'};
+}}
+""")
+        self.proc = subprocess.Popen([self.binary, "-p", str(root), "-c", str(root / "nginx.conf"),
+                                      "-e", str(root / "error.log")],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def check_config(self) -> subprocess.CompletedProcess:
+        return subprocess.run([self.binary, "-t", "-p", str(self.root), "-c", str(self.root / "nginx.conf"),
+                               "-e", str(self.root / "error.log")], capture_output=True, text=True)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.output()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"nginx not listening: {self.output()}")
+
+    def output(self) -> str:
+        log = self.root / "error.log"
+        return log.read_text() if log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGQUIT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()

@@ -1,0 +1,20 @@
+"""gunicorn entry point for tests: ``wsgi:app`` whose decode steps wait while the file named by
+``TEST_DECODE_GATE`` exists, so a test can hold requests in flight (and let them go) without timing."""
+import os
+import time
+
+from app.engine import runner
+
+_decode = runner.ModelRunner.decode
+
+
+def _gated_decode(self, *args, **kwargs):
+    gate = os.environ.get("TEST_DECODE_GATE")
+    while gate and os.path.exists(gate):
+        time.sleep(0.01)
+    return _decode(self, *args, **kwargs)
+
+
+runner.ModelRunner.decode = _gated_decode
+
+from wsgi import app  # noqa: E402,F401 - after the patch

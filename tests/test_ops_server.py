@@ -1,0 +1,256 @@
+"""A real gunicorn on 127.0.0.1 with a tiny model: load with a small queue (200 or clean 429/503, none lost),
+body limits without reading the body (Content-Length and chunked), API keys kept out of the logs, /metrics,
+and graceful SIGTERM with requests in flight."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from servers import Gunicorn
+
+pytestmark = pytest.mark.slow
+
+KEY = "ops-test-secret-key-9f3b"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 64 * 1024
+CLIENTS, ROUNDS = 16, 4
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_dir, tmp_path_factory):
+    access_log = tmp_path_factory.mktemp("ops") / "access.log"
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "24",
+                    "SAKER_MAX_BATCH_SIZE": "2", "SAKER_MAX_QUEUE": "2", "SAKER_QUEUE_TIMEOUT": "60",
+                    "SAKER_MAX_REQUEST_BYTES": str(LIMIT), "SAKER_API_KEYS": f"{KEY},second-key",
+                    "SAKER_ACCESS_LOG": str(access_log)})
+    srv.access_log = access_log
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def metrics(server) -> dict:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(values: dict, name: str, **labels) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def is_error_object(body) -> bool:
+    return (isinstance(body, dict) and list(body) == ["error"]
+            and set(body["error"]) == {"message", "type", "param", "code"})
+
+
+# -- load ---------------------------------------------------------------------------------------------------
+def test_load_every_request_answered_200_or_clean_429_503(server):
+    before = metrics(server)
+    start = threading.Barrier(CLIENTS)
+    body = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True}
+
+    def client(i: int) -> list[tuple[int, str]]:
+        outcomes = []
+        with requests.Session() as session:
+            session.headers.update(AUTH)
+            for r in range(ROUNDS):
+                start.wait(60)                     # bursts: every client sends at once
+                stream = (i + r) % 3 == 0
+                try:
+                    resp = session.post(server.url + "/v1/completions", json={**body, "stream": stream},
+                                        timeout=120)
+                except requests.RequestException as exc:      # a lost request
+                    outcomes.append((-1, repr(exc)))
+                    continue
+                if resp.status_code == 200 and stream:
+                    frames = [f for f in resp.text.split("\n\n") if f]
+                    ok = frames[-1] == "data: [DONE]" and not any('"error"' in f for f in frames)
+                    outcomes.append((200 if ok else -2, resp.text[-300:]))
+                elif resp.status_code == 200:
+                    ok = resp.json()["usage"]["completion_tokens"] == 48
+                    outcomes.append((200 if ok else -2, resp.text[:300]))
+                else:
+                    clean = (resp.status_code in (429, 503) and is_error_object(resp.json())
+                             and int(resp.headers["Retry-After"]) >= 1)
+                    outcomes.append((resp.status_code if clean else -3, resp.text[:300]))
+        return outcomes
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        results = [o for outcomes in pool.map(client, range(CLIENTS)) for o in outcomes]
+    counts = Counter(status for status, _ in results)
+    print(f"load: {CLIENTS} clients x {ROUNDS} requests -> {dict(counts)}")
+    assert len(results) == CLIENTS * ROUNDS
+    assert set(counts) <= {200, 429, 503}, [r for r in results if r[0] not in (200, 429, 503)][:3]
+    assert counts[200] >= CLIENTS // 4 and counts[429] >= 1, counts
+
+    # healthy afterwards, and the metrics saw exactly that
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    after = metrics(server)
+    assert sample(after, "saker_queue_depth") == 0 and sample(after, "saker_requests_running") == 0
+    for status in (200, 429, 503):
+        seen = (sample(after, "saker_requests_total", route="/v1/completions", method="POST", status=str(status))
+                - sample(before, "saker_requests_total", route="/v1/completions", method="POST",
+                         status=str(status)))
+        assert seen == counts[status], (status, seen, counts)
+    assert sample(after, "saker_requests_rejected") - sample(before, "saker_requests_rejected") == counts[429]
+    resp = requests.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert resp.status_code == 200
+    out = server.output()
+    assert "Traceback" not in out and out.count("Booting worker") == 1
+
+
+# -- body limits ------------------------------------------------------------------------------------------
+def raw_request(server, head: bytes, body_parts: list[bytes], *, shut: bool = False) -> bytes:
+    """Send a request by hand and read what comes back (up to the end of the first response's body)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        for part in body_parts:
+            sock.sendall(part)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        header, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next((line.split(b":", 1)[1] for line in header.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), b"0"))
+        while len(rest) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+        return header + b"\r\n\r\n" + rest
+
+
+def parse(raw: bytes) -> tuple[int, dict]:
+    header, _, body = raw.partition(b"\r\n\r\n")
+    status = int(header.split(b" ", 2)[1])
+    return status, json.loads(body)
+
+
+def head(path: str, extra: str, auth: bool = True) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    if auth:
+        lines.append(f"Authorization: Bearer {KEY}")
+    return ("\r\n".join(lines + [extra]) + "\r\n\r\n").encode()
+
+
+def test_413_from_content_length_before_the_body_is_read(server):
+    # the client announces 100 MB and sends 100 bytes: the answer comes without waiting for the rest
+    raw = raw_request(server, head("/v1/completions", "Content-Length: 100000000"), [b'{"prompt": "' + b"x" * 88])
+    status, body = parse(raw)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert str(LIMIT) in body["error"]["message"] and "SAKER_MAX_REQUEST_BYTES" in body["error"]["message"]
+
+
+def test_413_for_a_chunked_body_stops_reading_at_the_limit(server):
+    chunk = b"x" * 4096
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (LIMIT // len(chunk) + 4)   # over the limit, never ended
+    raw = raw_request(server, head("/v1/completions", "Transfer-Encoding: chunked"), parts)
+    status, body = parse(raw)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+
+
+def test_small_chunked_body_is_served(server):
+    payload = json.dumps({"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2}).encode()
+    parts = [b"%x\r\n%s\r\n" % (len(payload[:10]), payload[:10]),
+             b"%x\r\n%s\r\n" % (len(payload[10:]), payload[10:]), b"0\r\n\r\n"]
+    raw = raw_request(server, head("/v1/completions", "Transfer-Encoding: chunked\r\nConnection: close"), parts)
+    status, body = parse(raw)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_401_comes_before_the_body_is_read(server):
+    raw = raw_request(server, head("/v1/completions", "Content-Length: 100000000", auth=False), [b"{"])
+    status, body = parse(raw)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+# -- keys and logs ------------------------------------------------------------------------------------------
+def test_keys_and_prompts_never_reach_the_logs(server):
+    prompt = "a private prompt 5d1c"
+    ok = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer second-key"},
+                       json={"model": "tiny-gpt2", "prompt": prompt, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+    wrong = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer wrong-key-77aa"},
+                          json={"model": "tiny-gpt2", "prompt": "x"}, timeout=60)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200        # open
+    assert requests.get(server.url + "/v1/models", timeout=10).status_code == 401
+    time.sleep(0.2)                 # let the access-log lines of the requests above be flushed
+    logs = server.output() + server.access_log.read_text()
+    for secret in (KEY, "second-key", "wrong-key-77aa", prompt):
+        assert secret not in logs
+    lines = [json.loads(x) for x in server.access_log.read_text().splitlines()]
+    assert any(x["status"] == 401 and x["error_code"] == "invalid_api_key" for x in lines)
+    assert all(set(x) >= {"request_id", "method", "route", "status", "client", "duration_ms"} for x in lines)
+
+
+# -- graceful shutdown ----------------------------------------------------------------------------------------
+def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
+    """Requests are held mid-generation by a gate (tests/gated_wsgi.py), SIGTERM is sent to the master, the
+    gate opens: every request completes whole, and gunicorn then exits 0."""
+    gate = tmp_path / "gate"
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "8",
+                    "SAKER_GRACEFUL_TIMEOUT": "60", "TEST_DECODE_GATE": str(gate)},
+                   args=("--pythonpath", "tests"), app="gated_wsgi:app")
+    try:
+        srv.wait_ready()
+        gate.touch()                                    # decode steps wait from now on
+        body = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+
+        def plain():
+            return requests.post(srv.url + "/v1/completions", json=body, timeout=120)
+
+        def stream():
+            with requests.post(srv.url + "/v1/completions", json={**body, "stream": True}, stream=True,
+                               timeout=120) as resp:
+                return resp.status_code, [line for line in resp.iter_lines(decode_unicode=True) if line]
+
+        with ThreadPoolExecutor(5) as pool:
+            plains = [pool.submit(plain) for _ in range(3)]
+            streams = [pool.submit(stream) for _ in range(2)]
+            deadline = time.time() + 60                # all five are in the server, generating
+            while sample(metrics(srv), "saker_requests_in_flight") < 6 and time.time() < deadline:
+                time.sleep(0.05)
+            assert sample(metrics(srv), "saker_requests_in_flight") == 6          # 5 + this scrape
+            srv.proc.send_signal(signal.SIGTERM)        # what docker stop / kubelet / scancel send
+            while "Handling signal: term" not in srv.output() and time.time() < deadline:
+                time.sleep(0.05)
+            assert "Handling signal: term" in srv.output()
+            assert srv.proc.poll() is None, "gunicorn exited with requests in flight"
+            gate.unlink()                               # let them finish
+            answers = [f.result() for f in plains]
+            streamed = [f.result() for f in streams]
+        for resp in answers:
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40
+        for status, frames in streamed:
+            assert status == 200 and frames[-1] == "data: [DONE]"
+            chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+            assert not any("error" in c for c in chunks)
+        assert srv.proc.wait(90) == 0
+        assert "Traceback" not in srv.output()
+    finally:
+        if gate.exists():
+            gate.unlink()
+        srv.stop()
