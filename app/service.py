@@ -127,20 +127,23 @@ class CompletionService:
                 getattr(self.worker.tokenizer, "chat_template", None) or ""
         return self._chat_template or None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation; the template carries BOS, none is added a second time."""
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
         template = self.chat_template()
         if not template:
             raise InvalidRequestError(
                 "This model has no chat template. Set one with SAKER_CHAT_TEMPLATE (a Jinja file or string), "
                 "or use /v1/completions", param="messages")
         try:
-            ids = self.worker.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                                            add_generation_prompt=add_generation_prompt,
-                                                            return_dict=False)
+            return self.worker.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=tokenize,
+                                                             add_generation_prompt=add_generation_prompt,
+                                                             return_dict=False)
         except Exception as exc:   # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation; the template carries BOS, none is added a second time."""
+        ids = self._apply_template(messages, add_generation_prompt, tokenize=True)
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         return list(ids)
@@ -239,8 +242,7 @@ class CompletionService:
         if request.messages is not None:
             messages = [m.as_template_message() for m in request.messages]
             if request.add_special_tokens:
-                text = tok.apply_chat_template(messages, chat_template=self.chat_template(), tokenize=False,
-                                               add_generation_prompt=request.add_generation_prompt)
+                text = self._apply_template(messages, request.add_generation_prompt, tokenize=False)
                 ids = list(tok(text, add_special_tokens=True)["input_ids"])
             else:
                 ids = self.render_chat(messages, request.add_generation_prompt)

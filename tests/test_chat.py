@@ -149,3 +149,13 @@ def test_tokenize_detokenize_and_info_match_the_tokenizer(tiny, reference):
     assert response.status_code == 400
     response = client.post("/tokenize", json={"prompt": "x", "model": "nope"})
     assert response.status_code == 404
+
+
+def test_tokenize_messages_without_template_is_400_with_special_tokens_too(gpt2_client):
+    for add in (None, True, False):
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        if add is not None:
+            body["add_special_tokens"] = add
+        response = gpt2_client.post("/tokenize", json=body)
+        assert response.status_code == 400, (add, response.get_json())
+        assert response.get_json()["error"]["param"] == "messages"
