@@ -28,8 +28,8 @@ bind = f"{_settings.host}:{_settings.port}"
 # On a multi-GPU node prefer one replica per GPU (each with its own port) over several workers.
 workers = _settings.workers
 # gthread: a pool of threads per worker. A request holds a thread while it waits for the model and while it
-# runs (streams too), so /health, /metrics and 429 answers need threads beyond the model's queue:
-# keep SAKER_THREADS > SAKER_MAX_QUEUE + 1 (see the check below).
+# runs (streams too), so /health, /metrics and 429 answers need threads beyond the requests the model serves
+# and queues: keep SAKER_THREADS > SAKER_MAX_BATCH_SIZE + SAKER_MAX_QUEUE (see the check at the end).
 worker_class = "gthread"
 threads = _settings.threads
 # Most open connections per worker (idle keep-alive ones included); gunicorn's default.
@@ -74,7 +74,8 @@ loglevel = _settings.log_level
 # host would fight over it.
 control_socket_disable = True
 
-if threads <= _settings.max_queue + 1:
-    print(f"saker: warning: SAKER_THREADS={threads} leaves no thread for /health while SAKER_MAX_QUEUE="
-          f"{_settings.max_queue} requests wait; set SAKER_THREADS to at least {_settings.max_queue + 2}",
-          file=sys.stderr)
+_busy = _settings.max_batch_size + _settings.max_queue     # threads the model's requests can hold at once
+if threads <= _busy:
+    print(f"saker: warning: SAKER_THREADS={threads} leaves no thread for /health while SAKER_MAX_BATCH_SIZE="
+          f"{_settings.max_batch_size} requests run and SAKER_MAX_QUEUE={_settings.max_queue} wait; set "
+          f"SAKER_THREADS to at least {_busy + 2}", file=sys.stderr)

@@ -106,8 +106,8 @@ class Settings(BaseSettings):
                                          "sequence) in the batch; a request that does not fit waits. Unset: no "
                                          "bound beyond max_batch_size.")
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
-    max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides the one it "
-                           "serves); more get 429 (model is overloaded) with Retry-After. Keep it below threads.")
+    max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides those it "
+                           "serves); more get 429 (model is overloaded) with Retry-After.")
     queue_timeout: float = Field(120.0, gt=0, description="Seconds a request may wait for the model; longer "
                                  "gets 503 with Retry-After.")
 
@@ -115,8 +115,9 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Bind address (gunicorn.conf.py and `python -m app serve`).")
     port: int = Field(8000, ge=0, le=65535, description="Bind port. `make serve` uses $PORT when set.")
     workers: int = Field(1, ge=1, description="gunicorn worker processes; each holds its own model copy.")
-    threads: int = Field(16, ge=1, description="gunicorn threads per worker (requests wait their turn for the "
-                         "model; threads answer health checks and queue the rest). Keep above max_queue + 1.")
+    threads: int = Field(32, ge=1, description="gunicorn threads per worker: a request holds one while it runs or "
+                         "waits for the model, so keep it above max_batch_size + max_queue (health checks, "
+                         "metrics and 429 answers need free threads).")
     graceful_timeout: int = Field(120, gt=0, description="Seconds gunicorn gives in-flight requests to "
                                   "finish after SIGTERM before it kills the worker.")
     proxy_hops: int = Field(0, ge=0, description="Reverse proxies in front of saker whose X-Forwarded-For/"

@@ -90,7 +90,7 @@ def test_dockerfile_essentials():
 
 def test_gunicorn_config_follows_the_settings():
     env = {**os.environ, "SAKER_WORKERS": "2", "SAKER_THREADS": "12", "SAKER_GRACEFUL_TIMEOUT": "33",
-           "SAKER_MAX_QUEUE": "4", "SAKER_PORT": "9123"}
+           "SAKER_MAX_QUEUE": "4", "SAKER_MAX_BATCH_SIZE": "4", "SAKER_PORT": "9123"}
     code = ("import runpy; c = runpy.run_path('gunicorn.conf.py'); "
             "print(c['bind'], c['workers'], c['worker_class'], c['threads'], c['graceful_timeout'], "
             "c['preload_app'], c['accesslog'], c['max_requests'])")
@@ -99,16 +99,20 @@ def test_gunicorn_config_follows_the_settings():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["127.0.0.1:9123", "2", "gthread", "12", "33", "False", "None", "0"]
     assert "warning" not in out.stderr
-    env["SAKER_THREADS"] = "4"
+    env["SAKER_THREADS"] = "8"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
-    assert "SAKER_THREADS=4 leaves no thread for /health" in out.stderr
+    assert "SAKER_THREADS=8 leaves no thread for /health" in out.stderr and "at least 10" in out.stderr
+    defaults = {k: v for k, v in os.environ.items() if not k.startswith("SAKER_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=defaults, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr       # the defaults fit
 
 
 def test_gunicorn_config_documents_every_setting():
     """Every setting gunicorn.conf.py makes has a comment right above it."""
     lines = (ROOT / "gunicorn.conf.py").read_text().splitlines()
-    settings = [i for i, line in enumerate(lines) if re.match(r"^[a-z_]+ = ", line)]
+    settings = [i for i, line in enumerate(lines) if re.match(r"^[a-z][a-z_]* = ", line)]
     assert len(settings) >= 15
     for i in settings:
         j = i - 1
@@ -137,6 +141,10 @@ def test_kubernetes_manifest():
     for name in env:
         if name.startswith("SAKER_"):
             assert name[len("SAKER_"):].lower() in Settings.model_fields, name
+    values = {name[len("SAKER_"):].lower(): e["value"] for name, e in env.items()
+              if name.startswith("SAKER_") and "value" in e}
+    settings = Settings(**values)
+    assert settings.threads > settings.max_batch_size + settings.max_queue      # probes always find a thread
     graceful = int(env["SAKER_GRACEFUL_TIMEOUT"]["value"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > graceful
     assert env["SAKER_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"]
