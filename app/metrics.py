@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from flask import Flask, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 from app.access_log import RequestRecord
@@ -44,6 +44,20 @@ class _CudaMemory:
         yield reserved
 
 
+class _AdmissionCounters:
+    """The admission's own counts (429s for a full queue, 503s for a queue timeout) as counters."""
+
+    def __init__(self, metrics: "Metrics"):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        admission = self.metrics.worker.admission
+        yield CounterMetricFamily("saker_requests_rejected", "Requests turned away because the queue was full "
+                                  "(429)", value=admission.rejected)
+        yield CounterMetricFamily("saker_requests_queue_timeouts", "Requests that waited longer than the queue "
+                                  "timeout (503)", value=admission.timed_out)
+
+
 class Metrics:
     def __init__(self, worker):
         self.worker = worker
@@ -73,10 +87,7 @@ class Metrics:
             lambda: self.worker.admission.waiting)
         Gauge("saker_requests_running", "Requests the model is working on", registry=r).set_function(
             lambda: self.worker.admission.active)
-        Gauge("saker_requests_rejected", "Requests turned away since start: queue full (429)",
-              registry=r).set_function(lambda: self.worker.admission.rejected)
-        Gauge("saker_requests_queue_timeouts", "Requests that gave up waiting since start (503)",
-              registry=r).set_function(lambda: self.worker.admission.timed_out)
+        r.register(_AdmissionCounters(self))
         Gauge("saker_model_load_seconds", "Time the model took to load (0 until loaded)", registry=r).set_function(
             lambda: self.worker.load_seconds or 0.0)
         Gauge("saker_model_ready", "1 once the model is loaded and serving", registry=r).set_function(

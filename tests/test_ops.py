@@ -310,7 +310,7 @@ def test_metrics_see_queue_depth_and_rejections(gpt2_worker, monkeypatch):
     error_of(client.post(URL, json=GOOD), 429, "model_overloaded")
     samples = metric_samples(client)
     assert value(samples, "saker_requests_running") == 1
-    assert value(samples, "saker_requests_rejected") == 1
+    assert value(samples, "saker_requests_rejected_total") == 1
     assert value(samples, "saker_requests_total", route="/v1/completions", method="POST", status="429") == 1
     assert value(samples, "saker_request_errors_total", route="/v1/completions", code="model_overloaded") == 1
     admission.release()

@@ -108,7 +108,7 @@ def test_load_every_request_answered_200_or_clean_429_503(server):
                 - sample(before, "saker_requests_total", route="/v1/completions", method="POST",
                          status=str(status)))
         assert seen == counts[status], (status, seen, counts)
-    assert sample(after, "saker_requests_rejected") - sample(before, "saker_requests_rejected") == counts[429]
+    assert sample(after, "saker_requests_rejected_total") - sample(before, "saker_requests_rejected_total") == counts[429]
     resp = requests.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert resp.status_code == 200
     out = server.output()
