@@ -63,7 +63,7 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
         assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p90"] <= lv["latency_ms"]["p99"]
         assert lv["ttft_ms"]["n"] == lv["requests"]
 
-    assert "| A | ratio server / generate()" in report["table_markdown"]
+    assert "| A | ratio server / generate() (median of pairs)" in report["table_markdown"]
     assert "ratio 8 / 1" in proc.stdout                  # the printed table
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
