@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from app.engine.optimize import optimize_for_inference
 from app.errors import ConfigError
 from app.settings import DEFAULT_MODEL_NAME, Settings
 
@@ -211,6 +212,7 @@ def load_model(settings: Settings) -> LoadedModel:
         model, adapters = adapters
     else:
         adapters = {}
+    optimize_for_inference(model)
     seconds = time.perf_counter() - start
     return LoadedModel(model, tokenizer, source, adapters, seconds)
 
