@@ -222,3 +222,28 @@ def test_retry_after_grows_with_the_queue_and_is_bounded():
     admission._mean_hold_s = 0.001
     admission.waiting = 0
     assert admission.retry_after_s() == 1
+
+
+def test_full_queue_that_is_moving_does_not_turn_a_newcomer_away():
+    """Releasing hands the slot to the oldest waiter at once: a request arriving before that waiter runs sees
+    a queue with room (not the 429 a full queue gives) and queues behind it."""
+    admission = Admission(max_queue=1, timeout=30)
+    log: list[str] = []
+    admission.acquire()                       # the running request
+    queued = Waiter(admission, "queued", log)
+    queued.start()
+    wait_for(lambda: admission.waiting == 1)
+    with admission._cond:                     # the slot moves on; the newcomer arrives before the waiter runs
+        admission.release()
+        assert admission.waiting == 0 and admission.active == 1
+        newcomer = Waiter(admission, "newcomer", log)
+        newcomer.start()
+    assert queued.entered.wait(10)
+    queued.release.set()
+    assert newcomer.entered.wait(10)
+    newcomer.release.set()
+    for w in (queued, newcomer):
+        w.join(10)
+    assert newcomer.error is None and queued.error is None
+    assert log == ["queued", "newcomer"]
+    assert admission.snapshot() == {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}

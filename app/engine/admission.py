@@ -9,6 +9,7 @@ No torch and no Flask here.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
@@ -18,6 +19,13 @@ from typing import Iterator
 from app.errors import OverloadedError, QueueTimeoutError
 
 _RETRY_MIN_S, _RETRY_MAX_S = 1, 60
+
+
+class _Ticket:
+    __slots__ = ("granted",)
+
+    def __init__(self):
+        self.granted = False
 
 
 class Admission:
@@ -37,6 +45,7 @@ class Admission:
         self.timed_out = 0                  # gave up waiting (503)
         self._mean_hold_s: float | None = None
         self._cond = threading.Condition()
+        self._waiters: collections.deque[_Ticket] = collections.deque()   # first come, first served
 
     # -- the seam -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -51,7 +60,7 @@ class Admission:
 
     def acquire(self) -> None:
         with self._cond:
-            if self.active < self.capacity and self.waiting == 0:
+            if self.active < self.capacity and not self._waiters:
                 self.active += 1
                 return
             if self.max_queue is not None and self.waiting >= self.max_queue:
@@ -61,30 +70,35 @@ class Admission:
                     f"The model is overloaded: {self.waiting} requests are already waiting for it, the most "
                     f"allowed (SAKER_MAX_QUEUE={self.max_queue}). Retry after {retry} s.",
                     headers={"Retry-After": str(retry)})
-            self.waiting += 1
+            ticket = _Ticket()
+            self._waiters.append(ticket)
+            self.waiting = len(self._waiters)
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            try:
-                while self.active >= self.capacity:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        self.timed_out += 1
-                        retry = self.retry_after_s()
-                        raise QueueTimeoutError(
-                            f"The model is overloaded: this request waited {self.timeout:g} s for its turn, the "
-                            f"longest allowed (SAKER_QUEUE_TIMEOUT={self.timeout:g}). Retry after {retry} s.",
-                            headers={"Retry-After": str(retry)})
-                    self._cond.wait(remaining)
-                self.active += 1
-            finally:
-                self.waiting -= 1
-                if self.active < self.capacity:     # a slot is free and we did not take it: pass it on
-                    self._cond.notify()
+            while not ticket.granted:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self._waiters.remove(ticket)
+                    self.waiting = len(self._waiters)
+                    self.timed_out += 1
+                    retry = self.retry_after_s()
+                    raise QueueTimeoutError(
+                        f"The model is overloaded: this request waited {self.timeout:g} s for its turn, the "
+                        f"longest allowed (SAKER_QUEUE_TIMEOUT={self.timeout:g}). Retry after {retry} s.",
+                        headers={"Retry-After": str(retry)})
+                self._cond.wait(remaining)
+            # the releaser handed its slot over: ``active`` already counts this request
 
     def release(self, held_s: float = 0.0) -> None:
+        """Free a slot, or hand it straight to the longest waiter: the queue shrinks in the same step, so a
+        request arriving meanwhile never sees a full queue that is about to move (and never jumps it)."""
         with self._cond:
-            self.active -= 1
             self._mean_hold_s = held_s if self._mean_hold_s is None else 0.8 * self._mean_hold_s + 0.2 * held_s
-            self._cond.notify()
+            if self._waiters:
+                self._waiters.popleft().granted = True
+                self.waiting = len(self._waiters)
+                self._cond.notify_all()
+            else:
+                self.active -= 1
 
     # -- what clients and metrics read --------------------------------------------------------------------
     def retry_after_s(self) -> int:
