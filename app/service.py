@@ -6,11 +6,9 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from app.engine.output import Release
 from app.engine.params import SamplingParams, Timings, TokenLogprobs
-from app.engine.worker import Worker
 from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from app.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
                           ChatResponseMessage, ChatTokenLogprob, ChatTopLogprob, CompletionChoice,
@@ -18,6 +16,9 @@ from app.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                           DetokenizeResponse, Limits, ModelCard, ModelList, SamplingRequest, Timing, TokenizeRequest,
                           TokenizeResponse, TokenizerInfo, Usage)
 from app.settings import Settings
+
+if TYPE_CHECKING:                      # the worker (and torch) stay out of this module's imports
+    from app.engine.worker import Worker
 
 
 @dataclass

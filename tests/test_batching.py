@@ -3,7 +3,6 @@ float32) whether it ran alone or in a batch with others of different lengths, se
 from __future__ import annotations
 
 import pytest
-import torch
 
 from app.engine.generate import Generator, RequestGroup
 from app.engine.output import collect
