@@ -105,6 +105,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int | None = Field(None, gt=0, description="Most KV-cache tokens (prompt + max_tokens per "
                                          "sequence) in the batch; a request that does not fit waits. Unset: no "
                                          "bound beyond max_batch_size.")
+    compile: bool = Field(False, description="CUDA only: decode single-sequence requests with a static KV cache "
+                          "and torch.compile (CUDA graphs); compiles during warm-up (tens of seconds). Serves one "
+                          "request at a time (max_batch_size 1); requests with n/best_of > 1 run eagerly.")
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
     max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides those it "
                            "serves); more get 429 (model is overloaded) with Retry-After.")
@@ -176,6 +179,10 @@ class Settings(BaseSettings):
             raise ValueError(f"quantize={self.quantize} needs a CUDA GPU, but device is cpu")
         if self.chat_template and "{" not in self.chat_template and not Path(self.chat_template).expanduser().is_file():
             raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a Jinja template")
+        if self.compile and self.device == "cpu":
+            raise ValueError("compile needs a CUDA GPU, but device is cpu")
+        if self.compile and self.peft_weights and None not in self.peft_adapters:
+            raise ValueError("compile does not support named PEFT adapters")
         if self.gguf_file and not self.model:
             raise ValueError("gguf_file needs model: the directory or hub repo that holds the GGUF file")
         if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens > self.max_total_tokens:

@@ -327,8 +327,7 @@ class DecodeBatch:
             self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype,
                                                          device=self.mask.device)], dim=1)
             mask = self.mask
-        logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask,
-                                    position_ids=self.positions if mask is not None else None)
+        logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask, position_ids=self.positions)
         self.positions = self.positions + 1
         self.length += 1
         return logits
@@ -349,7 +348,8 @@ def admit(batch: DecodeBatch, group: RequestGroup) -> list[PromptEvent | TokenEv
     start = time.perf_counter()
     if not group.generates and not group.needs_prompt_logits:
         return [group.prompt_event(None)]
-    logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
+    static = group.runner.uses_static_cache(group.params.num_candidates, len(group.prompt_ids) + group.max_new)
+    logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits, static=static)
     events: list[PromptEvent | TokenEvent] = [group.prompt_event(logits[0] if group.needs_prompt_logits else None)]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start

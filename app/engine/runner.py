@@ -18,6 +18,8 @@ class ModelRunner:
     adapters: tuple[str, ...] = ()            # named PEFT adapters (the model is a PeftModel when any)
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
+    static_len: int | None = None             # SAKER_COMPILE: single-row requests use a static cache this long
+    _compiled: object = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.input_device is None:
@@ -41,24 +43,45 @@ class ModelRunner:
         self.model.set_adapter(name)
         yield
 
-    def prefill(self, prompt_ids: list[int], all_logits: bool):
-        """Forward the prompt; logits (1, L or 1, V) and the KV cache."""
-        from transformers import DynamicCache
+    def prefill(self, prompt_ids: list[int], all_logits: bool, static: bool = False):
+        """Forward the prompt; logits (1, L or 1, V) and the KV cache (a static one for compiled decoding)."""
+        from transformers import DynamicCache, StaticCache
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
-        cache = DynamicCache(config=self.model.config)
-        use_growing_layers(cache)
+        kwargs = {}
+        if static:
+            cache = StaticCache(config=self.model.config, max_cache_len=self.static_len)
+            kwargs["cache_position"] = torch.arange(len(prompt_ids), device=self.input_device)
+        else:
+            cache = DynamicCache(config=self.model.config)
+            use_growing_layers(cache)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=0 if all_logits else 1)
-        return out.logits, out.past_key_values
+                         logits_to_keep=0 if all_logits else 1, **kwargs)
+        return out.logits, cache
 
     def decode(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One step for a batch of sequences; float32 logits (B, V). With left padding, ``attention_mask``
-        (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions."""
+        (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions. A static cache
+        (SAKER_COMPILE) goes through the compiled forward, replayed as a CUDA graph."""
+        ids = tokens.view(-1, 1).to(self.input_device)
+        if self.static_len is not None and type(cache).__name__ == "StaticCache":
+            position = position_ids.view(-1)[:1].to(self.input_device)
+            out = self.compiled_forward(input_ids=ids, past_key_values=cache, use_cache=True,
+                                        cache_position=position, position_ids=position.view(1, 1))
+            return out.logits[:, -1, :].float()
         kwargs = {}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.input_device)
             kwargs["position_ids"] = position_ids.view(-1, 1).to(self.input_device)
-        out = self.model(input_ids=tokens.view(-1, 1).to(self.input_device), past_key_values=cache,
-                         use_cache=True, **kwargs)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
+
+    @property
+    def compiled_forward(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=False)
+        return self._compiled
+
+    def uses_static_cache(self, rows: int, length: int) -> bool:
+        """SAKER_COMPILE serves single-row requests that fit the static cache; the rest run eagerly."""
+        return self.static_len is not None and rows == 1 and length <= self.static_len

@@ -56,11 +56,12 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 class Worker:
     def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
-                 *, max_batch_size: int = 8, max_batch_tokens: int | None = None):
+                 *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile_len: int | None = None):
         self.names = names
         self._loader = loader
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.compile_len = compile_len          # SAKER_COMPILE: static cache length (0 = the model's context)
         self.scheduler: Scheduler | None = None
         # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
         self.admission = admission or Admission(capacity=max_batch_size)
@@ -75,7 +76,9 @@ class Worker:
         return cls(tuple(settings.model_names), lambda: load_model(settings),
                    Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
                              capacity=settings.max_batch_size),
-                   max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens)
+                   max_batch_size=1 if settings.compile else settings.max_batch_size,
+                   max_batch_tokens=settings.max_batch_tokens,
+                   compile_len=(settings.max_total_tokens or 0) if settings.compile else None)
 
     @classmethod
     def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **kwargs) -> "Worker":
@@ -94,6 +97,12 @@ class Worker:
         self.runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
         self.info = ModelInfo(self.names, tuple(loaded.adapters), context_length(model, tok),
                               self.runner.vocab_size, loaded.source)
+        if self.compile_len is not None:
+            if self.runner.input_device.type != "cuda":
+                self.error = "compile needs a CUDA GPU; the model is on the CPU"
+                raise ConfigError(self.error)
+            context = self.info.context_length
+            self.runner.static_len = min(self.compile_len or context, context)
         self.warm_up()
         self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
                                    max_batch_tokens=self.max_batch_tokens)
@@ -108,7 +117,9 @@ class Worker:
         """One short greedy generation before /health turns 200, so the first request is not the slow one."""
         bos = self.runner.tokenizer.bos_token_id
         ids = [bos if bos is not None else 0]
-        params = SamplingParams(max_tokens=2, temperature=0.0)
+        # with SAKER_COMPILE this compiles the decode step and records its CUDA graph (a few steps)
+        params = SamplingParams(max_tokens=2 if self.runner.static_len is None else 6, temperature=0.0,
+                                ignore_eos=True)
         collect(iter(Generator(self.runner, ids, params, max_length=self.info.context_length)), params)
 
     def load_in_background(self, on_error: Callable[[str], None] | None = None) -> threading.Thread:
