@@ -20,6 +20,7 @@ class ModelRunner:
     byte_level: bool = False
     static_len: int | None = None             # SAKER_COMPILE: single-row requests use a static cache this long
     _compiled: object = field(default=None, repr=False)
+    _active_adapter: str | None = field(default="", repr=False)   # "": not chosen yet
 
     def __post_init__(self):
         if self.input_device is None:
@@ -32,15 +33,17 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def adapter(self, name: str | None):
-        """Run with the named adapter active, or with adapters disabled (the base model) for None."""
-        if not self.adapters:
-            yield
-            return
-        if name is None:
-            with self.model.disable_adapter():
-                yield
-            return
-        self.model.set_adapter(name)
+        """Run with the named adapter active, or with adapters disabled (the base model) for None.
+
+        The scheduler enters this every step: the model's modules are only touched when the choice changes."""
+        if self.adapters and name != self._active_adapter:
+            if name is None:
+                self.model.base_model.disable_adapter_layers()
+            else:
+                if self._active_adapter is None:
+                    self.model.base_model.enable_adapter_layers()
+                self.model.set_adapter(name)
+            self._active_adapter = name
         yield
 
     def prefill(self, prompt_ids: list[int], all_logits: bool, static: bool = False):
