@@ -166,6 +166,16 @@ def tiny(request):
     return app.test_client(), path, {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}[kind]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny forwards are dominated by intra-op thread hand-offs on a busy 2-core box; one thread is faster."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def reference():
     """Independent references: the model loaded by transformers itself, in float32."""

@@ -17,13 +17,7 @@ URL = "/v1/completions"
 GOOD = {"model": "tiny-gpt2", "prompt": "Hello world", "max_tokens": 1, "temperature": 0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_error(resp, status: int, type_: str = "invalid_request_error", code: str | None = None,

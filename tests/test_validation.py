@@ -18,14 +18,7 @@ FAR = 100_000            # far outside the tiny vocabulary
 CONTEXT = 256            # n_positions of the tiny GPT-2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny forwards are dominated by intra-op thread hand-offs on a busy 2-core box; one thread is faster."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def request_with(**changes) -> dict:
