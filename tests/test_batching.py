@@ -13,13 +13,22 @@ from references import ref_logprobs
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "gpt2-packed", "llama-packed"])
 def batch_worker(request):
+    """``-packed``: every linear oneDNN-packed (app/engine/optimize.py leaves the tiny models' small matrices
+    alone otherwise), so the packed path is checked against the untouched reference too."""
+    from app.engine import optimize
     from app.engine.loader import load_model
     from app.engine.worker import Worker
-    path = request.getfixturevalue(f"{request.param}_dir")
+    kind, _, packed = request.param.partition("-")
+    path = request.getfixturevalue(f"{kind}_dir")
     settings = make_settings(model=str(path))
-    worker = Worker.from_loaded(("m",), load_model(settings), max_batch_size=16)
+    with pytest.MonkeyPatch.context() as patch:
+        if packed:
+            patch.setattr(optimize, "MIN_PACKED_ELEMENTS", 0)
+        loaded = load_model(settings)
+    assert any(isinstance(m, optimize.PackedLinear) for m in loaded.model.modules()) == bool(packed)
+    worker = Worker.from_loaded(("m",), loaded, max_batch_size=16)
     return worker, path
 
 

@@ -2,10 +2,16 @@
 
 Each pass checks that it applies and leaves the model alone otherwise:
 
-- ``transpose_lm_head``: on CPU, the output layer's weight is kept as (hidden, vocab) and applied with ``addmm``.
-  MKL's single-row GEMM on that layout is ~1.6x faster than ``F.linear`` on (vocab, hidden); the LM head is the
-  largest matrix of a small model, so this is ~8% of a decode step for GPT-2 small. A tied head keeps the
-  embedding as it was and adds the transposed copy (vocab x hidden floats more memory).
+- ``pack_linears_onednn``: on CPU in float32, every ``nn.Linear`` (and GPT-2's ``Conv1D``), the LM head
+  included, with at least ``MIN_PACKED_ELEMENTS`` weights becomes a ``PackedLinear``: its weight reordered once, at load, into oneDNN's blocked layout and
+  applied with ``torch.ops.mkldnn._linear_pointwise`` (the kernel ``torch.compile`` uses for linears on CPU).
+  Measured on the 2-core bench machine (GPT-2-small shape, one decode step): 36.6 -> 27.8 ms at batch 1,
+  93.5 -> 39.9 ms at batch 8, and a 64-token prefill 200 -> 89 ms; MKL's GEMM on the plain layouts is
+  particularly slow for 2-8 rows, which is what a continuous batch decodes. oneDNN costs ~20 us more per call
+  than MKL, so small matrices (under 512 x 512; the tests' tiny models) stay as they are. The pass checks itself: one short
+  forward before and after must agree (float rounding), otherwise the original modules are put back.
+  A tied LM head keeps the embedding as it was and adds the packed copy (vocab x hidden floats more memory);
+  while the check runs, the original weights and the packed ones are both held.
 - ``fuse_gelu_tanh``: transformers' ``NewGELUActivation`` (GPT-2's "gelu_new", eight element-wise ops) becomes
   PyTorch's fused ``GELU(approximate="tanh")``, the same function.
 """
@@ -18,35 +24,76 @@ from torch import nn
 
 log = logging.getLogger("saker.optimize")
 
+MIN_PACKED_ELEMENTS = 512 * 512     # below this oneDNN's per-call cost outweighs its faster GEMM (2-core CPU)
 
-class TransposedLinear(nn.Module):
-    """A bias-free or biased Linear whose weight is stored transposed, (in, out), and applied with addmm."""
 
-    def __init__(self, linear: nn.Linear):
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with W (out, in) held in oneDNN's reordered layout. It has no ``weight``: nothing can
+    read or change the values through it (the shape is ``in_features`` / ``out_features``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        self.bias = None if bias is None else bias.detach()
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The (out, in) view, for code that reads ``lm_head.weight`` (shape, dtype, device)."""
-        return self.weight_t.t()
+    @classmethod
+    def from_module(cls, module: nn.Module) -> PackedLinear:
+        from transformers.pytorch_utils import Conv1D
+        if isinstance(module, Conv1D):     # GPT-2's Conv1D stores (in, out)
+            return cls(module.weight.t(), module.bias)
+        return cls(module.weight, module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.addmm(self.bias, rows, self.weight_t) if self.bias is not None else rows.mm(self.weight_t)
-        return out.view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def transpose_lm_head(model: nn.Module) -> bool:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+def _packable(module: nn.Module, min_elements: int) -> bool:
+    from transformers.pytorch_utils import Conv1D
+    if type(module) not in (nn.Linear, Conv1D):        # exact types: quantized and PEFT layers subclass or wrap
         return False
-    if getattr(model, "hf_device_map", None) or getattr(model, "peft_config", None):
-        return False
-    model.set_output_embeddings(TransposedLinear(head))
-    return True
+    weight = module.weight
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= min_elements
+
+
+def _probe(model: nn.Module) -> torch.Tensor:
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(4).remainder(vocab).view(1, -1)
+    with torch.inference_mode():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def pack_linears_onednn(model: nn.Module, min_elements: int | None = None) -> int:
+    """Swap every packable linear for a ``PackedLinear``; the number swapped (0 when the pass does not apply)."""
+    if not torch.backends.mkldnn.is_available() or getattr(model, "hf_device_map", None) \
+            or getattr(model, "peft_config", None):
+        return 0
+    min_elements = MIN_PACKED_ELEMENTS if min_elements is None else min_elements
+    swaps = []                                          # (parent, name, original, packed)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _packable(child, min_elements):
+                swaps.append((parent, name, child, None))
+    if not swaps:
+        return 0
+    try:
+        before = _probe(model)
+        swaps = [(parent, name, child, PackedLinear.from_module(child)) for parent, name, child, _ in swaps]
+        for parent, name, _, packed in swaps:
+            setattr(parent, name, packed)
+        after = _probe(model)
+        scale = 1.0 + before.abs().max().item()
+        if after.shape != before.shape or not torch.allclose(after, before, rtol=0, atol=1e-4 * scale):
+            raise ValueError(f"logits moved by {(after - before).abs().max().item():.3g}")
+    except Exception as exc:   # noqa: BLE001 - any failure means: keep the model as it was
+        for parent, name, original, _ in swaps:
+            setattr(parent, name, original)
+        log.warning("oneDNN linear packing not applied: %s: %s", type(exc).__name__, exc)
+        return 0
+    return len(swaps)
 
 
 def fuse_gelu_tanh(model: nn.Module) -> int:
@@ -63,8 +110,8 @@ def fuse_gelu_tanh(model: nn.Module) -> int:
 def optimize_for_inference(model: nn.Module) -> list[str]:
     """Apply every pass that fits; the names of those applied (logged)."""
     applied = []
-    if transpose_lm_head(model):
-        applied.append("transposed LM head")
+    if packed := pack_linears_onednn(model):
+        applied.append(f"oneDNN-packed linears ({packed})")
     if fuse_gelu_tanh(model):
         applied.append("fused tanh GELU")
     if applied:

@@ -29,7 +29,8 @@ class ModelRunner:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings()
+        return getattr(head, "out_features", None) or head.weight.shape[0]
 
     @contextlib.contextmanager
     def adapter(self, name: str | None):
