@@ -91,6 +91,39 @@ def test_named_adapters_are_models_and_match_peft(llama_dir, loras):
     assert generated["model"] == "beta"
 
 
+def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
+    """Requests for two LoRA adapters and the base model decode in the same steps (peft's ``adapter_names``);
+    each one's tokens and logprobs equal peft's own forward for its adapter, and its run alone."""
+    from app.engine.generate import Generator, RequestGroup, TokenEvent
+    from app.engine.loader import load_model
+    from app.engine.output import collect
+    from app.engine.params import SamplingParams
+    from app.engine.worker import Worker
+    a, b = loras
+    settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
+    worker = Worker.from_loaded(("base",), load_model(settings), max_batch_size=8)
+    assert worker.runner.mixes_adapters
+    prompts = {"alpha": [1, 40, 41, 42], "beta": [1, 50, 51, 52, 53, 54], None: [1, 60, 61]}
+    runs = [(name, ids, SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True, adapter=name))
+            for name, ids in list(prompts.items()) * 2]
+    groups = [RequestGroup(worker.runner, ids, params, max_length=128, tag=i) for i, (_, ids, params) in enumerate(runs)]
+    steps_before = worker.scheduler.steps
+    per = {i: [] for i in range(len(runs))}
+    for tag, event in worker.scheduler.submit(groups):
+        per[tag].append(event)
+    assert worker.scheduler.max_rows_seen == len(runs)          # all six rows in one step
+    assert worker.scheduler.steps - steps_before == 5           # 6 tokens: 1 from each prefill + 5 shared steps
+    for i, (name, ids, params) in enumerate(runs):
+        got = collect(per[i], params).choices[0]
+        alone = collect(iter(Generator(worker.runner, ids, params, max_length=128)), params).choices[0]
+        assert got.text == alone.text
+        assert got.logprobs.token_logprobs == pytest.approx(alone.logprobs.token_logprobs, abs=TOL)
+        generated = [e.token_id for e in per[i] if isinstance(e, TokenEvent)]
+        assert len(generated) == 6
+        lp = peft_reference_logprobs(llama_dir, {"alpha": a, "beta": b}.get(name), ids + generated)
+        assert got.logprobs.token_logprobs == pytest.approx(expected(lp, ids + generated)[len(ids) - 1:], abs=TOL)
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_single_adapter_applied_and_merged(llama_dir, loras, merge):
     a, _ = loras

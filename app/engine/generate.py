@@ -15,7 +15,7 @@ import torch
 from app.engine.detokenize import IncrementalDetokenizer
 from app.engine.logprobs import candidate_keys, raw_logprobs
 from app.engine.params import SamplingParams, Timings, TokenLogprobs
-from app.engine.runner import ModelRunner
+from app.engine.runner import MIXED, ModelRunner
 from app.engine.sampling import TokenChooser, TokenHistory, build_processors, history_needs
 from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
 
@@ -261,13 +261,19 @@ class DecodeBatch:
         return sum(g.rows for g in self.groups)
 
     @property
-    def adapter(self) -> str | None:
-        return self.groups[0].params.adapter if self.groups else None
+    def adapters(self) -> set[str | None]:
+        return {g.params.adapter for g in self.groups}
+
+    @property
+    def adapter(self) -> object:
+        """The PEFT adapter every row uses (None: the base model), or ``MIXED``."""
+        adapters = self.adapters
+        return (adapters.pop() if adapters else None) if len(adapters) <= 1 else MIXED
 
     def accepts(self, group: RequestGroup) -> bool:
         if not self.groups:
             return True
-        return group.params.adapter == self.adapter and mergeable(self.cache)
+        return self.runner.can_join(self.adapters, group.params.adapter) and mergeable(self.cache)
 
     def add(self, group: RequestGroup, cache, tokens: torch.Tensor) -> None:
         """Join a prefilled group: its cache (rows, prompt length) and its first chosen tokens."""
@@ -327,7 +333,11 @@ class DecodeBatch:
             self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype,
                                                          device=self.mask.device)], dim=1)
             mask = self.mask
-        logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask, position_ids=self.positions)
+        row_adapters = None
+        if self.adapter is MIXED:
+            row_adapters = [g.params.adapter for g in self.groups for _ in range(g.rows)]
+        logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask, position_ids=self.positions,
+                                    row_adapters=row_adapters)
         self.positions = self.positions + 1
         self.length += 1
         return logits

@@ -9,6 +9,8 @@ import torch
 from app.engine.kv_cache import use_growing_layers
 from app.engine.logprobs import is_byte_level
 
+MIXED = object()      # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
+
 
 @dataclass
 class ModelRunner:
@@ -20,12 +22,20 @@ class ModelRunner:
     byte_level: bool = False
     static_len: int | None = None             # SAKER_COMPILE: single-row requests use a static cache this long
     _compiled: object = field(default=None, repr=False)
-    _active_adapter: str | None = field(default="", repr=False)   # "": not chosen yet
+    mixes_adapters: bool = False              # every named adapter is LoRA: one batch may mix them (and the base)
+    _active_adapter: object = field(default="", repr=False)   # "": not chosen yet
 
     def __post_init__(self):
         if self.input_device is None:
             self.input_device = self.model.get_input_embeddings().weight.device
         self.byte_level = is_byte_level(self.tokenizer)
+        configs = getattr(self.model, "peft_config", {})
+        self.mixes_adapters = bool(self.adapters) and all(
+            str(getattr(configs.get(name), "peft_type", "")).endswith("LORA") for name in self.adapters)
+
+    def can_join(self, running: set, adapter: str | None) -> bool:
+        """Whether a request for ``adapter`` may share a decode batch with requests for the ``running`` ones."""
+        return self.mixes_adapters or running <= {adapter}
 
     @property
     def vocab_size(self) -> int:
@@ -34,16 +44,18 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def adapter(self, name: str | None):
-        """Run with the named adapter active, or with adapters disabled (the base model) for None.
+        """Run with the named adapter active, with adapters disabled (the base model) for None, or with them
+        enabled for ``MIXED`` (each row's adapter is then named in ``decode``).
 
         The scheduler enters this every step: the model's modules are only touched when the choice changes."""
-        if self.adapters and name != self._active_adapter:
+        if self.adapters and name is not self._active_adapter and name != self._active_adapter:
             if name is None:
                 self.model.base_model.disable_adapter_layers()
             else:
                 if self._active_adapter is None:
                     self.model.base_model.enable_adapter_layers()
-                self.model.set_adapter(name)
+                if name is not MIXED:
+                    self.model.set_adapter(name)
             self._active_adapter = name
         yield
 
@@ -63,9 +75,11 @@ class ModelRunner:
         return out.logits, cache
 
     def decode(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               position_ids: torch.Tensor | None = None, row_adapters: list[str | None] | None = None
+               ) -> torch.Tensor:
         """One step for a batch of sequences; float32 logits (B, V). With left padding, ``attention_mask``
-        (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions. A static cache
+        (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions. ``row_adapters``
+        (under ``adapter(MIXED)``) names each row's LoRA adapter, None for the base model. A static cache
         (SAKER_COMPILE) goes through the compiled forward, replayed as a CUDA graph."""
         ids = tokens.view(-1, 1).to(self.input_device)
         if self.static_len is not None and type(cache).__name__ == "StaticCache":
@@ -77,6 +91,8 @@ class ModelRunner:
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.input_device)
             kwargs["position_ids"] = position_ids.view(-1, 1).to(self.input_device)
+        if row_adapters is not None:
+            kwargs["adapter_names"] = [name or "__base__" for name in row_adapters]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
 

@@ -1,8 +1,8 @@
 """Continuous batching: one thread owns the model and runs decode steps for every request in flight.
 
 Requests arrive as groups (one per prompt) and wait in a queue. Between steps the scheduler admits waiting
-groups while the batch has room (``max_batch_size`` rows, ``max_batch_tokens`` KV tokens, the same PEFT
-adapter): each is prefilled, samples its first tokens and joins the running batch. Every step is one forward
+groups while the batch has room (``max_batch_size`` rows, ``max_batch_tokens`` KV tokens; PEFT adapters that
+are all LoRA mix in one batch, others need the same adapter): each is prefilled, samples its first tokens and joins the running batch. Every step is one forward
 for all rows; finished candidates leave at once, and a group whose client went away is dropped at the next
 step. Events go back to each request through its ``Ticket``.
 """
@@ -104,7 +104,7 @@ class Scheduler:
             taken: list[tuple[RequestGroup, Ticket]] = []
             rows = self.batch.rows
             tokens = sum(g.budget_tokens for g in self.batch.groups)
-            adapter = self.batch.adapter if self.batch.groups else None
+            adapters = self.batch.adapters
             busy = bool(self.batch.groups)
             while self._pending:
                 group, ticket = self._pending[0]
@@ -117,19 +117,19 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
-                    if group.params.adapter != adapter or not self.batch.accepts(group):
+                    if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
                         break
                 self._pending.popleft()
                 taken.append((group, ticket))
-                busy, adapter = True, group.params.adapter
+                busy = True
+                adapters.add(group.params.adapter)
                 rows += group.params.num_candidates
                 tokens += group.budget_tokens
             return taken
 
     def _iteration(self) -> None:
         taken = self._take_admissible()
-        adapter = taken[0][0].params.adapter if taken else self.batch.adapter
-        with self.runner.adapter(adapter), torch.inference_mode():
+        with torch.inference_mode():
             for i, (group, ticket) in enumerate(taken):
                 if self.batch.groups and not mergeable(self.batch.cache):
                     with self._cond:            # this model's cache cannot be joined: one group at a time
@@ -138,7 +138,8 @@ class Scheduler:
                 self._tickets[id(group)] = ticket
                 group.timings.queue_s = time.perf_counter() - group.submitted
                 try:
-                    events = admit(self.batch, group)
+                    with self.runner.adapter(group.params.adapter):
+                        events = admit(self.batch, group)
                 except BaseException as exc:    # noqa: BLE001 - this group fails, the batch goes on
                     self._forget(group).fail(group, exc)
                     self._after_failure(exc)
@@ -154,7 +155,8 @@ class Scheduler:
                 return
             start = time.perf_counter()
             try:
-                results = step(self.batch)
+                with self.runner.adapter(self.batch.adapter):
+                    results = step(self.batch)
             except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
                 for group in self.batch.groups:
                     self._forget(group).fail(group, exc)
