@@ -329,6 +329,7 @@ class Item:
     request: Any = None               # the validated request (None when error is set)
     error: APIError | None = None
     cost: int = 0                     # tokens it occupies in a batch
+    job: Any = None                   # the request prepared for the engine (service.prepare), done once
     result: dict | None = None
 
 
@@ -357,7 +358,8 @@ def make_item(service, number: int, text: str | None, raw: bytes, *, seed: int |
         else:
             request = parse_request(CompletionRequest, body)
         item.request = _served_model(service, request)
-        item.cost = request_cost(service, item.request)
+        item.job = service.prepare(item.request)
+        item.cost = job_cost(service, item.job)
     except APIError as exc:
         item.error, item.request = exc, None
     except Exception as exc:   # noqa: BLE001 - a line never stops the run
@@ -383,11 +385,11 @@ def _served_model(service, request):
     return request.model_copy(update=update)
 
 
-def request_cost(service, request) -> int:
-    """Tokens a request holds in a batch: (prompt tokens + max_tokens) per sequence (n, or best_of candidates),
-    as the seed's ``--budget``; max_tokens null counts up to the context. ``service.prepare`` also checks the
-    request against the model (context length, limits), so those errors are known before any batch runs."""
-    job = service.prepare(request)
+def job_cost(service, job) -> int:
+    """Tokens a prepared request holds in a batch: (prompt tokens + max_tokens) per sequence (n, or best_of
+    candidates), as the seed's ``--budget``; max_tokens null counts up to the context. ``service.prepare`` has
+    checked the request against the model (context length, limits), so those errors are known before any batch
+    runs."""
     params = job.params
     total = service.max_total_tokens
     return sum(params.num_candidates * (len(ids) + (max(total - len(ids), 0) if params.max_tokens is None
@@ -460,7 +462,7 @@ def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] |
 
 def _answer(service, item: Item) -> None:
     try:
-        item.result = service.complete(item.request).body
+        item.result = service.complete(item.request, item.job).body
     except APIError as exc:
         item.error = exc
     except Exception as exc:   # noqa: BLE001 - one bad request does not stop the run

@@ -168,9 +168,10 @@ class CompletionService:
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
 
-    def complete(self, request: SamplingRequest) -> ServedResponse:
-        """A whole (non-streamed) completion or chat completion."""
-        job = self.prepare(request)
+    def complete(self, request: SamplingRequest, job: Job | None = None) -> ServedResponse:
+        """A whole (non-streamed) completion or chat completion; ``job``: this request already prepared (batch
+        mode validates every line before it runs)."""
+        job = job or self.prepare(request)
         outputs, timings = self.worker.complete(job.prompts, job.params, self.max_total_tokens)
         n = job.params.n
         prompt_tokens = sum(o.prompt_tokens for o in outputs)

@@ -112,11 +112,11 @@ class CountingService:
     def __getattr__(self, name):
         return getattr(self.service, name)
 
-    def complete(self, request):
+    def complete(self, request, job=None):
         self.calls.append(request)
         if self.on_call is not None:
             self.on_call(len(self.calls))
-        return self.service.complete(request)
+        return self.service.complete(request, job)
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +196,12 @@ def test_seed_example_answered_in_seed_output_shape(tmp_path, long_gpt2, capsys)
     assert summary["status"] == "SUCCESS" and summary["request_count"] == summary["response_count"] == 1
 
 
-def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_service, gpt2_client):
+def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_service, gpt2_client, monkeypatch):
     src = write_jsonl(tmp_path / "mixed.jsonl", MIXED)
     expected = [stable(over_http(gpt2_client, body)) for body in MIXED]
+    prepared = []
+    real_prepare = gpt2_service.prepare
+    monkeypatch.setattr(gpt2_service, "prepare", lambda request: prepared.append(request) or real_prepare(request))
     sizes, rows_seen = {}, {}
     scheduler = getattr(gpt2_service.worker, "scheduler", None)
     for budget in (1, 64, 10 ** 6):
@@ -207,6 +210,8 @@ def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_serv
             scheduler.max_rows_seen = 0
         code, counting = run_batch(gpt2_service, src, "-o", out, "--max-batch-tokens", budget)
         assert code == 0 and len(counting.calls) == len(MIXED)
+        assert len(prepared) == len(MIXED)      # each line is prepared (tokenized, checked) once, not twice
+        prepared.clear()
         lines = read_jsonl(out)
         assert [line["line"] for line in lines] == list(range(1, len(MIXED) + 1))
         assert [line["request"] for line in lines] == MIXED
