@@ -143,3 +143,59 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
     assert worker.scheduler.max_rows_seen == 1
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
+
+
+class InjectedOOM:
+    """A pre-hook on the model's second block that raises CUDA's out-of-memory error in decode steps of at least
+    ``rows`` rows, ``times`` times (None: always), after the first block has already appended to its cache."""
+
+    def __init__(self, model, rows: int, times: int | None):
+        import torch
+        self.rows, self.times, self.raised = rows, times, 0
+        block = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[1]
+        self.handle = block.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        import torch
+        hidden = args[0]
+        if hidden.shape[1] == 1 and hidden.shape[0] >= self.rows and (self.times is None or self.raised < self.times):
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def run_tickets(worker, requests):
+    """Submit each request as its own ticket, back to back; per request its result or the exception it got."""
+    groups = [RequestGroup(worker.runner, ids, params, max_length=256) for ids, params in requests]
+    tickets = [worker.scheduler.submit([g]) for g in groups]
+    out = []
+    for (_, params), ticket in zip(requests, tickets):
+        try:
+            out.append(collect([event for _, event in ticket], params))
+        except Exception as exc:   # noqa: BLE001
+            out.append(exc)
+    return out
+
+
+@pytest.mark.parametrize("times", [1, None])
+def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, reference, times):
+    """One OOM in a 3-row step fails the newest request; the others are rewound and go on with the numbers
+    they get alone. With OOMs at every multi-row step, requests fail newest first until one is left."""
+    import torch
+    worker, path = batch_worker
+    _, tok = reference(path)
+    requests = [(tok(text).input_ids, SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True))
+                for text in ("Once upon a time there was", "Hello", "The capital of France is")]
+    expected = [alone(worker, ids, params) for ids, params in requests]
+    inject = InjectedOOM(worker.runner.model, rows=3 if times == 1 else 2, times=times)
+    try:
+        results = run_tickets(worker, requests)
+    finally:
+        inject.handle.remove()
+    assert inject.raised == (1 if times == 1 else 2)
+    survivors = 2 if times == 1 else 1
+    for result, want in zip(results[:survivors], expected):
+        same(result, want)
+    for result in results[survivors:]:
+        assert isinstance(result, torch.OutOfMemoryError)
+    assert worker.scheduler.batch.groups == []
+    same(run_tickets(worker, requests[-1:])[0], expected[-1])      # the server goes on

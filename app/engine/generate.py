@@ -241,6 +241,16 @@ def mergeable(cache) -> bool:
     return all(type(layer).__name__ in ("DynamicLayer", "GrowingLayer") for layer in getattr(cache, "layers", [None]))
 
 
+class BatchOutOfMemory(Exception):
+    """A decode forward of a batch of several groups ran out of memory. The batch was rewound to how it was
+    before the step (each layer's cache back to its length, the mask without the new column), so the step can
+    be retried once a group has left. ``error`` is the original ``torch.OutOfMemoryError``."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 class DecodeBatch:
     """The running batch: one KV cache for the rows of several groups, left-padded to a common length.
 
@@ -327,7 +337,9 @@ class DecodeBatch:
             self.mask = None
 
     def forward(self) -> torch.Tensor:
-        """One decode step for every row; float32 logits (B, V)."""
+        """One decode step for every row; float32 logits (B, V). Raises ``BatchOutOfMemory`` (the batch as
+        before the step) when the forward of a batch of several mergeable groups runs out of memory."""
+        length_before, mask_before = self.length, self.mask
         mask = None
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype,
@@ -336,11 +348,27 @@ class DecodeBatch:
         row_adapters = None
         if self.adapter is MIXED:
             row_adapters = [g.params.adapter for g in self.groups for _ in range(g.rows)]
-        logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask, position_ids=self.positions,
-                                    row_adapters=row_adapters)
+        try:
+            logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask, position_ids=self.positions,
+                                        row_adapters=row_adapters)
+        except torch.OutOfMemoryError as exc:
+            if len(self.groups) < 2 or not mergeable(self.cache):
+                raise
+            self._rewind(length_before, mask_before)
+            raise BatchOutOfMemory(exc) from None
         self.positions = self.positions + 1
         self.length += 1
         return logits
+
+
+    def _rewind(self, length: int, mask: torch.Tensor | None) -> None:
+        """Undo a failed step: layers that appended the step's token go back to ``length`` columns (views of
+        the same buffers), and the mask loses the column the step added."""
+        self.mask = mask
+        for layer in self.cache.layers:
+            if layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
 
 
 def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:

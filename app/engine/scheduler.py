@@ -1,10 +1,11 @@
 """Continuous batching: one thread owns the model and runs decode steps for every request in flight.
 
 Requests arrive as groups (one per prompt) and wait in a queue. Between steps the scheduler admits waiting
-groups while the batch has room (``max_batch_size`` rows, ``max_batch_tokens`` KV tokens; PEFT adapters that
-are all LoRA mix in one batch, others need the same adapter): each is prefilled, samples its first tokens and joins the running batch. Every step is one forward
-for all rows; finished candidates leave at once, and a group whose client went away is dropped at the next
-step. Events go back to each request through its ``Ticket``.
+groups while the batch has room (``max_batch_size`` rows, ``max_batch_tokens`` KV tokens; named LoRA adapters
+mix in one batch, other adapter types need the same one): each is prefilled, samples its first tokens and joins
+the running batch. Every step is one forward for all rows; finished candidates leave at once, and a group whose
+client went away is dropped at the next step. A step whose forward runs out of memory fails the newest group
+only and is retried for the others. Events go back to each request through its ``Ticket``.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from typing import Iterator
 
 import torch
 
-from app.engine.generate import DecodeBatch, PromptEvent, RequestGroup, TokenEvent, admit, drop, mergeable, step
+from app.engine.generate import (BatchOutOfMemory, DecodeBatch, PromptEvent, RequestGroup, TokenEvent, admit, drop,
+                                 mergeable, step)
 from app.engine.runner import ModelRunner
 
 log = logging.getLogger("saker.scheduler")
@@ -155,8 +158,7 @@ class Scheduler:
                 return
             start = time.perf_counter()
             try:
-                with self.runner.adapter(self.batch.adapter):
-                    results = step(self.batch)
+                results = self._step()
             except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
                 for group in self.batch.groups:
                     self._forget(group).fail(group, exc)
@@ -173,6 +175,25 @@ class Scheduler:
                     ticket.put(group, event)
                 if not group.rows:
                     self._forget(group).done(group)
+
+    def _step(self) -> list[tuple[RequestGroup, list[TokenEvent]]]:
+        """One decode step. When the forward of several groups runs out of memory, the newest group fails
+        (its request gets the out-of-memory error: a 503) and the step is retried for the others."""
+        while True:
+            try:
+                with self.runner.adapter(self.batch.adapter):
+                    return step(self.batch)
+            except BatchOutOfMemory as oom:
+                newest = self.batch.groups[-1]
+                drop(self.batch, newest)
+                error = oom.error
+                traceback.clear_frames(error.__traceback__)     # the failed forward's activations
+                error.__traceback__ = None
+                del oom
+                self._forget(newest).fail(newest, error)
+                self._after_failure(error)
+                log.warning("out of memory in a step of %d groups: the newest request failed, %d go on",
+                            len(self.batch.groups) + 1, len(self.batch.groups))
 
     def _forget(self, group: RequestGroup) -> Ticket:
         return self._tickets.pop(id(group))
