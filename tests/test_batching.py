@@ -199,3 +199,89 @@ def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, ref
         assert isinstance(result, torch.OutOfMemoryError)
     assert worker.scheduler.batch.groups == []
     same(run_tickets(worker, requests[-1:])[0], expected[-1])      # the server goes on
+
+
+@pytest.fixture()
+def shared_prefill(batch_worker, monkeypatch):
+    """The batch worker with shared prefills on (4096 padded tokens); records each shared prefill's prompts."""
+    worker, path = batch_worker
+    calls = []
+    real = worker.runner.prefill_together
+
+    def recording(prompts, all_logits):
+        calls.append([len(p) for p in prompts])
+        return real(prompts, all_logits)
+    monkeypatch.setattr(worker.runner, "prefill_together", recording)
+    monkeypatch.setattr(worker.scheduler, "prefill_tokens", 4096)
+    return worker, path, calls
+
+
+def test_prompts_prefilled_together_match_alone(shared_prefill, reference):
+    """Prompts of different lengths and settings admitted together share one left-padded prefill; each
+    request's text, logprobs (echoed prompt included) and seeded samples are those it gets alone."""
+    worker, path, calls = shared_prefill
+    _, tok = reference(path)
+    requests = [
+        (tok("Once upon a time there").input_ids, SamplingParams(max_tokens=12, temperature=0.0, logprobs=2,
+                                                                 ignore_eos=True)),
+        (tok("The capital of France").input_ids, SamplingParams(max_tokens=0, echo=True, logprobs=3)),
+        (tok("Hello world, this is").input_ids, SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2,
+                                                               logprobs=0, ignore_eos=True)),
+        (tok("def add(a, b):").input_ids, SamplingParams(max_tokens=6, temperature=0.0, echo=True, logprobs=1,
+                                                         ignore_eos=True)),
+        (tok("東京 🙂 x").input_ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
+    ]
+    lengths = [len(ids) for ids, _ in requests]
+    assert len(set(lengths)) > 1, lengths
+    results = batched(worker, requests)
+    assert calls and max(len(c) for c in calls) >= 3, calls
+    assert sum(len(c) for c in calls) <= len(requests)
+    for (ids, params), result in zip(requests, results):
+        same(result, alone(worker, ids, params))
+
+
+def test_shared_prefill_chunks_bound_padding(shared_prefill, reference):
+    """A prompt much longer than the others does not share their prefill (at most a third padding)."""
+    worker, path, calls = shared_prefill
+    _, tok = reference(path)
+    text = tok("Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the "
+               "office? Answer: east east").input_ids
+    short = [text[:6], text[3:9], text[5:10]]
+    longer = text[:30]
+    requests = [(ids, SamplingParams(max_tokens=3, temperature=0.0)) for ids in short + [longer]]
+    results = batched(worker, requests)
+    assert calls == [[6, 6, 5]]                  # the 30-token prompt is prefilled alone
+    for (ids, params), result in zip(requests, results):
+        same(result, alone(worker, ids, params))
+
+
+def test_failed_shared_prefill_falls_back_to_one_at_a_time(shared_prefill, reference, monkeypatch):
+    import torch
+    worker, path, calls = shared_prefill
+    _, tok = reference(path)
+
+    def out_of_memory(prompts, all_logits):
+        calls.append([len(p) for p in prompts])
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
+    monkeypatch.setattr(worker.runner, "prefill_together", out_of_memory)
+    text = tok("Once upon a time there was a garden north of the office").input_ids
+    requests = [(ids, SamplingParams(max_tokens=4, temperature=0.0, logprobs=1))
+                for ids in (text[:6], text[2:8], text[4:9])]
+    results = batched(worker, requests)
+    assert calls == [[6, 6, 5]]
+    for (ids, params), result in zip(requests, results):
+        same(result, alone(worker, ids, params))
+
+
+def test_shared_prefill_padding_is_cut_from_a_request_decoding_alone(shared_prefill, reference):
+    """The shorter prompt of a shared prefill decodes alone (the other only scores its prompt): its cache must
+    hold none of the padding, as there is no mask then."""
+    worker, path, calls = shared_prefill
+    _, tok = reference(path)
+    text = tok("Once upon a time there was a garden north of the office").input_ids
+    requests = [(text[:6], SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)),
+                (text[:8], SamplingParams(max_tokens=0, echo=True, logprobs=2))]
+    results = batched(worker, requests)
+    assert calls == [[6, 8]]
+    for (ids, params), result in zip(requests, results):
+        same(result, alone(worker, ids, params))

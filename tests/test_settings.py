@@ -306,3 +306,12 @@ def test_log_level_any_case(monkeypatch):
     from app.settings import load_settings
     monkeypatch.setenv("SAKER_LOG_LEVEL", "WARNING")
     assert load_settings().log_level == "warning"
+
+
+def test_every_setting_is_documented():
+    """docs/configuration.md has a row for every field: its env var and its flag."""
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    for name in Settings.model_fields:
+        assert f"`SAKER_{name.upper()}`" in doc, name
+        assert f"`--{name.replace('_', '-')}" in doc, name

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from app.engine.detokenize import IncrementalDetokenizer
+from app.engine.kv_cache import mergeable
 from app.engine.logprobs import candidate_keys, raw_logprobs
 from app.engine.params import SamplingParams, Timings, TokenLogprobs
 from app.engine.runner import MIXED, ModelRunner
@@ -78,6 +79,11 @@ class RequestGroup:
     @property
     def generates(self) -> bool:
         return self.max_new > 0
+
+    @property
+    def prefills(self) -> bool:
+        """Whether admitting this group runs a forward (it generates, or its prompt is scored)."""
+        return self.generates or self.needs_prompt_logits
 
     @property
     def budget_tokens(self) -> int:
@@ -236,11 +242,6 @@ def sample_step(groups: list[RequestGroup], logits: torch.Tensor
     return events, tokens
 
 
-def mergeable(cache) -> bool:
-    """Caches whose layers are plain DynamicLayers can be padded and joined into one batch."""
-    return all(type(layer).__name__ in ("DynamicLayer", "GrowingLayer") for layer in getattr(cache, "layers", [None]))
-
-
 class BatchOutOfMemory(Exception):
     """A decode forward of a batch of several groups ran out of memory. The batch was rewound to how it was
     before the step (each layer's cache back to its length, the mask without the new column), so the step can
@@ -384,10 +385,38 @@ def admit(batch: DecodeBatch, group: RequestGroup) -> list[PromptEvent | TokenEv
     """Prefill a group, sample its first tokens from the prefill's logits and, if it goes on, add it to the
     batch. Returns its events so far: the prompt's, then its first tokens'."""
     start = time.perf_counter()
-    if not group.generates and not group.needs_prompt_logits:
+    if not group.prefills:
         return [group.prompt_event(None)]
     static = group.runner.uses_static_cache(group.params.num_candidates, len(group.prompt_ids) + group.max_new)
     logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits, static=static)
+    return _join(batch, group, logits, cache, start)
+
+
+def admit_together(batch: DecodeBatch, groups: list[RequestGroup]
+                   ) -> list[list[PromptEvent | TokenEvent] | BaseException]:
+    """``admit`` for several groups (each of which ``prefills``) with one prefill forward over their prompts,
+    left-padded to a common length; each group then goes on with its own row of the logits and of the cache
+    (padding cut off), as if prefilled alone. Per group its events, or the exception that failed it after the
+    forward. A failed forward raises (no group has joined the batch then)."""
+    start = time.perf_counter()
+    runner = groups[0].runner
+    all_logits = any(g.needs_prompt_logits for g in groups)
+    logits, caches = runner.prefill_together([g.prompt_ids for g in groups], all_logits=all_logits)
+    out: list[list[PromptEvent | TokenEvent] | BaseException] = []
+    for group, row_logits, cache in zip(groups, logits, caches):
+        if not group.needs_prompt_logits:
+            row_logits = row_logits[-1:]
+        try:
+            out.append(_join(batch, group, row_logits.unsqueeze(0), cache, start))
+        except Exception as exc:   # noqa: BLE001 - this group fails, the others go on
+            out.append(exc)
+    return out
+
+
+def _join(batch: DecodeBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
+          ) -> list[PromptEvent | TokenEvent]:
+    """After a group's prefill (logits (1, L or 1, V), its cache): the prompt event, the first tokens, and the
+    group in the batch if it goes on."""
     events: list[PromptEvent | TokenEvent] = [group.prompt_event(logits[0] if group.needs_prompt_logits else None)]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start

@@ -3,7 +3,8 @@
 transformers' ``DynamicLayer`` grows by ``torch.cat``: every decode step copies the whole cache of every layer.
 ``GrowingLayer`` keeps keys and values in a buffer with room to spare and writes each new token into it; the
 model sees views of the filled part. Anything that replaces ``keys``/``values`` from outside (batch selection,
-the batch's left padding, trimming) is noticed at the next update and copied into a fresh buffer.
+the batch's left padding, trimming, a row taken out of a prefill of several prompts) is noticed at the next
+update and copied into a fresh buffer.
 """
 from __future__ import annotations
 
@@ -64,8 +65,30 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def mergeable(cache) -> bool:
+    """Caches whose layers are plain DynamicLayers can be padded and joined into one batch (or split by row)."""
+    return all(type(layer).__name__ in ("DynamicLayer", "GrowingLayer") for layer in getattr(cache, "layers", [None]))
+
+
 def use_growing_layers(cache) -> None:
     """Swap a fresh DynamicCache's plain layers for GrowingLayers (other layer kinds are left alone)."""
     layers = getattr(cache, "layers", None)
     if layers and all(type(layer) is DynamicLayer and not layer.is_initialized for layer in layers):
         cache.layers = [GrowingLayer() for _ in layers]
+
+
+def split_rows(cache, config, starts: list[int]) -> list:
+    """One cache per row of a left-padded batch ``cache`` (plain dynamic layers): row ``i`` without its first
+    ``starts[i]`` (padding) columns, as a fresh DynamicCache of GrowingLayers holding views of the batch's
+    tensors (copied into their own buffers at their first update)."""
+    from transformers import DynamicCache
+    out = []
+    for row, start in enumerate(starts):
+        single = DynamicCache(config=config)
+        use_growing_layers(single)
+        for src, dst in zip(cache.layers, single.layers):
+            keys, values = src.keys[row:row + 1, :, start:], src.values[row:row + 1, :, start:]
+            dst.lazy_initialization(keys, values)
+            dst.keys, dst.values = keys, values
+        out.append(single)
+    return out

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.kv_cache import use_growing_layers
+from app.engine.kv_cache import mergeable, split_rows, use_growing_layers
 from app.engine.logprobs import is_byte_level
 
 MIXED = object()      # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
@@ -24,6 +24,7 @@ class ModelRunner:
     _compiled: object = field(default=None, repr=False)
     mixes_adapters: bool = False              # every named adapter is LoRA: one batch may mix them (and the base)
     _active_adapter: object = field(default="", repr=False)   # "": not chosen yet
+    _prefills_together: bool | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.input_device is None:
@@ -73,6 +74,34 @@ class ModelRunner:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1, **kwargs)
         return out.logits, cache
+
+    def prefill_together(self, prompts: list[list[int]], all_logits: bool
+                         ) -> tuple[list[torch.Tensor], list]:
+        """One forward over several prompts, left-padded to the longest, each row with its own positions and a
+        mask over its padding. Per prompt: its logits (L, V), or (1, V) for the last position only, and its
+        KV cache without the padding (see ``kv_cache.split_rows``)."""
+        from transformers import DynamicCache
+        longest = max(len(p) for p in prompts)
+        pads = [longest - len(p) for p in prompts]
+        ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=torch.long, device=self.input_device)
+        mask = torch.tensor([[0] * pad + [1] * len(p) for pad, p in zip(pads, prompts)], dtype=torch.long,
+                            device=self.input_device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=0 if all_logits else 1)
+        logits = [out.logits[i, pad:] if all_logits else out.logits[i] for i, pad in enumerate(pads)]
+        return logits, split_rows(cache, self.model.config, pads)
+
+    @property
+    def prefills_together(self) -> bool:
+        """Whether prompts can share a prefill: the model's cache layers are plain (can be split by row)."""
+        if self._prefills_together is None:
+            from transformers import DynamicCache
+            cache = DynamicCache(config=self.model.config)
+            use_growing_layers(cache)
+            self._prefills_together = self.static_len is None and mergeable(cache)
+        return self._prefills_together
 
     def decode(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None, row_adapters: list[str | None] | None = None

@@ -19,8 +19,9 @@ from typing import Iterator
 
 import torch
 
-from app.engine.generate import (BatchOutOfMemory, DecodeBatch, PromptEvent, RequestGroup, TokenEvent, admit, drop,
-                                 mergeable, step)
+from app.engine.generate import (BatchOutOfMemory, DecodeBatch, PromptEvent, RequestGroup, TokenEvent, admit,
+                                 admit_together, drop, step)
+from app.engine.kv_cache import mergeable
 from app.engine.runner import ModelRunner
 
 log = logging.getLogger("saker.scheduler")
@@ -63,10 +64,12 @@ class Ticket:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, max_batch_size: int = 8, max_batch_tokens: int | None = None):
+    def __init__(self, runner: ModelRunner, *, max_batch_size: int = 8, max_batch_tokens: int | None = None,
+                 prefill_tokens: int = 0):
         self.runner = runner
         self.max_batch_size = max(1, max_batch_size)
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_tokens = prefill_tokens    # padded prompt tokens one shared prefill may hold (0: alone)
         self.batch = DecodeBatch(runner)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
@@ -133,24 +136,15 @@ class Scheduler:
     def _iteration(self) -> None:
         taken = self._take_admissible()
         with torch.inference_mode():
-            for i, (group, ticket) in enumerate(taken):
+            i = 0
+            while i < len(taken):
                 if self.batch.groups and not mergeable(self.batch.cache):
                     with self._cond:            # this model's cache cannot be joined: one group at a time
                         self._pending.extendleft(reversed(taken[i:]))
                     break
-                self._tickets[id(group)] = ticket
-                group.timings.queue_s = time.perf_counter() - group.submitted
-                try:
-                    with self.runner.adapter(group.params.adapter):
-                        events = admit(self.batch, group)
-                except BaseException as exc:    # noqa: BLE001 - this group fails, the batch goes on
-                    self._forget(group).fail(group, exc)
-                    self._after_failure(exc)
-                    continue
-                for event in events:
-                    ticket.put(group, event)
-                if group not in self.batch.groups:
-                    self._forget(group).done(group)
+                chunk = self._prefill_chunk(taken, i)
+                i += len(chunk)
+                self._admit(chunk)
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
                 self._forget(group).done(group)
@@ -176,6 +170,60 @@ class Scheduler:
                 if not group.rows:
                     self._forget(group).done(group)
 
+    def _prefill_chunk(self, taken: list[tuple[RequestGroup, Ticket]], i: int) -> list[tuple[RequestGroup, Ticket]]:
+        """The groups from ``taken[i]`` on that share one prefill forward: same adapter, at most
+        ``prefill_tokens`` padded prompt tokens, at most a third of them padding. Just ``taken[i]`` otherwise."""
+        first = taken[i][0]
+        if self.prefill_tokens <= 0 or not first.prefills or not self.runner.prefills_together:
+            return taken[i:i + 1]
+        chunk, longest, total = taken[i:i + 1], len(first.prompt_ids), len(first.prompt_ids)
+        for group, ticket in taken[i + 1:]:
+            length = len(group.prompt_ids)
+            padded = (len(chunk) + 1) * max(longest, length)
+            if not group.prefills or group.params.adapter != first.params.adapter or padded > self.prefill_tokens \
+                    or 2 * padded > 3 * (total + length):
+                break
+            chunk.append((group, ticket))
+            longest, total = max(longest, length), total + length
+        return chunk
+
+    def _admit(self, chunk: list[tuple[RequestGroup, Ticket]]) -> None:
+        """Prefill the chunk's groups (together when there are several; one by one if that fails), hand each
+        its first events; a group that is already finished is done, a group whose prefill failed fails."""
+        now = time.perf_counter()
+        for group, ticket in chunk:
+            self._tickets[id(group)] = ticket
+            group.timings.queue_s = now - group.submitted
+        groups = [group for group, _ in chunk]
+        outcomes: list | None = None
+        if len(groups) > 1:
+            try:
+                with self.runner.adapter(groups[0].params.adapter):
+                    outcomes = admit_together(self.batch, groups)
+            except BaseException as exc:        # noqa: BLE001 - e.g. out of memory: try them one at a time
+                log.warning("prefill of %d prompts together failed (%s: %s); one at a time", len(groups),
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                _drop_frames(exc)
+                self._after_failure(exc)
+        if outcomes is None:
+            outcomes = []
+            for group in groups:
+                try:
+                    with self.runner.adapter(group.params.adapter):
+                        outcomes.append(admit(self.batch, group))
+                except BaseException as exc:    # noqa: BLE001 - this group fails, the batch goes on
+                    _drop_frames(exc)
+                    outcomes.append(exc)
+        for (group, ticket), outcome in zip(chunk, outcomes):
+            if isinstance(outcome, BaseException):
+                self._forget(group).fail(group, outcome)
+                self._after_failure(outcome)
+                continue
+            for event in outcome:
+                ticket.put(group, event)
+            if group not in self.batch.groups:
+                self._forget(group).done(group)
+
     def _step(self) -> list[tuple[RequestGroup, list[TokenEvent]]]:
         """One decode step. When the forward of several groups runs out of memory, the newest group fails
         (its request gets the out-of-memory error: a 503) and the step is retried for the others."""
@@ -187,8 +235,7 @@ class Scheduler:
                 newest = self.batch.groups[-1]
                 drop(self.batch, newest)
                 error = oom.error
-                traceback.clear_frames(error.__traceback__)     # the failed forward's activations
-                error.__traceback__ = None
+                _drop_frames(error)                             # the failed forward's activations
                 del oom
                 self._forget(newest).fail(newest, error)
                 self._after_failure(error)
@@ -202,3 +249,9 @@ class Scheduler:
         if isinstance(exc, torch.OutOfMemoryError):
             from app.engine.oom import free_memory
             free_memory()
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Let go of what a failed forward's frames hold (activations, a KV cache) before memory is freed."""
+    traceback.clear_frames(exc.__traceback__)
+    exc.__traceback__ = None
