@@ -105,12 +105,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int | None = Field(None, gt=0, description="Most KV-cache tokens (prompt + max_tokens per "
                                          "sequence) in the batch; a request that does not fit waits. Unset: no "
                                          "bound beyond max_batch_size.")
-    prefill_batch_tokens: int | None = Field(None, ge=0, description="Most padded prompt tokens in one shared "
-                                             "prefill: prompts admitted together are prefilled in one forward "
-                                             "(left-padded; at most a third padding) while they fit. 0 = each "
-                                             "prompt alone. Unset: 4096 on a GPU, 0 on the CPU (there a shared "
-                                             "prefill costs about a fifth less in all, but every prompt's first token waits "
-                                             "for the whole prefill).")
+    prefill_batch_tokens: int = Field(4096, ge=0, description="Most padded prompt tokens in one shared prefill: "
+                                      "prompts admitted together are prefilled in one forward (left-padded; at "
+                                      "most a third padding) while they fit. 0 = each prompt alone.")
     compile: bool = Field(False, description="CUDA only: decode single-sequence requests with a static KV cache "
                           "and torch.compile (CUDA graphs); compiles during warm-up (tens of seconds). Serves one "
                           "request at a time (max_batch_size 1); requests with n/best_of > 1 run eagerly.")

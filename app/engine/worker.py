@@ -57,12 +57,12 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 class Worker:
     def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
                  *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile_len: int | None = None,
-                 prefill_batch_tokens: int | None = 0):
+                 prefill_batch_tokens: int = 4096):
         self.names = names
         self._loader = loader
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.prefill_batch_tokens = prefill_batch_tokens    # None: by device (GPU 4096, CPU 0)
+        self.prefill_batch_tokens = prefill_batch_tokens    # padded prompt tokens of a shared prefill (0: off)
         self.compile_len = compile_len          # SAKER_COMPILE: static cache length (0 = the model's context)
         self.scheduler: Scheduler | None = None
         # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
@@ -107,11 +107,8 @@ class Worker:
             context = self.info.context_length
             self.runner.static_len = min(self.compile_len or context, context)
         self.warm_up()
-        prefill_tokens = self.prefill_batch_tokens
-        if prefill_tokens is None:
-            prefill_tokens = 4096 if self.runner.input_device.type == "cuda" else 0
         self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
-                                   max_batch_tokens=self.max_batch_tokens, prefill_tokens=prefill_tokens)
+                                   max_batch_tokens=self.max_batch_tokens, prefill_tokens=self.prefill_batch_tokens)
         self.scheduler.start()
         self.load_seconds = loaded.load_seconds
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
