@@ -101,6 +101,7 @@ def _answer(body):
     response.headers["X-Saker-Prefill-Ms"] = f"{t.prefill_s * 1000:.3f}"
     response.headers["X-Saker-Decode-Ms"] = f"{t.decode_s * 1000:.3f}"
     response.headers["X-Saker-Tokens-Per-Second"] = f"{t.tokens_per_second:.3f}"
+    response.headers["X-Saker-Cached-Prompt-Tokens"] = str(t.cached_tokens)
     return response
 
 

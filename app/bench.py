@@ -604,6 +604,8 @@ class Bench:
                "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
         if "max_queue" in fields:                  # 16 clients must queue, not be turned away with 429
             env["SAKER_MAX_QUEUE"] = str(2 * max(max(self.plan.l_levels), self.plan.b_clients))
+        if "prefix_cache_tokens" in fields:        # every part repeats one prompt: measure its prefill, not a cache
+            env["SAKER_PREFIX_CACHE_TOKENS"] = "0"
         if self.args.max_batch_size is not None:
             if "max_batch_size" in fields:
                 env["SAKER_MAX_BATCH_SIZE"] = str(self.args.max_batch_size)

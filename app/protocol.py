@@ -379,6 +379,7 @@ class Timing(BaseModel):
     prefill_ms: float
     decode_ms: float
     tokens_per_second: float
+    cached_prompt_tokens: int = 0       # prompt tokens served from the prefix cache (SAKER_PREFIX_CACHE_TOKENS)
 
 
 class CompletionResponse(BaseModel):

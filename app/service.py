@@ -315,4 +315,4 @@ def chat_logprobs(lp: TokenLogprobs | None, top_logprobs: int) -> ChatChoiceLogp
 def timing_of(timings: Timings) -> Timing:
     return Timing(queue_ms=round(timings.queue_s * 1000, 3), prefill_ms=round(timings.prefill_s * 1000, 3),
                   decode_ms=round(timings.decode_s * 1000, 3),
-                  tokens_per_second=round(timings.tokens_per_second, 3))
+                  tokens_per_second=round(timings.tokens_per_second, 3), cached_prompt_tokens=timings.cached_tokens)

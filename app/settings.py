@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     prefill_batch_tokens: int = Field(4096, ge=0, description="Most padded prompt tokens in one shared prefill: "
                                       "prompts admitted together are prefilled in one forward (left-padded; at "
                                       "most a third padding) while they fit. 0 = each prompt alone.")
+    prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt tokens whose KV cache is kept for reuse "
+                                     "(least recently used first out): a prompt that starts with 16 or more "
+                                     "tokens of a recent one prefills only the rest. 0 = off.")
     compile: bool = Field(False, description="CUDA only: decode single-sequence requests with a static KV cache "
                           "and torch.compile (CUDA graphs); compiles during warm-up (tens of seconds). Serves one "
                           "request at a time (max_batch_size 1); requests with n/best_of > 1 run eagerly.")

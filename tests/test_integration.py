@@ -73,7 +73,8 @@ def test_timing_headers_and_request_id(server):
     assert response.json()["id"].startswith("cmpl-")
     for header in ("X-Saker-Queue-Ms", "X-Saker-Prefill-Ms", "X-Saker-Decode-Ms", "X-Saker-Tokens-Per-Second"):
         assert float(response.headers[header]) >= 0
-    assert set(response.json()["timing"]) == {"queue_ms", "prefill_ms", "decode_ms", "tokens_per_second"}
+    assert set(response.json()["timing"]) == {"queue_ms", "prefill_ms", "decode_ms", "tokens_per_second",
+                                              "cached_prompt_tokens"}
 
 
 def test_concurrent_requests_wait_their_turn(server):

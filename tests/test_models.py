@@ -124,6 +124,32 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
         assert got.logprobs.token_logprobs == pytest.approx(expected(lp, ids + generated)[len(ids) - 1:], abs=TOL)
 
 
+def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
+    """A prompt kept under one adapter is not reused for another (their keys and values differ), and is
+    reused for the same one; both agree with peft's own forward."""
+    from app.engine.generate import Generator, TokenEvent
+    from app.engine.loader import load_model
+    from app.engine.params import SamplingParams
+    from app.engine.worker import Worker
+    a, b = loras
+    settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
+    worker = Worker.from_loaded(("base",), load_model(settings), prefix_cache_tokens=4096)
+    cache = worker.runner.prefix_cache
+    prompt = [1] + list(range(40, 60))
+    for name, adapter_dir, reused in (("alpha", a, False), ("beta", b, False), ("beta", b, True),
+                                      (None, None, False)):
+        ids = prompt + [70 + len(name or "")]
+        params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True, adapter=name)
+        hits = cache.hits
+        with worker.runner.adapter(name):
+            events = list(Generator(worker.runner, ids, params, max_length=128))
+        assert cache.hits == hits + reused, name
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        lp = peft_reference_logprobs(llama_dir, adapter_dir, ids + [e.token_id for e in tokens])
+        assert [e.logprob for e in tokens] == pytest.approx(
+            expected(lp, ids + [e.token_id for e in tokens])[len(ids) - 1:], abs=TOL)
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_single_adapter_applied_and_merged(llama_dir, loras, merge):
     a, _ = loras

@@ -388,7 +388,9 @@ def admit(batch: DecodeBatch, group: RequestGroup) -> list[PromptEvent | TokenEv
     if not group.prefills:
         return [group.prompt_event(None)]
     static = group.runner.uses_static_cache(group.params.num_candidates, len(group.prompt_ids) + group.max_new)
-    logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits, static=static)
+    logits, cache, reused = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits,
+                                                 static=static)
+    group.timings.cached_tokens += reused
     return _join(batch, group, logits, cache, start)
 
 

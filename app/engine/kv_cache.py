@@ -81,14 +81,18 @@ def split_rows(cache, config, starts: list[int]) -> list:
     """One cache per row of a left-padded batch ``cache`` (plain dynamic layers): row ``i`` without its first
     ``starts[i]`` (padding) columns, as a fresh DynamicCache of GrowingLayers holding views of the batch's
     tensors (copied into their own buffers at their first update)."""
+    return [growing_cache(config, [layer.keys[row:row + 1, :, start:] for layer in cache.layers],
+                          [layer.values[row:row + 1, :, start:] for layer in cache.layers])
+            for row, start in enumerate(starts)]
+
+
+def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """A fresh DynamicCache of GrowingLayers already holding these per-layer keys and values (views: they are
+    copied into the layers' own buffers at the first update, so the tensors given are never written)."""
     from transformers import DynamicCache
-    out = []
-    for row, start in enumerate(starts):
-        single = DynamicCache(config=config)
-        use_growing_layers(single)
-        for src, dst in zip(cache.layers, single.layers):
-            keys, values = src.keys[row:row + 1, :, start:], src.values[row:row + 1, :, start:]
-            dst.lazy_initialization(keys, values)
-            dst.keys, dst.values = keys, values
-        out.append(single)
-    return out
+    cache = DynamicCache(config=config)
+    use_growing_layers(cache)
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache

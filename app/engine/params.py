@@ -43,6 +43,7 @@ class Timings:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     generated_tokens: int = 0
+    cached_tokens: int = 0              # prompt tokens whose keys and values came from the prefix cache
 
     @property
     def tokens_per_second(self) -> float:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.kv_cache import mergeable, split_rows, use_growing_layers
+from app.engine.kv_cache import growing_cache, mergeable, split_rows, use_growing_layers
 from app.engine.logprobs import is_byte_level
 
 MIXED = object()      # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
@@ -21,6 +21,7 @@ class ModelRunner:
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
     static_len: int | None = None             # SAKER_COMPILE: single-row requests use a static cache this long
+    prefix_cache: object = None               # a PrefixCache (SAKER_PREFIX_CACHE_TOKENS > 0), or None
     _compiled: object = field(default=None, repr=False)
     mixes_adapters: bool = False              # every named adapter is LoRA: one batch may mix them (and the base)
     _active_adapter: object = field(default="", repr=False)   # "": not chosen yet
@@ -61,19 +62,41 @@ class ModelRunner:
         yield
 
     def prefill(self, prompt_ids: list[int], all_logits: bool, static: bool = False):
-        """Forward the prompt; logits (1, L or 1, V) and the KV cache (a static one for compiled decoding)."""
+        """Forward the prompt; logits (1, L or 1, V), the KV cache (a static one for compiled decoding) and how
+        many prompt tokens came from the prefix cache: a prompt that starts with a recent one forwards only the
+        rest (not when every position's logits are asked for: those of the reused positions are not kept)."""
         from transformers import DynamicCache, StaticCache
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
         kwargs = {}
+        start = 0
         if static:
             cache = StaticCache(config=self.model.config, max_cache_len=self.static_len)
             kwargs["cache_position"] = torch.arange(len(prompt_ids), device=self.input_device)
         else:
-            cache = DynamicCache(config=self.model.config)
-            use_growing_layers(cache)
+            entry = None
+            if self.prefix_cache is not None and not all_logits and self.prefills_together:
+                entry, start = self.prefix_cache.lookup(self._active_adapter, prompt_ids)
+            if entry is not None:
+                cache = growing_cache(self.model.config, [k[..., :start, :] for k in entry.keys],
+                                      [v[..., :start, :] for v in entry.values])
+            else:
+                cache = DynamicCache(config=self.model.config)
+                use_growing_layers(cache)
+        ids = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=self.input_device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1, **kwargs)
-        return out.logits, cache
+        if not static:
+            self._remember(prompt_ids, cache)
+        return out.logits, cache, start
+
+    def cached_prefix(self, prompt_ids: list[int], adapter: str | None) -> int:
+        """How many of the prompt's tokens a prefill with this adapter would take from the prefix cache."""
+        if self.prefix_cache is None or not self.prefills_together:
+            return 0
+        return self.prefix_cache.lookup(adapter if self.adapters else "", prompt_ids, touch=False)[1]
+
+    def _remember(self, prompt_ids: list[int], cache) -> None:
+        if self.prefix_cache is not None and self.prefills_together:
+            self.prefix_cache.store(self._active_adapter, prompt_ids, cache.layers)
 
     def prefill_together(self, prompts: list[list[int]], all_logits: bool
                          ) -> tuple[list[torch.Tensor], list]:
@@ -91,7 +114,10 @@ class ModelRunner:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=0 if all_logits else 1)
         logits = [out.logits[i, pad:] if all_logits else out.logits[i] for i, pad in enumerate(pads)]
-        return logits, split_rows(cache, self.model.config, pads)
+        caches = split_rows(cache, self.model.config, pads)
+        for prompt, row in zip(prompts, caches):
+            self._remember(prompt, row)
+        return logits, caches
 
     @property
     def prefills_together(self) -> bool:

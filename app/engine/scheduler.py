@@ -174,18 +174,25 @@ class Scheduler:
         """The groups from ``taken[i]`` on that share one prefill forward: same adapter, at most
         ``prefill_tokens`` padded prompt tokens, at most a third of them padding. Just ``taken[i]`` otherwise."""
         first = taken[i][0]
-        if self.prefill_tokens <= 0 or not first.prefills or not self.runner.prefills_together:
+        if self.prefill_tokens <= 0 or not self._shares_prefill(first):
             return taken[i:i + 1]
         chunk, longest, total = taken[i:i + 1], len(first.prompt_ids), len(first.prompt_ids)
         for group, ticket in taken[i + 1:]:
             length = len(group.prompt_ids)
             padded = (len(chunk) + 1) * max(longest, length)
-            if not group.prefills or group.params.adapter != first.params.adapter or padded > self.prefill_tokens \
+            if not self._shares_prefill(group) or group.params.adapter != first.params.adapter \
+                    or padded > self.prefill_tokens \
                     or 2 * padded > 3 * (total + length):
                 break
             chunk.append((group, ticket))
             longest, total = max(longest, length), total + length
         return chunk
+
+    def _shares_prefill(self, group: RequestGroup) -> bool:
+        """A group whose prompt starts with a cached one prefills alone (only its new tokens)."""
+        if not group.prefills or not self.runner.prefills_together:
+            return False
+        return group.needs_prompt_logits or not self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
 
     def _admit(self, chunk: list[tuple[RequestGroup, Ticket]]) -> None:
         """Prefill the chunk's groups (together when there are several; one by one if that fails), hand each

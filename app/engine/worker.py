@@ -14,6 +14,7 @@ from app.engine.generate import Generator, PromptEvent, RequestGroup, TokenEvent
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_as_503
+from app.engine.prefix_cache import PrefixCache
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
@@ -57,12 +58,13 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 class Worker:
     def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
                  *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile_len: int | None = None,
-                 prefill_batch_tokens: int = 4096):
+                 prefill_batch_tokens: int = 4096, prefix_cache_tokens: int = 4096):
         self.names = names
         self._loader = loader
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.prefill_batch_tokens = prefill_batch_tokens    # padded prompt tokens of a shared prefill (0: off)
+        self.prefix_cache_tokens = prefix_cache_tokens      # prompt tokens whose KV is kept for reuse (0: off)
         self.compile_len = compile_len          # SAKER_COMPILE: static cache length (0 = the model's context)
         self.scheduler: Scheduler | None = None
         # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
@@ -81,6 +83,7 @@ class Worker:
                    max_batch_size=1 if settings.compile else settings.max_batch_size,
                    max_batch_tokens=settings.max_batch_tokens,
                    prefill_batch_tokens=settings.prefill_batch_tokens,
+                   prefix_cache_tokens=settings.prefix_cache_tokens,
                    compile_len=(settings.max_total_tokens or 0) if settings.compile else None)
 
     @classmethod
@@ -106,6 +109,8 @@ class Worker:
                 raise ConfigError(self.error)
             context = self.info.context_length
             self.runner.static_len = min(self.compile_len or context, context)
+        if self.prefix_cache_tokens:
+            self.runner.prefix_cache = PrefixCache(self.prefix_cache_tokens)
         self.warm_up()
         self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
                                    max_batch_tokens=self.max_batch_tokens, prefill_tokens=self.prefill_batch_tokens)
@@ -181,6 +186,7 @@ class Worker:
                 timings.prefill_s += sum(g.timings.prefill_s for g in groups)
                 timings.decode_s += max(g.timings.decode_s for g in groups)
                 timings.generated_tokens += sum(g.timings.generated_tokens for g in groups)
+                timings.cached_tokens += sum(g.timings.cached_tokens for g in groups)
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
                ) -> Iterator[tuple[int, Release]]:
