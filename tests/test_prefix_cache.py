@@ -176,3 +176,29 @@ def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert b["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
         a["choices"][0]["logprobs"]["token_logprobs"], abs=TOL)
+
+
+def test_out_of_memory_empties_the_prefix_cache(workers, monkeypatch):
+    """Kept prompts are the first memory given back: an OOM while keeping one, or in a request, clears them."""
+    on, _, _ = workers
+    cache = on.runner.prefix_cache
+    ids = long_prompt(on.runner.tokenizer)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    run(on, ids, params)
+    assert len(cache)
+    real_decode = on.runner.decode
+
+    def failing(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    monkeypatch.setattr(on.runner, "decode", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        run(on, ids + [5], params)
+    assert len(cache) == 0 and cache.tokens == 0
+    monkeypatch.setattr(on.runner, "decode", real_decode)
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    run(on, ids, params)
+    monkeypatch.setattr(cache, "store", no_room)
+    got = run(on, ids[:-1] + [7, 8], params)                       # served; the prompt is just not kept
+    assert got.choices[0].finish_reason == "length" and len(cache) == 0

@@ -96,7 +96,10 @@ class ModelRunner:
 
     def _remember(self, prompt_ids: list[int], cache) -> None:
         if self.prefix_cache is not None and self.prefills_together:
-            self.prefix_cache.store(self._active_adapter, prompt_ids, cache.layers)
+            try:
+                self.prefix_cache.store(self._active_adapter, prompt_ids, cache.layers)
+            except torch.OutOfMemoryError:      # keeping it is optional: give the memory back instead
+                self.prefix_cache.clear()
 
     def prefill_together(self, prompts: list[list[int]], all_logits: bool
                          ) -> tuple[list[torch.Tensor], list]:

@@ -154,10 +154,11 @@ class Scheduler:
             try:
                 results = self._step()
             except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
-                for group in self.batch.groups:
+                failed, self.batch = self.batch.groups, DecodeBatch(self.runner)
+                _drop_frames(exc)
+                self._after_failure(exc)        # memory back before the requests hear of it
+                for group in failed:
                     self._forget(group).fail(group, exc)
-                self.batch = DecodeBatch(self.runner)
-                self._after_failure(exc)
                 return
             self.steps += 1
             took = time.perf_counter() - start
@@ -223,8 +224,8 @@ class Scheduler:
                     outcomes.append(exc)
         for (group, ticket), outcome in zip(chunk, outcomes):
             if isinstance(outcome, BaseException):
-                self._forget(group).fail(group, outcome)
                 self._after_failure(outcome)
+                self._forget(group).fail(group, outcome)
                 continue
             for event in outcome:
                 ticket.put(group, event)
@@ -244,8 +245,8 @@ class Scheduler:
                 error = oom.error
                 _drop_frames(error)                             # the failed forward's activations
                 del oom
-                self._forget(newest).fail(newest, error)
                 self._after_failure(error)
+                self._forget(newest).fail(newest, error)
                 log.warning("out of memory in a step of %d groups: the newest request failed, %d go on",
                             len(self.batch.groups) + 1, len(self.batch.groups))
 
@@ -255,6 +256,8 @@ class Scheduler:
     def _after_failure(self, exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
             from app.engine.oom import free_memory
+            if self.runner.prefix_cache is not None:
+                self.runner.prefix_cache.clear()    # kept prompts are the first memory to give back
             free_memory()
 
 
