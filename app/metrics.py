@@ -58,6 +58,24 @@ class _AdmissionCounters:
                                   "timeout (503)", value=admission.timed_out)
 
 
+class _PrefixCacheCounters:
+    """The prefix cache's own counts (app/engine/prefix_cache.py), once the model is loaded with one."""
+
+    def __init__(self, metrics: "Metrics"):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        cache = getattr(getattr(self.metrics.worker, "runner", None), "prefix_cache", None)
+        if cache is None:
+            return
+        yield CounterMetricFamily("saker_prefix_cache_hits", "Prefills that reused a kept prompt's KV cache",
+                                  value=cache.hits)
+        yield CounterMetricFamily("saker_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache "
+                                  "instead of a forward", value=cache.reused_tokens)
+        yield GaugeMetricFamily("saker_prefix_cache_tokens", "Prompt tokens whose KV the prefix cache holds now",
+                                value=cache.tokens)
+
+
 class Metrics:
     def __init__(self, worker):
         self.worker = worker
@@ -88,6 +106,7 @@ class Metrics:
         Gauge("saker_requests_running", "Requests the model is working on", registry=r).set_function(
             lambda: self.worker.admission.active)
         r.register(_AdmissionCounters(self))
+        r.register(_PrefixCacheCounters(self))
         Gauge("saker_model_load_seconds", "Time the model took to load (0 until loaded)", registry=r).set_function(
             lambda: self.worker.load_seconds or 0.0)
         Gauge("saker_model_ready", "1 once the model is loaded and serving", registry=r).set_function(

@@ -298,6 +298,10 @@ def test_metrics_count_requests_tokens_and_timings(gpt2_worker):
         assert value(after, name) == 2, name
     assert value(after, "saker_request_duration_seconds_count", route="/v1/completions") == 3
     assert value(after, "saker_requests_in_flight") == 1                 # this scrape
+    cache = gpt2_worker.runner.prefix_cache
+    assert value(after, "saker_prefix_cache_hits_total") == cache.hits
+    assert value(after, "saker_prefix_cache_reused_tokens_total") == cache.reused_tokens
+    assert value(after, "saker_prefix_cache_tokens") == cache.tokens
     assert value(after, "process_resident_memory_bytes") > 0
 
 

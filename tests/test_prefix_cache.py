@@ -176,6 +176,13 @@ def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert b["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
         a["choices"][0]["logprobs"]["token_logprobs"], abs=TOL)
+    metrics = gpt2_client.get("/metrics").get_data(as_text=True)
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("saker_prefix_cache"))
+    cache = gpt2_client.application.extensions["saker.service"].worker.runner.prefix_cache
+    assert cache.hits >= 1
+    assert float(samples["saker_prefix_cache_hits_total"]) == cache.hits
+    assert float(samples["saker_prefix_cache_reused_tokens_total"]) == cache.reused_tokens
+    assert float(samples["saker_prefix_cache_tokens"]) == cache.tokens > 0
 
 
 def test_out_of_memory_empties_the_prefix_cache(workers, monkeypatch):
