@@ -47,8 +47,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "performance"
 DEFAULT_CACHE = ROOT / ".cache" / "bench"
-ALL_PARTS = ("A", "B", "C", "T", "L", "D")
-DEFAULT_PARTS = ("A", "B", "C", "T", "L")
+ALL_PARTS = ("A", "B", "C", "T", "L", "R", "D")
+DEFAULT_PARTS = ("A", "B", "C", "T", "L", "R")
 SCHEMA = 1
 MODEL_VERSION = 1           # bump when the generated models change shape, so cached ones are rebuilt
 
@@ -99,6 +99,10 @@ class Plan:
     l_level_seconds: float = 30.0       # no new requests after this long at one level
     d_tokens: int = 128
     d_reps: int = 5
+    r_context: int = 448                # R: the shared context's tokens
+    r_questions: int = 8                # R: requests per round, each the context + its own question
+    r_tokens: int = 8
+    r_rounds: int = 3                   # R: measured rounds (after one warm-up round)
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
@@ -110,7 +114,8 @@ class Plan:
     def quick(cls) -> "Plan":
         return cls(a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
                    c_rounds=3, c_per_round=10, t_tokens=8, t_reps=3, l_tokens=8, l_requests=4,
-                   l_level_seconds=8.0, d_tokens=16, d_reps=2, a_budget=10.0, t_budget=5.0, b_budget=10.0,
+                   l_level_seconds=8.0, d_tokens=16, d_reps=2, r_context=96, r_questions=3, r_tokens=4,
+                   r_rounds=1, a_budget=10.0, t_budget=5.0, b_budget=10.0,
                    c_budget=5.0, l_budget=0.0)
 
 
@@ -616,8 +621,9 @@ class Bench:
             env[key] = value
         return env
 
-    def start_server(self, model_dir: Path, name: str, device: str = "cpu", dtype: str = "float32") -> Server:
-        env = self.server_env(device, dtype)
+    def start_server(self, model_dir: Path, name: str, device: str = "cpu", dtype: str = "float32",
+                     extra_env: dict[str, str] | None = None) -> Server:
+        env = {**self.server_env(device, dtype), **(extra_env or {})}
         self.log(f"starting gunicorn for {name} ({', '.join(f'{k}={v}' for k, v in env.items())})")
         start = time.perf_counter()
         server = Server(model_dir, name, env, self.cache_dir / "logs")
@@ -729,7 +735,7 @@ class Bench:
                          f"timings will be noisy (--wait-idle SECONDS waits for a quiet machine)")
         run_snap = self.cpu.snapshot() if self.cpu else None
         try:
-            main_parts = [p for p in ("A", "T", "B", "L") if p in self.parts]
+            main_parts = [p for p in ("A", "T", "B", "L", "R") if p in self.parts]
             if self.external:
                 self._run_external(main_parts)
             else:
@@ -963,6 +969,60 @@ class Bench:
                 "ratio_of_medians": round(statistics.median(multi) / statistics.median(single), 3),
                 "goal": GOALS["B"][1],
                 "met": check_goal("B", ratio)}
+
+    # -- R: prompts sharing a long prefix (reuse), prefix cache on vs off ------------------------------------------------
+    def part_r(self) -> dict:
+        """Requests that share a long context and differ in a short question, one after another: request time
+        on our server with the prefix cache on, against the main server (cache off) side by side. With --url
+        only that server is measured (whatever caching it does)."""
+        plan = self.plan
+        if self.external:
+            context = (PROMPT_TEXT + " ") * max(1, plan.r_context // 48)
+            prompts = [f"{context}\nQuestion {i}: what comes after part {i}?\nAnswer:" for i in range(plan.r_questions)]
+        else:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(self.main_path))
+            context = prompt_ids(tok, plan.r_context)
+            prompts = [context + list(tok(f"\nQuestion {i}: what comes after part {i}?\nAnswer:",
+                                          add_special_tokens=False)["input_ids"]) for i in range(plan.r_questions)]
+        sides = {"off": self.main_client}
+        if not self.external:
+            server = self.start_server(self.main_path, f"{self.main_name}-prefix-cache",
+                                       extra_env={"SAKER_PREFIX_CACHE_TOKENS": str(4 * (plan.r_context + 64)),
+                                                  "SAKER_SERVED_MODEL_NAME": self.main_name})
+            sides = {"on": Client(server.url), "off": self.main_client}
+        try:
+            def one(rep: int) -> dict:
+                order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+                out: dict[str, list] = {}
+                for side in order:
+                    replies = [sides[side].complete(self.body(plan.r_tokens, prompt=p)) for p in prompts]
+                    out[side] = [r.e2e_s * 1000 for r in replies]
+                    out[side + "_prefill"] = [(r.timing or {}).get("prefill_ms") for r in replies]
+                    out[side + "_cached"] = [(r.timing or {}).get("cached_prompt_tokens") for r in replies]
+                    self.settle()
+                return out
+
+            one(-1)                                                  # warm-up: the cache learns the context
+            used, selection = self.select(self.repeat(one, plan.r_rounds, plan.r_rounds, plan.l_budget))
+        finally:
+            if not self.external:
+                self.stop_server(server)
+        result: dict[str, Any] = {"context_tokens": plan.r_context, "questions": plan.r_questions,
+                                  "generated_tokens": plan.r_tokens, "selection": selection}
+        for side in sides:
+            result[f"{side}_request_ms"] = summary([x for u in used for x in u[side]])
+            prefill = [x for u in used for x in u[side + "_prefill"] if x is not None]
+            cached = [x for u in used for x in u[side + "_cached"] if x is not None]
+            if prefill:
+                result[f"{side}_prefill_ms"] = summary(prefill)
+            if cached:
+                result[f"{side}_cached_prompt_tokens"] = summary(cached, 1)
+        if "on" in sides:
+            paired = [statistics.median(u["on"]) / statistics.median(u["off"]) for u in used]
+            result["ratio"] = round(statistics.median(paired), 3)
+            result["paired_ratio"] = summary(paired)
+        return result
 
     # -- L: latency percentiles vs clients ----------------------------------------------------------------------
     def part_l(self) -> dict:
@@ -1404,6 +1464,17 @@ def table_rows(report: dict) -> list[tuple[str, str, str, str, str]]:
                          f"TTFT p50/p99 {ttft['p50']:g}/{ttft['p99']:g}, {level['tokens_per_s']:g} tok/s, "
                          f"n={level['requests']}" + (f", {level['rejected']} rejected (429/503)"
                                                       if level.get("rejected") else ""), ""))
+    if "R" in r:
+        p = r["R"]
+        for side, label in (("on", "prefix cache on"), ("off", "prefix cache off")):
+            if f"{side}_request_ms" in p:
+                cached = p.get(f"{side}_cached_prompt_tokens", {}).get("median")
+                rows.append(("R", f"{label}: request ms ({p['context_tokens']}-token shared context)",
+                             med(p[f"{side}_request_ms"]), _spread(p[f"{side}_request_ms"])
+                             + (f"; prefill {p[f'{side}_prefill_ms']['median']:g} ms" if f"{side}_prefill_ms" in p
+                                else "") + (f", {cached:g} cached prompt tokens" if cached is not None else ""), ""))
+        if "ratio" in p:
+            rows.append(("R", "ratio on / off (median of rounds)", f"{p['ratio']:g}", _spread(p["paired_ratio"]), ""))
     if "D" in r:
         d = r["D"]
         rows.append(("D", f"bandwidth floor ms/token ({d['device']})", f"{d['floor_ms_per_token']:g}",
@@ -1576,8 +1647,8 @@ def parse_parts(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,D "
-                        "(default A,B,C,T,L; D with --gpu)")
+    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,R,D "
+                        "(default A,B,C,T,L,R; D with --gpu)")
     parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute: fewer repetitions, "
                         "fewer tokens (numbers are not comparable with a full run)")
     parser.add_argument("--size", choices=("small", "tiny"), default="small",

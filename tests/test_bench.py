@@ -18,18 +18,18 @@ pytestmark = pytest.mark.slow
 def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "app", "bench", "--quick", "--size", "tiny", "--only", "A,B,C,T,L",
+        [sys.executable, "-m", "app", "bench", "--quick", "--size", "tiny", "--only", "A,B,C,T,L,R",
          "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache")],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "bench.json").read_text())
 
     assert report["schema"] == 1 and report["quick"] is True and report["errors"] == {}
-    assert report["parts"] == ["A", "B", "C", "T", "L"]
+    assert report["parts"] == ["A", "B", "C", "T", "L", "R"]
     for key in ("cpu_model", "cores", "torch", "torch_threads"):
         assert key in report["machine"]
     results = report["results"]
-    assert set(results) == {"A", "B", "C", "T", "L"}
+    assert set(results) == {"A", "B", "C", "T", "L", "R"}
 
     def stats(s):
         assert s["n"] == len(s["values"]) > 0
@@ -62,6 +62,13 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
         assert lv["requests"] >= lv["clients"]
         assert lv["latency_ms"]["p50"] <= lv["latency_ms"]["p90"] <= lv["latency_ms"]["p99"]
         assert lv["ttft_ms"]["n"] == lv["requests"]
+
+    r = results["R"]
+    for key in ("on_request_ms", "off_request_ms", "on_prefill_ms", "off_prefill_ms", "paired_ratio"):
+        stats(r[key])
+    assert r["off_cached_prompt_tokens"]["max"] == 0                 # the main server runs with the cache off
+    assert r["on_cached_prompt_tokens"]["min"] >= r["context_tokens"]  # every measured request reused the context
+    assert isinstance(r["ratio"], float)
 
     assert "| A | ratio server / generate() (median of pairs)" in report["table_markdown"]
     assert "ratio 8 / 1" in proc.stdout                  # the printed table
