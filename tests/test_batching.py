@@ -38,19 +38,21 @@ def alone(worker, ids, params):
 
 def batched(worker, requests, late=()):
     """Submit ``requests`` [(ids, params)] together (one scheduler iteration admits them all), then the
-    ``late`` ones after the first tokens are out (they join the running batch)."""
-    groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, (ids, params) in enumerate(requests)]
-    ticket = worker.scheduler.submit(groups)
+    ``late`` ones after the first tokens are out (they join the running batch; or once the first have ended,
+    when those end before that many events)."""
+    def submit(items, first_tag):
+        return worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256, tag=first_tag + i)
+                                        for i, (ids, params) in enumerate(items)])
+
+    ticket = submit(requests, 0)
     per = {i: [] for i in range(len(requests) + len(late))}
     late_ticket = None
-    seen = 0
-    for tag, event in ticket:
+    for seen, (tag, event) in enumerate(ticket, 1):
         per[tag].append(event)
-        seen += 1
         if seen == 3 * len(requests) and late and late_ticket is None:
-            late_groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=len(requests) + i)
-                           for i, (ids, params) in enumerate(late)]
-            late_ticket = worker.scheduler.submit(late_groups)
+            late_ticket = submit(late, len(requests))
+    if late and late_ticket is None:
+        late_ticket = submit(late, len(requests))
     if late_ticket is not None:
         for tag, event in late_ticket:
             per[tag].append(event)
@@ -285,3 +287,54 @@ def test_shared_prefill_padding_is_cut_from_a_request_decoding_alone(shared_pref
     assert calls == [[6, 8]]
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed, gpt2_dir, llama_dir, reference):
+    """Property check of the admission paths together: prompts that share random prefixes (prefix cache hits),
+    arrive together (shared prefills) or late (joining a running batch), with mixed settings, all give what
+    they give alone on a worker with the prefix cache and shared prefill off."""
+    import random
+
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+    rng = random.Random(seed)
+    path = gpt2_dir if seed % 2 == 0 else llama_dir
+    _, tok = reference(path)
+    settings = make_settings(model=str(path))
+    fast = Worker.from_loaded(("m",), load_model(settings), max_batch_size=16, prefix_cache_tokens=2048,
+                              prefill_batch_tokens=4096)
+    plain = Worker.from_loaded(("m",), load_model(settings), max_batch_size=1, prefix_cache_tokens=0,
+                               prefill_batch_tokens=0)
+    base = tok("Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
+               "do you go from the bathroom to the office? Answer: east east").input_ids
+    vocab = len(tok)
+
+    def prompt():
+        keep = rng.choice([0, 17, 20, len(base) - 3, len(base)])
+        return base[:keep] + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
+
+    def params():
+        kind = rng.choice(["greedy", "seeded", "echo", "score"])
+        if kind == "greedy":
+            return SamplingParams(max_tokens=rng.randint(1, 10), temperature=0.0, logprobs=rng.choice([None, 0, 2]),
+                                  ignore_eos=True)
+        if kind == "seeded":
+            return SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.8, seed=rng.randrange(100),
+                                  n=rng.choice([1, 2]), logprobs=1, ignore_eos=True)
+        if kind == "echo":
+            return SamplingParams(max_tokens=rng.randint(1, 5), temperature=0.0, echo=True, logprobs=1,
+                                  ignore_eos=True)
+        return SamplingParams(max_tokens=0, echo=True, logprobs=2)
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
+    warm = [(base + [5, 6], greedy)] + [(prompt(), params()) for _ in range(2)]      # fill the prefix cache
+    first = [(base[:20] + [7], greedy)] + [(prompt(), params()) for _ in range(rng.randint(1, 4))]
+    rng.shuffle(first)
+    late = [(prompt(), params()) for _ in range(rng.randint(0, 3))]
+    batched(fast, warm)
+    hits = fast.runner.prefix_cache.hits
+    results = batched(fast, first, late)
+    assert fast.runner.prefix_cache.hits > hits
+    for (ids, p), result in zip(first + late, results):
+        same(result, batched(plain, [(ids, p)])[0])
