@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     prefill_batch_tokens: int = Field(4096, ge=0, description="Most padded prompt tokens in one shared prefill: "
                                       "prompts admitted together are prefilled in one forward (left-padded; at "
                                       "most a third padding) while they fit. 0 = each prompt alone.")
+    prefill_chunk_tokens: int = Field(512, ge=0, description="A prompt longer than this (beyond what the prefix "
+                                      "cache holds) is prefilled this many tokens per scheduler iteration, with "
+                                      "the running batch's decode steps in between. 0 = whole prompts at once.")
     prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt tokens whose KV cache is kept for reuse "
                                      "(least recently used first out): a prompt that starts with 16 or more "
                                      "tokens of a recent one prefills only the rest. 0 = off.")

@@ -292,8 +292,8 @@ def test_shared_prefill_padding_is_cut_from_a_request_decoding_alone(shared_pref
 @pytest.mark.parametrize("seed", range(4))
 def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed, gpt2_dir, llama_dir, reference):
     """Property check of the admission paths together: prompts that share random prefixes (prefix cache hits),
-    arrive together (shared prefills) or late (joining a running batch), with mixed settings, all give what
-    they give alone on a worker with the prefix cache and shared prefill off."""
+    arrive together (shared prefills) or late (joining a running batch), are long (chunked prefill), with mixed
+    settings, all give what they give one at a time on a worker with all of these off."""
     import random
 
     from app.engine.loader import load_model
@@ -303,9 +303,9 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     _, tok = reference(path)
     settings = make_settings(model=str(path))
     fast = Worker.from_loaded(("m",), load_model(settings), max_batch_size=16, prefix_cache_tokens=2048,
-                              prefill_batch_tokens=4096)
+                              prefill_batch_tokens=4096, prefill_chunk_tokens=rng.choice([7, 16, 512]))
     plain = Worker.from_loaded(("m",), load_model(settings), max_batch_size=1, prefix_cache_tokens=0,
-                               prefill_batch_tokens=0)
+                               prefill_batch_tokens=0, prefill_chunk_tokens=0)
     base = tok("Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
                "do you go from the bathroom to the office? Answer: east east").input_ids
     vocab = len(tok)
@@ -338,3 +338,85 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     assert fast.runner.prefix_cache.hits > hits
     for (ids, p), result in zip(first + late, results):
         same(result, batched(plain, [(ids, p)])[0])
+
+
+@pytest.fixture()
+def chunked(batch_worker, monkeypatch):
+    """The batch worker prefilling prompts longer than 5 tokens 5 at a time; logs its forwards in order."""
+    worker, path = batch_worker
+    calls = []
+    real_extend, real_decode = worker.runner.extend, worker.runner.decode
+
+    def extend(cache, ids, all_logits):
+        calls.append(("chunk", len(ids)))
+        return real_extend(cache, ids, all_logits)
+
+    def decode(*args, **kwargs):
+        calls.append(("decode", args[0].shape[0]))
+        return real_decode(*args, **kwargs)
+    monkeypatch.setattr(worker.runner, "extend", extend)
+    monkeypatch.setattr(worker.runner, "decode", decode)
+    monkeypatch.setattr(worker.scheduler, "prefill_chunk", 5)
+    if worker.runner.prefix_cache is not None:
+        worker.runner.prefix_cache.clear()     # a kept prompt would leave too little to chunk
+    return worker, path, calls
+
+
+def long_ids(tok):
+    return tok("Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How do "
+               "you go from the bathroom to the office? Answer: east east").input_ids
+
+
+def test_chunked_prefill_matches_a_whole_prefill(chunked, reference):
+    """Long prompts prefilled 5 tokens per iteration give what one prefill gives: text, logprobs, echo scores
+    of every prompt position, seeded samples."""
+    worker, path, calls = chunked
+    _, tok = reference(path)
+    ids = long_ids(tok)
+    requests = [
+        (ids, SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)),
+        (ids[3:] + ids[:4], SamplingParams(max_tokens=3, temperature=0.0, echo=True, logprobs=1, ignore_eos=True)),
+        (ids[::-1], SamplingParams(max_tokens=6, temperature=0.9, seed=4, n=2, logprobs=0, ignore_eos=True)),
+        (ids[:4], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),        # short: not chunked
+    ]
+    results = batched(worker, requests)
+    assert sum(1 for kind, _ in calls if kind == "chunk") >= 3 * (len(ids) // 5)
+    assert all(n <= 5 for kind, n in calls if kind == "chunk")
+    for (prompt, params), result in zip(requests, results):
+        same(result, alone(worker, prompt, params))
+
+
+def test_running_requests_decode_between_the_chunks_of_a_long_prompt(chunked, reference):
+    worker, path, calls = chunked
+    _, tok = reference(path)
+    ids = long_ids(tok)
+    running = (ids[:4], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    late = (ids[7:] + ids[:7], SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True))
+    results = batched(worker, [running], [late])
+    chunk_at = [i for i, (kind, _) in enumerate(calls) if kind == "chunk"]
+    assert len(chunk_at) >= len(ids) // 5
+    between = [kind for kind, _ in calls[chunk_at[0]:chunk_at[-1]]]
+    assert between.count("decode") >= len(chunk_at) - 1            # a decode step after every chunk
+    for (prompt, params), result in zip([running, late], results):
+        same(result, alone(worker, prompt, params))
+
+
+def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
+    import torch
+    worker, path, calls = chunked
+    _, tok = reference(path)
+    ids = long_ids(tok)
+    real = worker.runner.extend
+    seen = {"n": 0}
+
+    def failing(cache, chunk_ids, all_logits):
+        seen["n"] += 1
+        if seen["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(cache, chunk_ids, all_logits)
+    monkeypatch.setattr(worker.runner, "extend", failing)
+    short = (ids[:4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    results = run_tickets(worker, [short, (ids[11:] + ids[:11], SamplingParams(max_tokens=4, temperature=0.0))])
+    same(results[0], alone(worker, *short))
+    assert isinstance(results[1], torch.OutOfMemoryError)
+    assert not worker.scheduler._prefilling and worker.scheduler.batch.groups == []

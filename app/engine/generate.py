@@ -415,6 +415,40 @@ def admit_together(batch: DecodeBatch, groups: list[RequestGroup]
     return out
 
 
+class ChunkedPrefill:
+    """A long prompt prefilled ``chunk`` tokens at a time, one chunk per scheduler iteration, so that the
+    running batch's decode steps go on in between. The cache and the logits are those of one prefill (the
+    same positions, to float rounding); ``finish`` then joins the group to the batch as ``admit`` does."""
+
+    def __init__(self, group: RequestGroup, chunk: int):
+        self.group, self.chunk = group, max(1, chunk)
+        self.cache = None
+        self.done = 0                       # prompt tokens in the cache
+        self.parts: list[torch.Tensor] = []  # logits: every chunk's (echo scoring) or the last one's
+        self.spent = 0.0                    # seconds of forwards so far
+
+    def advance(self) -> bool:
+        """Forward the next chunk; True once the whole prompt is in."""
+        start = time.perf_counter()
+        group, runner = self.group, self.group.runner
+        prompt, all_logits = group.prompt_ids, group.needs_prompt_logits
+        if self.cache is None:
+            self.cache, self.done = runner.open_prefill(prompt, all_logits)
+            group.timings.cached_tokens += self.done
+        end = min(self.done + self.chunk, len(prompt))
+        logits = runner.extend(self.cache, prompt[self.done:end], all_logits)
+        self.parts = self.parts + [logits] if all_logits else [logits]
+        self.done = end
+        self.spent += time.perf_counter() - start
+        return end == len(prompt)
+
+    def finish(self, batch: DecodeBatch) -> list[PromptEvent | TokenEvent]:
+        group = self.group
+        group.runner.remember(group.prompt_ids, self.cache)
+        logits = torch.cat(self.parts, dim=1) if len(self.parts) > 1 else self.parts[0]
+        return _join(batch, group, logits, self.cache, time.perf_counter() - self.spent)
+
+
 def _join(batch: DecodeBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
           ) -> list[PromptEvent | TokenEvent]:
     """After a group's prefill (logits (1, L or 1, V), its cache): the prompt event, the first tokens, and the

@@ -65,28 +65,37 @@ class ModelRunner:
         """Forward the prompt; logits (1, L or 1, V), the KV cache (a static one for compiled decoding) and how
         many prompt tokens came from the prefix cache: a prompt that starts with a recent one forwards only the
         rest (not when every position's logits are asked for: those of the reused positions are not kept)."""
-        from transformers import DynamicCache, StaticCache
-        kwargs = {}
-        start = 0
         if static:
+            from transformers import StaticCache
             cache = StaticCache(config=self.model.config, max_cache_len=self.static_len)
-            kwargs["cache_position"] = torch.arange(len(prompt_ids), device=self.input_device)
-        else:
-            entry = None
-            if self.prefix_cache is not None and not all_logits and self.prefills_together:
-                entry, start = self.prefix_cache.lookup(self._active_adapter, prompt_ids)
-            if entry is not None:
-                cache = growing_cache(self.model.config, [k[..., :start, :] for k in entry.keys],
-                                      [v[..., :start, :] for v in entry.values])
-            else:
-                cache = DynamicCache(config=self.model.config)
-                use_growing_layers(cache)
-        ids = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=self.input_device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=0 if all_logits else 1, **kwargs)
-        if not static:
-            self._remember(prompt_ids, cache)
-        return out.logits, cache, start
+            ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits
+                             else 1, cache_position=torch.arange(len(prompt_ids), device=self.input_device))
+            return out.logits, cache, 0
+        cache, start = self.open_prefill(prompt_ids, all_logits)
+        logits = self.extend(cache, prompt_ids[start:], all_logits)
+        self.remember(prompt_ids, cache)
+        return logits, cache, start
+
+    def open_prefill(self, prompt_ids: list[int], all_logits: bool) -> tuple[object, int]:
+        """A fresh cache for a prompt's prefill, seeded from the prefix cache when a kept prompt shares its
+        start: (cache, prompt tokens already in it)."""
+        from transformers import DynamicCache
+        entry, start = None, 0
+        if self.prefix_cache is not None and not all_logits and self.prefills_together:
+            entry, start = self.prefix_cache.lookup(self._active_adapter, prompt_ids)
+        if entry is not None:
+            return growing_cache(self.model.config, [k[..., :start, :] for k in entry.keys],
+                                 [v[..., :start, :] for v in entry.values]), start
+        cache = DynamicCache(config=self.model.config)
+        use_growing_layers(cache)
+        return cache, 0
+
+    def extend(self, cache, ids: list[int], all_logits: bool) -> torch.Tensor:
+        """Forward more prompt tokens after those in ``cache`` (their positions follow); logits (1, n or 1, V)."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.input_device)
+        return self.model(input_ids=tokens, past_key_values=cache, use_cache=True,
+                          logits_to_keep=0 if all_logits else 1).logits
 
     def cached_prefix(self, prompt_ids: list[int], adapter: str | None) -> int:
         """How many of the prompt's tokens a prefill with this adapter would take from the prefix cache."""
@@ -94,7 +103,8 @@ class ModelRunner:
             return 0
         return self.prefix_cache.lookup(adapter if self.adapters else "", prompt_ids, touch=False)[1]
 
-    def _remember(self, prompt_ids: list[int], cache) -> None:
+    def remember(self, prompt_ids: list[int], cache) -> None:
+        """Keep a prefilled prompt in the prefix cache (when there is one)."""
         if self.prefix_cache is not None and self.prefills_together:
             try:
                 self.prefix_cache.store(self._active_adapter, prompt_ids, cache.layers)
@@ -119,7 +129,7 @@ class ModelRunner:
         logits = [out.logits[i, pad:] if all_logits else out.logits[i] for i, pad in enumerate(pads)]
         caches = split_rows(cache, self.model.config, pads)
         for prompt, row in zip(prompts, caches):
-            self._remember(prompt, row)
+            self.remember(prompt, row)
         return logits, caches
 
     @property

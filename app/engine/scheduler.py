@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
-from app.engine.generate import (BatchOutOfMemory, DecodeBatch, PromptEvent, RequestGroup, TokenEvent, admit,
-                                 admit_together, drop, step)
+from app.engine.generate import (BatchOutOfMemory, ChunkedPrefill, DecodeBatch, PromptEvent, RequestGroup,
+                                 TokenEvent, admit, admit_together, drop, step)
 from app.engine.kv_cache import mergeable
 from app.engine.runner import ModelRunner
 
@@ -65,11 +65,13 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_batch_size: int = 8, max_batch_tokens: int | None = None,
-                 prefill_tokens: int = 0):
+                 prefill_tokens: int = 0, prefill_chunk: int = 0):
         self.runner = runner
         self.max_batch_size = max(1, max_batch_size)
         self.max_batch_tokens = max_batch_tokens
         self.prefill_tokens = prefill_tokens    # padded prompt tokens one shared prefill may hold (0: alone)
+        self.prefill_chunk = prefill_chunk      # longer prompts are prefilled this many tokens per iteration (0: whole)
+        self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self.batch = DecodeBatch(runner)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
@@ -105,13 +107,14 @@ class Scheduler:
 
     def _take_admissible(self) -> list[tuple[RequestGroup, Ticket]]:
         with self._cond:
-            while not self._pending and not self.batch.groups:
+            while not self._pending and not self.batch.groups and not self._prefilling:
                 self._cond.wait()
             taken: list[tuple[RequestGroup, Ticket]] = []
-            rows = self.batch.rows
-            tokens = sum(g.budget_tokens for g in self.batch.groups)
-            adapters = self.batch.adapters
-            busy = bool(self.batch.groups)
+            coming = [job.group for job in self._prefilling]        # admitted, still prefilling in chunks
+            rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
+            tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
+            adapters = self.batch.adapters | {g.params.adapter for g in coming}
+            busy = bool(self.batch.groups or coming)
             while self._pending:
                 group, ticket = self._pending[0]
                 if group.cancelled:
@@ -142,9 +145,15 @@ class Scheduler:
                     with self._cond:            # this model's cache cannot be joined: one group at a time
                         self._pending.extendleft(reversed(taken[i:]))
                     break
+                if self._chunked(taken[i][0]):
+                    self._register(taken[i:i + 1])
+                    self._prefilling.append(ChunkedPrefill(taken[i][0], self.prefill_chunk))
+                    i += 1
+                    continue
                 chunk = self._prefill_chunk(taken, i)
                 i += len(chunk)
                 self._admit(chunk)
+            self._advance_prefill()
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
                 self._forget(group).done(group)
@@ -190,18 +199,60 @@ class Scheduler:
         return chunk
 
     def _shares_prefill(self, group: RequestGroup) -> bool:
-        """A group whose prompt starts with a cached one prefills alone (only its new tokens)."""
-        if not group.prefills or not self.runner.prefills_together:
+        """A group whose prompt starts with a cached one prefills alone (only its new tokens); a long one in
+        chunks."""
+        if not group.prefills or not self.runner.prefills_together or self._chunked(group):
             return False
         return group.needs_prompt_logits or not self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
+
+    def _register(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
+        now = time.perf_counter()
+        for group, ticket in taken:
+            self._tickets[id(group)] = ticket
+            group.timings.queue_s = now - group.submitted
+
+    def _chunked(self, group: RequestGroup) -> bool:
+        """Whether this group's prompt is long enough to be prefilled in chunks (beyond what the prefix
+        cache already holds)."""
+        if self.prefill_chunk <= 0 or not group.prefills or not self.runner.prefills_together:
+            return False
+        cached = 0 if group.needs_prompt_logits else self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
+        return len(group.prompt_ids) - cached > self.prefill_chunk
+
+    def _advance_prefill(self) -> None:
+        """One chunk of the oldest prompt being prefilled in chunks; once it is all in, the group joins."""
+        if not self._prefilling:
+            return
+        job = self._prefilling[0]
+        group = job.group
+        if group.cancelled:
+            self._prefilling.popleft()
+            self._forget(group).done(group)
+            return
+        try:
+            with self.runner.adapter(group.params.adapter):
+                if not job.advance():
+                    return
+                self._prefilling.popleft()
+                events = job.finish(self.batch)
+        except BaseException as exc:           # noqa: BLE001 - this group fails, the batch goes on
+            if self._prefilling and self._prefilling[0] is job:
+                self._prefilling.popleft()
+            job.cache = None
+            _drop_frames(exc)
+            self._after_failure(exc)
+            self._forget(group).fail(group, exc)
+            return
+        ticket = self._tickets[id(group)]
+        for event in events:
+            ticket.put(group, event)
+        if group not in self.batch.groups:
+            self._forget(group).done(group)
 
     def _admit(self, chunk: list[tuple[RequestGroup, Ticket]]) -> None:
         """Prefill the chunk's groups (together when there are several; one by one if that fails), hand each
         its first events; a group that is already finished is done, a group whose prefill failed fails."""
-        now = time.perf_counter()
-        for group, ticket in chunk:
-            self._tickets[id(group)] = ticket
-            group.timings.queue_s = now - group.submitted
+        self._register(chunk)
         groups = [group for group, _ in chunk]
         outcomes: list | None = None
         if len(groups) > 1:
