@@ -420,3 +420,35 @@ def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
     same(results[0], alone(worker, *short))
     assert isinstance(results[1], torch.OutOfMemoryError)
     assert not worker.scheduler._prefilling and worker.scheduler.batch.groups == []
+
+
+def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, reference, monkeypatch):
+    import threading
+    worker, path, calls = chunked
+    _, tok = reference(path)
+    ids = long_ids(tok)
+    started, go = threading.Event(), threading.Event()
+    logged_extend = worker.runner.extend
+
+    def gated(cache, chunk_ids, all_logits):           # hold the scheduler after the doomed prompt's first chunk
+        out = logged_extend(cache, chunk_ids, all_logits)
+        if len(chunk_ids) == 5 and not started.is_set():
+            started.set()
+            go.wait(10)
+        return out
+    monkeypatch.setattr(worker.runner, "extend", gated)
+    running = RequestGroup(worker.runner, ids[:4], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                           max_length=256)
+    doomed = RequestGroup(worker.runner, ids[5:] + ids[:5], SamplingParams(max_tokens=4, temperature=0.0),
+                          max_length=256)
+    running_ticket = worker.scheduler.submit([running])
+    _, first = next(iter(running_ticket))              # it is decoding
+    doomed_ticket = worker.scheduler.submit([doomed])
+    assert started.wait(10)                            # its chunked prefill has started
+    doomed_ticket.cancel()
+    go.set()
+    assert list(doomed_ticket) == []                   # it ends without a token
+    events = [first] + [event for _, event in running_ticket]
+    same(collect(events, running.params), alone(worker, ids[:4], running.params))
+    assert not worker.scheduler._prefilling
+    assert sum(1 for kind, n in calls if kind == "chunk" and n == 5) == 1
