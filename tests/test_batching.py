@@ -452,3 +452,46 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
     same(collect(events, running.params), alone(worker, ids[:4], running.params))
     assert not worker.scheduler._prefilling
     assert sum(1 for kind, n in calls if kind == "chunk" and n == 5) == 1
+
+
+def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, reference, monkeypatch):
+    """Behind another long prompt, a cancelled one is dropped at the next iteration, not when its turn comes."""
+    import threading
+    worker, path, calls = chunked
+    _, tok = reference(path)
+    ids = long_ids(tok)
+    held = [threading.Event(), threading.Event()]      # set when the scheduler is held at the first two chunks
+    release = [threading.Event(), threading.Event()]
+    logged_extend = worker.runner.extend
+
+    def gated(cache, chunk_ids, all_logits):
+        out = logged_extend(cache, chunk_ids, all_logits)
+        n = sum(1 for kind, _ in calls if kind == "chunk")
+        if n <= 2:
+            held[n - 1].set()
+            release[n - 1].wait(10)
+        return out
+    monkeypatch.setattr(worker.runner, "extend", gated)
+    forgotten_at = {}
+    real_forget = worker.scheduler._forget
+
+    def forget(group):
+        forgotten_at[id(group)] = sum(1 for kind, _ in calls if kind == "chunk")
+        return real_forget(group)
+    monkeypatch.setattr(worker.scheduler, "_forget", forget)
+    first_prompt, second_prompt = ids[9:] + ids[:9], ids[13:] + ids[:13]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    first = worker.scheduler.submit([RequestGroup(worker.runner, first_prompt, params, max_length=256)])
+    assert held[0].wait(10)                            # held in the first one's first chunk
+    doomed = RequestGroup(worker.runner, second_prompt, params, max_length=256)
+    second = worker.scheduler.submit([doomed])
+    release[0].set()
+    assert held[1].wait(10)                            # second chunk: the second prompt now waits for its turn
+    assert any(job.group is doomed for job in worker.scheduler._prefilling)
+    second.cancel()
+    release[1].set()
+    assert list(second) == []
+    assert forgotten_at[id(doomed)] == 2               # dropped before the first one's third chunk
+    events = [event for _, event in first]
+    same(collect(events, params), alone(worker, first_prompt, params))
+    assert not worker.scheduler._prefilling

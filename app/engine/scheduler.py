@@ -221,14 +221,13 @@ class Scheduler:
 
     def _advance_prefill(self) -> None:
         """One chunk of the oldest prompt being prefilled in chunks; once it is all in, the group joins."""
+        for job in [job for job in self._prefilling if job.group.cancelled]:   # clients gone: their rows free now
+            self._prefilling.remove(job)
+            self._forget(job.group).done(job.group)
         if not self._prefilling:
             return
         job = self._prefilling[0]
         group = job.group
-        if group.cancelled:
-            self._prefilling.popleft()
-            self._forget(group).done(group)
-            return
         try:
             with self.runner.adapter(group.params.adapter):
                 if not job.advance():
