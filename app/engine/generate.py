@@ -226,13 +226,23 @@ def sample_step(groups: list[RequestGroup], logits: torch.Tensor
     tokens = chosen_parts[0] if len(chosen_parts) == 1 else torch.cat(chosen_parts)
     chosen_lp = top_vals = top_ids = None
     if any(g.want_candidate_logprob for g in groups):
+        # tokens, chosen logprobs and the top k in one float64 tensor (exact for float32 values and token ids):
+        # one transfer to the host for the whole step
         lp = raw_logprobs(logits)
-        chosen_lp = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+        column = tokens.view(-1, 1)
+        parts = [column, lp.gather(-1, column)]
         k = max((g.k for g in groups if g.want_logprobs), default=0)
         if k:
             top = torch.topk(lp, k, dim=-1)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    token_list = tokens.tolist()
+            parts += [top.values, top.indices]
+        rows = torch.cat([part.double() for part in parts], dim=1).tolist()
+        token_list = [int(row[0]) for row in rows]
+        chosen_lp = [row[1] for row in rows]
+        if k:
+            top_vals = [row[2:2 + k] for row in rows]
+            top_ids = [[int(i) for i in row[2 + k:]] for row in rows]
+    else:
+        token_list = tokens.tolist()
     events, offset = [], 0
     for group in groups:
         sl = slice(offset, offset + group.rows)
@@ -437,7 +447,10 @@ class ChunkedPrefill:
             group.timings.cached_tokens += self.done
         end = min(self.done + self.chunk, len(prompt))
         logits = runner.extend(self.cache, prompt[self.done:end], all_logits)
-        self.parts = self.parts + [logits] if all_logits else [logits]
+        if all_logits:
+            self.parts.append(logits)
+        else:
+            self.parts = [logits]
         self.done = end
         self.spent += time.perf_counter() - start
         return end == len(prompt)

@@ -83,7 +83,7 @@ class ModelRunner:
         from transformers import DynamicCache
         entry, start = None, 0
         if self.prefix_cache is not None and not all_logits and self.prefills_together:
-            entry, start = self.prefix_cache.lookup(self._active_adapter, prompt_ids)
+            entry, start = self.prefix_cache.lookup(self._prefix_key(self._active_adapter), prompt_ids)
         if entry is not None:
             return growing_cache(self.model.config, [k[..., :start, :] for k in entry.keys],
                                  [v[..., :start, :] for v in entry.values]), start
@@ -101,13 +101,17 @@ class ModelRunner:
         """How many of the prompt's tokens a prefill with this adapter would take from the prefix cache."""
         if self.prefix_cache is None or not self.prefills_together:
             return 0
-        return self.prefix_cache.lookup(adapter if self.adapters else "", prompt_ids, touch=False)[1]
+        return self.prefix_cache.lookup(self._prefix_key(adapter), prompt_ids, touch=False)[1]
+
+    def _prefix_key(self, adapter: object) -> object:
+        """Kept prompts are per PEFT adapter (None: the base model); without adapters there is one key."""
+        return adapter if self.adapters else ""
 
     def remember(self, prompt_ids: list[int], cache) -> None:
         """Keep a prefilled prompt in the prefix cache (when there is one)."""
         if self.prefix_cache is not None and self.prefills_together:
             try:
-                self.prefix_cache.store(self._active_adapter, prompt_ids, cache.layers)
+                self.prefix_cache.store(self._prefix_key(self._active_adapter), prompt_ids, cache.layers)
             except torch.OutOfMemoryError:      # keeping it is optional: give the memory back instead
                 self.prefix_cache.clear()
 

@@ -72,6 +72,7 @@ class Scheduler:
         self.prefill_tokens = prefill_tokens    # padded prompt tokens one shared prefill may hold (0: alone)
         self.prefill_chunk = prefill_chunk      # longer prompts are prefilled this many tokens per iteration (0: whole)
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
+        self._reuse: dict[int, int] = {}         # id(group) -> prefix-cache tokens, for this iteration's decisions
         self.batch = DecodeBatch(runner)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
@@ -138,6 +139,7 @@ class Scheduler:
 
     def _iteration(self) -> None:
         taken = self._take_admissible()
+        self._reuse.clear()
         with torch.inference_mode():
             i = 0
             while i < len(taken):
@@ -203,7 +205,7 @@ class Scheduler:
         chunks."""
         if not group.prefills or not self.runner.prefills_together or self._chunked(group):
             return False
-        return group.needs_prompt_logits or not self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
+        return group.needs_prompt_logits or not self._cached(group)
 
     def _register(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
         now = time.perf_counter()
@@ -216,8 +218,16 @@ class Scheduler:
         cache already holds)."""
         if self.prefill_chunk <= 0 or not group.prefills or not self.runner.prefills_together:
             return False
-        cached = 0 if group.needs_prompt_logits else self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
-        return len(group.prompt_ids) - cached > self.prefill_chunk
+        return len(group.prompt_ids) - self._cached(group) > self.prefill_chunk
+
+    def _cached(self, group: RequestGroup) -> int:
+        """Prompt tokens the prefix cache would give this group's prefill (looked up once per iteration)."""
+        if group.needs_prompt_logits:
+            return 0
+        key = id(group)
+        if key not in self._reuse:
+            self._reuse[key] = self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
+        return self._reuse[key]
 
     def _advance_prefill(self) -> None:
         """One chunk of the oldest prompt being prefilled in chunks; once it is all in, the group joins."""
