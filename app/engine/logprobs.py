@@ -69,10 +69,12 @@ def candidate_keys(tokenizer, detok: IncrementalDetokenizer, ids: list[int], byt
         key = text if text else None
         if key is None or key in taken:
             key = bytes_key(token_bytes(tokenizer, token_id, byte_level))
-            if key in taken or key == "bytes:":
-                key = f"{key}<id:{token_id}>" if key != "bytes:" else f"<id:{token_id}>"
+            if key in taken or key == "bytes:":      # the tokenizer's own piece, else the id
                 piece = tokenizer.convert_ids_to_tokens(int(token_id))
-                key = piece if piece and piece not in taken else key
+                if piece and piece not in taken:
+                    key = piece
+                else:
+                    key = f"{key}<id:{token_id}>" if key != "bytes:" else f"<id:{token_id}>"
         taken.add(key)
         keys.append(key)
     return keys
