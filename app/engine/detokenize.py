@@ -31,14 +31,23 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(ids)
         self.read_offset = len(self.ids)
         self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
+        self._prefix: tuple[tuple[int, int], str] | None = None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _prefix_text(self) -> str:
+        """Text of ``ids[prefix_offset:read_offset]``, decoded once per pair of offsets (the ids only grow, so
+        the slice does not change until an offset moves): every candidate of a step shares it."""
+        offsets = (self.prefix_offset, self.read_offset)
+        if self._prefix is None or self._prefix[0] != offsets:
+            self._prefix = (offsets, self._decode(self.ids[self.prefix_offset:self.read_offset]))
+        return self._prefix[1]
+
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ("" while a character is incomplete)."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        prefix_text = self._prefix_text()
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
@@ -51,7 +60,7 @@ class IncrementalDetokenizer:
         """At the end: release what is held back (an incomplete character becomes U+FFFD, as the model made it)."""
         if self.read_offset >= len(self.ids):
             return ""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        prefix_text = self._prefix_text()
         new_text = self._decode(self.ids[self.prefix_offset:])
         delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
         self.read_offset = len(self.ids)
@@ -65,7 +74,7 @@ class IncrementalDetokenizer:
 
     def candidate_text(self, token_id: int) -> str | None:
         """Text ``token_id`` would add after the current ids; None when it would leave a character incomplete."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        prefix_text = self._prefix_text()
         new_text = self._decode(self.ids[self.prefix_offset:] + [token_id])
         if new_text.endswith(REPLACEMENT):
             return None
