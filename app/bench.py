@@ -1518,6 +1518,13 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _bars(ax, names: list[str], series: list[dict], colors: list[str], low: str = "min", high: str = "max") -> None:
+    """Medians as bars, with error bars from ``low`` to ``high`` of each summary."""
+    meds = [s["median"] for s in series]
+    errs = [[s["median"] - s[low] for s in series], [s[high] - s["median"] for s in series]]
+    ax.bar(names, meds, yerr=errs, capsize=6, color=colors[:len(names)])
+
+
 def plot(report: dict, path: Path) -> bool:
     """Latency percentiles vs clients, tokens/s vs clients, A's two sides, TTFT vs prefill (what ran)."""
     try:
@@ -1574,9 +1581,7 @@ def plot(report: dict, path: Path) -> bool:
             if "generate_ms_per_token" in a:
                 names.append("generate()")
                 series.append(a["generate_ms_per_token"])
-            meds = [s["median"] for s in series]
-            errs = [[s["median"] - s["min"] for s in series], [s["max"] - s["median"] for s in series]]
-            ax.bar(names, meds, yerr=errs, capsize=6, color=["tab:blue", "tab:orange"][:len(names)])
+            _bars(ax, names, series, ["tab:blue", "tab:orange"])
             ax.set_ylabel("ms per generated token (median, min-max)")
             ax.set_title(f"A: ratio {a.get('ratio', '-')} (goal <= {GOALS['A'][1]})")
         elif panel == "T":
@@ -1588,9 +1593,7 @@ def plot(report: dict, path: Path) -> bool:
             if "in_process_forward_ms" in t:
                 names.append("in-process forward")
                 series.append(t["in_process_forward_ms"])
-            meds = [s["median"] for s in series]
-            errs = [[s["median"] - s["min"] for s in series], [s["max"] - s["median"] for s in series]]
-            ax.bar(names, meds, yerr=errs, capsize=6, color=["tab:green", "tab:purple", "tab:orange"][:len(names)])
+            _bars(ax, names, series, ["tab:green", "tab:purple", "tab:orange"])
             ax.set_ylabel("ms (median, min-max)")
             ax.set_title(f"T: first token vs prefill ({t['prompt_tokens']}-token prompt)")
             ax.tick_params(axis="x", labelsize=8)
@@ -1600,9 +1603,7 @@ def plot(report: dict, path: Path) -> bool:
             if "forward_ms" in c:
                 names.append("in-process forward")
                 series.append(c["forward_ms"])
-            meds = [x["median"] for x in series]
-            errs = [[x["median"] - x["p25"] for x in series], [x["p75"] - x["median"] for x in series]]
-            ax.bar(names, meds, yerr=errs, capsize=6, color=["tab:blue", "tab:orange"][:len(names)])
+            _bars(ax, names, series, ["tab:blue", "tab:orange"], low="p25", high="p75")
             ax.set_ylabel("ms (median, IQR)")
             title = "C: tiny model, max_tokens 1"
             if "overhead_ms" in c:
@@ -1610,16 +1611,14 @@ def plot(report: dict, path: Path) -> bool:
             ax.set_title(title, fontsize=9)
         elif panel == "D":
             d = r["D"]
-            names, meds, errs_lo, errs_hi = ["bandwidth floor"], [d["floor_ms_per_token"]], [0], [0]
+            floor = d["floor_ms_per_token"]
+            names, series = ["bandwidth floor"], [{"median": floor, "min": floor, "max": floor}]
             for label, key in (("server decode", "server_decode_ms_per_token"),
                                ("generate()", "generate_ms_per_token")):
                 if d.get(key, {}).get("n"):
-                    s = d[key]
                     names.append(label)
-                    meds.append(s["median"])
-                    errs_lo.append(s["median"] - s["min"])
-                    errs_hi.append(s["max"] - s["median"])
-            ax.bar(names, meds, yerr=[errs_lo, errs_hi], capsize=6, color=["grey", "tab:blue", "tab:orange"])
+                    series.append(d[key])
+            _bars(ax, names, series, ["grey", "tab:blue", "tab:orange"])
             ax.set_ylabel("ms per token")
             ax.set_title(f"D: {d['device']}, ratio {d.get('ratio', '-')} (goal <= {GOALS['D'][1]})", fontsize=9)
     machine = report["machine"]
