@@ -47,12 +47,16 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "performance"
 DEFAULT_CACHE = ROOT / ".cache" / "bench"
-ALL_PARTS = ("A", "B", "C", "T", "L", "R", "D")
-DEFAULT_PARTS = ("A", "B", "C", "T", "L", "R")
+ALL_PARTS = ("A", "B", "C", "T", "L", "R", "E", "D")
+DEFAULT_PARTS = ("A", "B", "C", "T", "L", "R", "E")
 SCHEMA = 1
 MODEL_VERSION = 1           # bump when the generated models change shape, so cached ones are rebuilt
 
-GOALS = {"A": ("<=", 0.90), "B": (">=", 2.2), "C": ("<=", 5.0), "D": ("<=", 1.3)}
+GOALS = {"A": ("<=", 0.90), "B": (">=", 2.2), "C": ("<=", 5.0), "D": ("<=", 1.3),
+         "E greedy": (">=", 0.6), "E sampled": (">=", 0.5)}
+# E: the request settings of its two modes (sampled rows also get a seed of their own)
+E_MODES = {"greedy": {"temperature": 0},
+           "sampled": {"temperature": 0.8, "top_p": 0.9, "logprobs": 5}}
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
 # it is still recorded in the JSON, with its share.
 CLEAN_SHARE = 0.10
@@ -103,6 +107,10 @@ class Plan:
     r_questions: int = 8                # R: requests per round, each the context + its own question
     r_tokens: int = 8
     r_rounds: int = 3                   # R: measured rounds (after one warm-up round)
+    e_levels: tuple[int, ...] = (32, 64)  # E: concurrent clients (the goal is read at 32)
+    e_per_client: int = 3               # E: requests per client
+    e_prompt_tokens: int = 48
+    e_tokens: int = 128
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
@@ -115,7 +123,7 @@ class Plan:
         return cls(a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
                    c_rounds=3, c_per_round=10, t_tokens=8, t_reps=3, l_tokens=8, l_requests=4,
                    l_level_seconds=8.0, d_tokens=16, d_reps=2, r_context=96, r_questions=3, r_tokens=4,
-                   r_rounds=1, a_budget=10.0, t_budget=5.0, b_budget=10.0,
+                   r_rounds=1, e_levels=(32,), e_per_client=1, e_tokens=32, a_budget=10.0, t_budget=5.0, b_budget=10.0,
                    c_budget=5.0, l_budget=0.0)
 
 
@@ -255,6 +263,25 @@ def parameter_count(model) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # statistics
 # ---------------------------------------------------------------------------------------------------------------
+def batch_forward_ms(model, rows: int, context: int, reps: int = 30) -> dict:
+    """In-process decode forward of ``rows`` sequences (one token each) over a KV cache of ``context`` tokens:
+    the model's own time for one step of such a batch (the cache is cut back after each step)."""
+    import torch
+    from transformers import DynamicCache
+    with torch.inference_mode():
+        ids = torch.randint(0, model.config.vocab_size, (rows, context))
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = torch.randint(0, model.config.vocab_size, (rows, 1))
+        times = []
+        for _ in range(reps + 3):
+            start = time.perf_counter()
+            model(input_ids=step, past_key_values=cache, use_cache=True)
+            times.append((time.perf_counter() - start) * 1000)
+            cache.crop(-1)
+    return summary(times[3:], 4)
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default), without numpy."""
     xs = sorted(values)
@@ -783,6 +810,8 @@ class Bench:
                     self.stop_server(server)
         if "C" in self.parts:
             self.run_part("C", self.part_c)
+        if "E" in self.parts:
+            self.run_part("E", self.part_e)
 
     def _run_external(self, main_parts: list[str]) -> None:
         client = Client(self.args.url, self.args.api_key)
@@ -796,6 +825,8 @@ class Bench:
             self.run_part(part, getattr(self, f"part_{part.lower()}"))
         if "C" in self.parts:
             self.run_part("C", self.part_c)
+        if "E" in self.parts:
+            self.errors["E"] = "E needs our own server and the model in-process (not with --url)"
 
     def _model_meta(self, spec: ModelSpec, path: Path) -> dict:
         config = json.loads((path / "config.json").read_text())
@@ -1128,6 +1159,74 @@ class Bench:
             if server is not None:
                 self.stop_server(server)
                 self._tiny_server = None
+
+    # -- E: engine efficiency at high concurrency (tiny model) ------------------------------------------------
+    def part_e(self) -> dict:
+        """Delivered tokens/s of ``clients`` closed-loop clients on the tests' tiny model, divided by what the
+        model alone could deliver: ``clients`` rows / the in-process forward of a batch of that many rows (one
+        token each, over a KV cache of the mean length a row has while decoding). The tiny model's forward is
+        about as long as a GPU step of a 1B model, so E is the share of a step that is the model, not the engine."""
+        import torch
+        plan = self.plan
+        path = ensure_model(GPT2_TINY, self.cache_dir, self.log)
+        self.models["tiny"] = self._model_meta(GPT2_TINY, path)
+        top = max(plan.e_levels)
+        server = self.start_server(path, GPT2_TINY.name, extra_env={
+            "SAKER_MAX_BATCH_SIZE": str(top), "SAKER_THREADS": str(2 * top + 8), "SAKER_MAX_QUEUE": str(4 * top)})
+        client = Client(server.url)
+        model, tok = self.reference("tiny", path)
+        base = prompt_ids(tok, plan.e_prompt_tokens)
+        context = plan.e_prompt_tokens + plan.e_tokens // 2
+
+        def prompt(i: int) -> list[int]:            # distinct prompts of one length (no shared prefixes)
+            shift = i % len(base)
+            return base[shift:] + base[:shift]
+
+        def make_body(mode: str) -> Callable[[int, int], dict]:
+            def body(i: int, j: int) -> dict:
+                out = {"model": GPT2_TINY.name, "prompt": prompt(i), "max_tokens": plan.e_tokens, "ignore_eos": True,
+                       **E_MODES[mode]}
+                if mode == "sampled":
+                    out["seed"] = 1000 * i + j
+                return out
+            return body
+
+        levels = []
+        try:
+            for clients in plan.e_levels:
+                self.settle()
+                forward = batch_forward_ms(model, clients, context)
+                ideal = clients / (forward["median"] / 1000)
+                level: dict[str, Any] = {"clients": clients, "forward_ms": forward,
+                                         "ideal_tokens_per_s": round(ideal, 1)}
+                for mode in E_MODES:
+                    closed_loop(client, make_body(mode), clients, 1)          # warm-up
+                    snap = self.cpu.snapshot() if self.cpu else None
+                    replies, wall = closed_loop(client, make_body(mode), clients, plan.e_per_client)
+                    share = self.cpu.since(snap).get("foreign_cpu_share") if snap is not None else None
+                    tokens = sum(r.tokens for r in replies)
+                    if tokens != len(replies) * plan.e_tokens:
+                        raise RuntimeError(f"E {mode}: {tokens} tokens for {len(replies)} requests of {plan.e_tokens}")
+                    rate = tokens / wall
+                    level[mode] = {"tokens_per_s": round(rate, 1), "e": round(rate / ideal, 3),
+                                   "requests": len(replies), "foreign_cpu_share": share,
+                                   "latency_ms": latency_summary([r.e2e_s * 1000 for r in replies])}
+                    self.log(f"  E {clients} clients {mode}: {rate:.0f} tok/s of {ideal:.0f} "
+                             f"(forward {forward['median']:g} ms): E = {rate / ideal:.3f}")
+                levels.append(level)
+        finally:
+            client.close()
+            self.stop_server(server)
+        result: dict[str, Any] = {"prompt_tokens": plan.e_prompt_tokens, "generated_tokens": plan.e_tokens,
+                                  "per_client": plan.e_per_client, "forward_context": context,
+                                  "modes": E_MODES, "levels": levels}
+        goal_level = next((lv for lv in levels if lv["clients"] == 32), None)
+        if goal_level is not None:
+            for mode in E_MODES:
+                key = f"E {mode}"
+                result[f"goal_{mode}"] = GOALS[key][1]
+                result[f"met_{mode}"] = check_goal(key, goal_level[mode]["e"])
+        return result
 
     # -- D: GPU decode vs the bandwidth floor ---------------------------------------------------------------
     def part_d(self) -> dict:
@@ -1464,6 +1563,17 @@ def table_rows(report: dict) -> list[tuple[str, str, str, str, str]]:
                          f"TTFT p50/p99 {ttft['p50']:g}/{ttft['p99']:g}, {level['tokens_per_s']:g} tok/s, "
                          f"n={level['requests']}" + (f", {level['rejected']} rejected (429/503)"
                                                       if level.get("rejected") else ""), ""))
+    if "E" in r:
+        e = r["E"]
+        for level in e["levels"]:
+            for mode in E_MODES:
+                m = level[mode]
+                goal = ""
+                if level["clients"] == 32 and e.get(f"met_{mode}") is not None:
+                    goal = f">= {e[f'goal_{mode}']:g}: {_met(e[f'met_{mode}'])}"
+                rows.append(("E", f"{level['clients']:2d} clients {mode}: tokens/s / ideal", f"{m['e']:g}",
+                             f"{m['tokens_per_s']:g} of {level['ideal_tokens_per_s']:g} tok/s "
+                             f"(batch forward {level['forward_ms']['median']:g} ms)", goal))
     if "R" in r:
         p = r["R"]
         for side, label in (("on", "prefix cache on"), ("off", "prefix cache off")):

@@ -13,7 +13,7 @@ a stray byte reads as one U+FFFD).
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 6
@@ -23,10 +23,34 @@ class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def fast_decode(tokenizer: Decoder) -> Callable[..., str]:
+    """``decode(ids, skip_special_tokens=...)`` with the same result as ``tokenizer.decode``, straight from the
+    Rust tokenizer when transformers' wrapper would add nothing to it (no clean-up of tokenization spaces, which
+    transformers skips for BPE models anyway); the wrapper otherwise. Looked up once per tokenizer."""
+    cached = getattr(tokenizer, "_saker_fast_decode", None)
+    if cached is not None:
+        return cached
+    decode = tokenizer.decode
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        clean = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                         False)
+        is_bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
+        if not clean or (is_bpe and not forced):
+            decode = backend.decode
+    try:
+        tokenizer._saker_fast_decode = decode
+    except AttributeError:                      # a tokenizer that takes no attributes: look it up each time
+        pass
+    return decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, ids: Sequence[int] = (), skip_special_tokens: bool = True):
         """``ids`` are already-read tokens (the prompt): their text counts as released."""
         self.tokenizer = tokenizer
+        self._decode_ids = fast_decode(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(ids)
         self.read_offset = len(self.ids)
@@ -34,7 +58,7 @@ class IncrementalDetokenizer:
         self._prefix: tuple[tuple[int, int], str] | None = None
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _prefix_text(self) -> str:
         """Text of ``ids[prefix_offset:read_offset]``, decoded once per pair of offsets (the ids only grow, so

@@ -7,57 +7,35 @@ that picked the token; echo logprobs from the prefill's logits. Finished sequenc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from app.engine.detokenize import IncrementalDetokenizer
+from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers  # noqa: F401 - re-exported
 from app.engine.kv_cache import mergeable
-from app.engine.logprobs import candidate_keys, raw_logprobs
-from app.engine.params import SamplingParams, Timings, TokenLogprobs
+from app.engine.logprobs import raw_logprobs
+from app.engine.params import SamplingParams, Timings
 from app.engine.runner import MIXED, ModelRunner
-from app.engine.sampling import TokenChooser, TokenHistory, build_processors, history_needs
-from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
+from app.engine.sampler import RowSpec, SamplingRows, StepNumbers, sample, sequence_seed
+from app.engine.stopping import StoppingCriteria
 
 
 @dataclass
-class PromptEvent:
-    """After the prefill: the prompt's text and, when asked, its token strings and logprobs."""
-    prompt_tokens: int
-    text: str
-    logprobs: TokenLogprobs | None
-
-
-@dataclass
-class TokenEvent:
-    """One generated token of candidate ``index``."""
+class Candidate:
+    """One row of a group on the engine side: which candidate it is and how many tokens it has."""
     index: int
-    token_id: int
-    text: str                                # text this token completes (held-back characters excluded)
-    logprob: float | None
-    top_logprobs: dict[str, float] | None
-    finish_reason: str | None = None         # set on the candidate's last token
-    text_end: int | None = None              # where the candidate's text is cut (stop strings / tokens)
-
-
-@dataclass
-class SequenceState:
-    index: int
-    detok: IncrementalDetokenizer
-    stopping: StoppingCriteria
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    generated: int = 0
 
 
 class RequestGroup:
-    """One prompt of one request: its candidates (``n``/``best_of``) as rows of a decode batch, with their own
-    processors, seeded generators, stop rules and detokenizers. Batches may hold several groups."""
+    """One prompt of one request: its candidates (``n``/``best_of``) as rows of a decode batch. The engine side
+    only: ids, parameters, per-row sampling state and token-level stop rules; text is made by the output side
+    (``output.RequestDecoder``), which may end a candidate early (a stop string) through ``finish_candidate``."""
 
     def __init__(self, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, *,
                  max_length: int, timings: Timings | None = None, tag: int = 0):
         self.runner = runner
-        self.tokenizer = runner.tokenizer
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.max_length = max_length
@@ -68,9 +46,13 @@ class RequestGroup:
         self.k = params.logprobs or 0
         self.needs_prompt_logits = params.echo and self.want_logprobs
         self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
-        self.seqs: list[SequenceState] = []
-        self.step = 0
+        self.seqs: list[Candidate] = []
+        self.rows_state: SamplingRows | None = None
+        self.stopping = StoppingCriteria(eos_token_ids=frozenset(runner.eos_token_ids),
+                                         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                                         min_tokens=params.min_tokens, max_tokens=self.max_new, max_length=max_length)
         self.cancelled = False
+        self._finish: list[int] = []                 # candidates the output side ended (stop strings)
 
     @property
     def rows(self) -> int:
@@ -90,166 +72,90 @@ class RequestGroup:
         """KV tokens this group may hold at most: what the batch token budget counts."""
         return (len(self.prompt_ids) + max(self.max_new, 0)) * self.params.num_candidates
 
-    # -- prompt -----------------------------------------------------------------------------------------
-    def prompt_event(self, logits: torch.Tensor | None) -> PromptEvent:
-        """The prompt's text and (with echo + logprobs) its logprobs from the prefill logits (L, V)."""
-        params, tok = self.params, self.tokenizer
-        if not params.echo:
-            return PromptEvent(len(self.prompt_ids), "", None)
-        if not self.want_logprobs:
-            text = tok.decode(self.prompt_ids, skip_special_tokens=params.skip_special_tokens)
-            return PromptEvent(len(self.prompt_ids), text, None)
-        lp = raw_logprobs(logits)                                    # (L, V): row i predicts token i + 1
-        ids = torch.tensor(self.prompt_ids[1:], device=lp.device)
-        chosen = lp[:-1].gather(-1, ids.view(-1, 1)).squeeze(-1).tolist() if len(ids) else []
-        top_vals = top_ids = None
-        if self.k:
-            top = torch.topk(lp[:-1], self.k, dim=-1)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        detok = IncrementalDetokenizer(tok, skip_special_tokens=params.skip_special_tokens)
-        out = TokenLogprobs()
-        text = ""
-        for i, token_id in enumerate(self.prompt_ids):
-            if i == 0:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-            else:
-                out.token_logprobs.append(chosen[i - 1])
-                out.top_logprobs.append(self._top_dict(detok, token_id, chosen[i - 1],
-                                                       top_ids[i - 1] if top_ids else [],
-                                                       top_vals[i - 1] if top_vals else []))
-            piece = detok.add(token_id)
-            out.text_offset.append(len(text))
-            out.tokens.append(piece)
-            text += piece
-        tail = detok.flush()
-        if tail:
-            out.tokens[-1] += tail
-            text += tail
-        return PromptEvent(len(self.prompt_ids), text, out)
+    def finish_candidate(self, index: int) -> None:
+        """The output side ended candidate ``index`` (a stop string): its row leaves at the next step. Called
+        from the request's thread; the list append is atomic."""
+        self._finish.append(index)
 
-    def _top_dict(self, detok, chosen_id: int, chosen_lp: float, ids: list[int], vals: list[float]):
-        cand_ids = [chosen_id] + [i for i in ids if i != chosen_id]
-        cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id]
-        keys = candidate_keys(self.tokenizer, detok, cand_ids, self.runner.byte_level)
-        return dict(sorted(zip(keys, cand_vals), key=lambda kv: -kv[1]))
+    def take_finished(self) -> set[int]:
+        """Candidates ended by the output side since the last call (the model thread's side)."""
+        if not self._finish:
+            return set()
+        taken, self._finish = self._finish, []
+        return set(taken)
+
+    # -- prompt -----------------------------------------------------------------------------------------
+    def prompt_numbers(self, logits: torch.Tensor | None) -> PromptNumbers:
+        """The prompt's numbers: with echo + logprobs, each prompt token's raw logprob and the top k from the
+        prefill logits (L, V), brought to the host in one transfer."""
+        count = len(self.prompt_ids)
+        if not self.needs_prompt_logits or count < 2:
+            return PromptNumbers(count, [] if self.needs_prompt_logits else None,
+                                 [] if self.needs_prompt_logits and self.k else None,
+                                 [] if self.needs_prompt_logits and self.k else None)
+        lp = raw_logprobs(logits[:-1])                                # row i predicts token i + 1
+        ids = torch.tensor(self.prompt_ids[1:], device=lp.device).view(-1, 1)
+        parts = [lp.gather(-1, ids).double()]
+        if self.k:
+            top = torch.topk(lp, self.k, dim=-1)
+            parts += [top.values.double(), top.indices.double()]
+        host = torch.cat(parts, dim=1).tolist()
+        out = PromptNumbers(count, [r[0] for r in host])
+        if self.k:
+            out.top_values = [r[1:1 + self.k] for r in host]
+            out.top_ids = [[int(i) for i in r[1 + self.k:]] for r in host]
+        return out
 
     # -- decoding ---------------------------------------------------------------------------------------
-    def begin(self, device, vocab: int) -> None:
-        """Set up the candidates (after the prefill): stop rules, detokenizers, processors, generators."""
-        params, tok = self.params, self.tokenizer
+    def begin(self, device, vocab: int) -> SamplingRows:
+        """Set up the candidates (after the prefill): one row each, with its own seed."""
+        params = self.params
         count = params.num_candidates
-        stop_strings = StopStrings(params.stop, params.include_stop_str_in_output)
-        eos = frozenset(self.runner.eos_token_ids)
-        self.seqs = [SequenceState(i, IncrementalDetokenizer(tok, self.prompt_ids, params.skip_special_tokens),
-                                   StoppingCriteria(eos_token_ids=eos, stop_token_ids=params.stop_token_ids,
-                                                    stop_strings=stop_strings, ignore_eos=params.ignore_eos,
-                                                    min_tokens=params.min_tokens, max_tokens=self.max_new,
-                                                    max_length=self.max_length))
-                     for i in range(count)]
-        suppress = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
-        self.processors = build_processors(params, vocab=vocab, suppress_ids=suppress, device=device)
-        needs_counts, needs_seen = history_needs(params)
-        self.history = TokenHistory(count, vocab, self.prompt_ids, device, counts=needs_counts, seen=needs_seen)
-        self.chooser = TokenChooser(params, device, count)
+        self.seqs = [Candidate(i) for i in range(count)]
+        eos = () if params.ignore_eos else tuple(self.runner.eos_token_ids)
+        suppress = tuple(sorted(set(params.stop_token_ids) | set(eos)))
+        spec = RowSpec.of(params, suppress, self.want_candidate_logprob)
+        seeds = [sequence_seed(params.seed, i) for i in range(count)]
+        return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device)
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """This group's next tokens from its rows of raw float32 logits (stays on the device)."""
-        scores = logits
-        if self.processors:
-            scores = logits.clone()
-            for proc in self.processors:
-                scores = proc(scores, self.history, self.step)
-        tokens = self.chooser(scores)
-        self.history.add(tokens)
-        self.step += 1
-        return tokens
-
-    def settle(self, tokens: list[int], chosen_lp: list[float] | None, top_ids: list[list[int]] | None,
-               top_vals: list[list[float]] | None) -> tuple[list[TokenEvent], list[int]]:
-        """Host side of a step: detokenize, check stops, build events. Returns the events and the rows
-        (indices into this group's rows) that go on."""
+    def settle(self, tokens: list[int], numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:
+        """Host side of a step for this group's rows (``offset`` is where they start in the step): token-level
+        stop rules and the numbers to hand out. Returns the events and the rows (indices into this group's
+        rows) that go on."""
         events, keep = [], []
-        k = self.k
+        k, prompt_len, stopping = self.k, len(self.prompt_ids), self.stopping
+        want_lp = numbers.logprobs is not None and self.want_candidate_logprob
         for row, seq in enumerate(self.seqs):
-            token_id = tokens[row]
-            top_dict = None
-            if self.want_logprobs:
-                top_dict = self._top_dict(seq.detok, token_id, chosen_lp[row],
-                                          top_ids[row][:k] if k else [], top_vals[row][:k] if k else [])
-            seq.token_ids.append(token_id)
-            piece = ""
-            if seq.stopping.stop_token(token_id, len(seq.token_ids)):
-                piece = seq.detok.flush()           # bytes held before an EOS/stop token are final now
-                seq.text += piece
-            before = len(seq.text)
-            added = seq.detok.add(token_id)
-            piece += added
-            seq.text += added
-            decision = seq.stopping(token_id, seq.text, before, len(seq.token_ids),
-                                    len(self.prompt_ids) + len(seq.token_ids))
-            if decision.stop and decision.text_end in (None, len(seq.text)):
-                tail = seq.detok.flush()
-                piece += tail
-                seq.text += tail
-                if decision.text_end is not None:
-                    decision = StopDecision(True, decision.reason, len(seq.text))
-            event = TokenEvent(seq.index, token_id, piece, chosen_lp[row] if chosen_lp is not None else None,
-                               top_dict)
-            if decision.stop:
-                event.finish_reason = decision.reason
-                event.text_end = decision.text_end
-            else:
+            at = offset + row
+            token_id = tokens[at]
+            seq.generated += 1
+            ends = stopping.ends(token_id, seq.generated, prompt_len + seq.generated)
+            events.append(TokenNumbers(seq.index, token_id, numbers.logprobs[at] if want_lp else None,
+                                       numbers.top_ids[at][:k] if k and self.want_logprobs else None,
+                                       numbers.top_values[at][:k] if k and self.want_logprobs else None, ends))
+            if not ends:
                 keep.append(row)
-            events.append(event)
-        self.timings.generated_tokens += len(events)
         return events, keep
 
     def select(self, keep: list[int]) -> None:
-        if len(keep) == len(self.seqs):
-            return
-        self.seqs = [self.seqs[i] for i in keep]
-        if keep:
-            rows = torch.tensor(keep, device=self.history.device)
-            self.history.select(rows)
-            self.chooser.select(keep)
+        if len(keep) != len(self.seqs):
+            self.seqs = [self.seqs[i] for i in keep]
 
 
-def sample_step(groups: list[RequestGroup], logits: torch.Tensor
-                ) -> tuple[list[tuple[list[TokenEvent], list[int]]], torch.Tensor]:
-    """One step for groups whose rows are consecutive in ``logits`` (B, V): choose tokens per group, one
-    transfer to the host, then events. Returns each group's (events, rows that go on) and the tokens (B,)."""
-    chosen_parts, offset = [], 0
+def sample_step(groups: list[RequestGroup], logits: torch.Tensor, rows: SamplingRows
+                ) -> tuple[list[tuple[list[TokenNumbers], list[int]]], torch.Tensor]:
+    """One step for groups whose rows are consecutive in ``logits`` (B, V) and in ``rows``: the batch-wide
+    sampler, one transfer to the host, then each group's token-level stops. Returns each group's (events, rows
+    that go on) and the tokens (B,) on the device."""
+    tokens, numbers = sample(logits, rows)
+    out, offset = [], 0
     for group in groups:
-        chosen_parts.append(group.choose(logits[offset:offset + group.rows]))
+        out.append(group.settle(numbers.tokens, numbers, offset))
         offset += group.rows
-    tokens = chosen_parts[0] if len(chosen_parts) == 1 else torch.cat(chosen_parts)
-    chosen_lp = top_vals = top_ids = None
-    if any(g.want_candidate_logprob for g in groups):
-        # tokens, chosen logprobs and the top k in one float64 tensor (exact for float32 values and token ids):
-        # one transfer to the host for the whole step
-        lp = raw_logprobs(logits)
-        column = tokens.view(-1, 1)
-        parts = [column, lp.gather(-1, column)]
-        k = max((g.k for g in groups if g.want_logprobs), default=0)
-        if k:
-            top = torch.topk(lp, k, dim=-1)
-            parts += [top.values, top.indices]
-        rows = torch.cat([part.double() for part in parts], dim=1).tolist()
-        token_list = [int(row[0]) for row in rows]
-        chosen_lp = [row[1] for row in rows]
-        if k:
-            top_vals = [row[2:2 + k] for row in rows]
-            top_ids = [[int(i) for i in row[2 + k:]] for row in rows]
-    else:
-        token_list = tokens.tolist()
-    events, offset = [], 0
-    for group in groups:
-        sl = slice(offset, offset + group.rows)
-        events.append(group.settle(token_list[sl], chosen_lp[sl] if chosen_lp else None,
-                                   top_ids[sl] if top_ids else None, top_vals[sl] if top_vals else None))
-        offset += group.rows
-    return events, tokens
+    return out, tokens
+
+
+Event = PromptNumbers | TokenNumbers
 
 
 class BatchOutOfMemory(Exception):
@@ -275,6 +181,7 @@ class DecodeBatch:
         self.mask: torch.Tensor | None = None       # (B, L) 1 = real token, 0 = padding; None: no padding
         self.positions: torch.Tensor | None = None  # (B,) position of the token fed next
         self.tokens: torch.Tensor | None = None     # (B,) token fed next
+        self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
         self.length = 0                             # cached columns
 
     @property
@@ -296,15 +203,18 @@ class DecodeBatch:
             return True
         return self.runner.can_join(self.adapters, group.params.adapter) and mergeable(self.cache)
 
-    def add(self, group: RequestGroup, cache, tokens: torch.Tensor) -> None:
-        """Join a prefilled group: its cache (rows, prompt length) and its first chosen tokens."""
+    def add(self, group: RequestGroup, cache, tokens: torch.Tensor, sampling: SamplingRows) -> None:
+        """Join a prefilled group: its cache (rows, prompt length), its first chosen tokens, its rows'
+        sampling state."""
         length = len(group.prompt_ids)
         device = tokens.device
         positions = torch.full((group.rows,), length, dtype=torch.long, device=device)
         if not self.groups:
             self.groups, self.cache, self.mask = [group], cache, None
             self.positions, self.tokens, self.length = positions, tokens, length
+            self.sampling = sampling
             return
+        self.sampling = SamplingRows.cat([self.sampling, sampling])
         new_len = max(self.length, length)
         old_mask = self.mask if self.mask is not None else \
             torch.ones(self.rows, self.length, dtype=torch.long, device=device)
@@ -323,10 +233,12 @@ class DecodeBatch:
         self.groups = [g for g in self.groups if g.rows]
         if not keep_rows:
             self.groups, self.cache, self.mask, self.positions, self.tokens, self.length = [], None, None, None, None, 0
+            self.sampling = None
             return
         if len(keep_rows) == tokens.shape[0]:
             self.tokens = tokens
             return
+        self.sampling = self.sampling.select(keep_rows)
         index = torch.tensor(keep_rows, device=tokens.device)
         self.tokens = tokens.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
@@ -391,12 +303,12 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
 
 
-def admit(batch: DecodeBatch, group: RequestGroup) -> list[PromptEvent | TokenEvent]:
+def admit(batch: DecodeBatch, group: RequestGroup) -> list[Event]:
     """Prefill a group, sample its first tokens from the prefill's logits and, if it goes on, add it to the
     batch. Returns its events so far: the prompt's, then its first tokens'."""
     start = time.perf_counter()
     if not group.prefills:
-        return [group.prompt_event(None)]
+        return [group.prompt_numbers(None)]
     static = group.runner.uses_static_cache(group.params.num_candidates, len(group.prompt_ids) + group.max_new)
     logits, cache, reused = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits,
                                                  static=static)
@@ -405,7 +317,7 @@ def admit(batch: DecodeBatch, group: RequestGroup) -> list[PromptEvent | TokenEv
 
 
 def admit_together(batch: DecodeBatch, groups: list[RequestGroup]
-                   ) -> list[list[PromptEvent | TokenEvent] | BaseException]:
+                   ) -> list[list[Event] | BaseException]:
     """``admit`` for several groups (each of which ``prefills``) with one prefill forward over their prompts,
     left-padded to a common length; each group then goes on with its own row of the logits and of the cache
     (padding cut off), as if prefilled alone. Per group its events, or the exception that failed it after the
@@ -414,7 +326,7 @@ def admit_together(batch: DecodeBatch, groups: list[RequestGroup]
     runner = groups[0].runner
     all_logits = any(g.needs_prompt_logits for g in groups)
     logits, caches = runner.prefill_together([g.prompt_ids for g in groups], all_logits=all_logits)
-    out: list[list[PromptEvent | TokenEvent] | BaseException] = []
+    out: list[list[Event] | BaseException] = []
     for group, row_logits, cache in zip(groups, logits, caches):
         if not group.needs_prompt_logits:
             row_logits = row_logits[-1:]
@@ -455,7 +367,7 @@ class ChunkedPrefill:
         self.spent += time.perf_counter() - start
         return end == len(prompt)
 
-    def finish(self, batch: DecodeBatch) -> list[PromptEvent | TokenEvent]:
+    def finish(self, batch: DecodeBatch) -> list[Event]:
         group = self.group
         group.runner.remember(group.prompt_ids, self.cache)
         logits = torch.cat(self.parts, dim=1) if len(self.parts) > 1 else self.parts[0]
@@ -463,20 +375,20 @@ class ChunkedPrefill:
 
 
 def _join(batch: DecodeBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
-          ) -> list[PromptEvent | TokenEvent]:
-    """After a group's prefill (logits (1, L or 1, V), its cache): the prompt event, the first tokens, and the
-    group in the batch if it goes on."""
-    events: list[PromptEvent | TokenEvent] = [group.prompt_event(logits[0] if group.needs_prompt_logits else None)]
+          ) -> list[Event]:
+    """After a group's prefill (logits (1, L or 1, V), its cache): the prompt's numbers, the first tokens, and
+    the group in the batch if it goes on."""
+    events: list[Event] = [group.prompt_numbers(logits[0] if group.needs_prompt_logits else None)]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
         return events
     last = logits[:, -1, :].float()
     count = group.params.num_candidates
-    group.begin(last.device, last.shape[-1])
+    sampling = group.begin(last.device, last.shape[-1])
     if count > 1:
         cache.batch_repeat_interleave(count)
         last = last.expand(count, last.shape[-1])
-    [(first, keep)], tokens = sample_step([group], last)
+    [(first, keep)], tokens = sample_step([group], last, sampling)
     events += first
     group.select(keep)
     if keep:
@@ -484,16 +396,17 @@ def _join(batch: DecodeBatch, group: RequestGroup, logits: torch.Tensor, cache, 
             index = torch.tensor(keep, device=tokens.device)
             cache.batch_select_indices(index)
             tokens = tokens.index_select(0, index)
-        batch.add(group, cache, tokens)
+            sampling = sampling.select(keep)
+        batch.add(group, cache, tokens, sampling)
     group.timings.prefill_s += time.perf_counter() - start
     return events
 
 
-def step(batch: DecodeBatch) -> list[tuple[RequestGroup, list[TokenEvent]]]:
+def step(batch: DecodeBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch."""
     logits = batch.forward()
     groups = list(batch.groups)
-    results, tokens = sample_step(groups, logits)
+    results, tokens = sample_step(groups, logits, batch.sampling)
     keep_rows, offset, out = [], 0, []
     for group, (events, keep) in zip(groups, results):
         keep_rows += [offset + r for r in keep]
@@ -504,33 +417,52 @@ def step(batch: DecodeBatch) -> list[tuple[RequestGroup, list[TokenEvent]]]:
     return out
 
 
-def drop(batch: DecodeBatch, group: RequestGroup) -> None:
-    """Take a group out of the batch (its client went away)."""
+def drop(batch: DecodeBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
+    """Take a group's rows out of the batch: all of them (its client went away), or those of ``candidates``
+    (the output side ended them: stop strings)."""
     keep_rows, offset = [], 0
     for g in batch.groups:
-        if g is not group:
-            keep_rows += list(range(offset, offset + g.rows))
+        for row, seq in enumerate(g.seqs):
+            if g is not group or (candidates is not None and seq.index not in candidates):
+                keep_rows.append(offset + row)
         offset += g.rows
-    group.seqs = []
+    group.seqs = [] if candidates is None else [seq for seq in group.seqs if seq.index not in candidates]
     batch.keep(keep_rows, batch.tokens)
 
 
+def drop_finished(batch: DecodeBatch) -> None:
+    """Rows whose candidates the output side ended since the last step leave the batch."""
+    for group in list(batch.groups):
+        ended = group.take_finished()
+        if ended and any(seq.index in ended for seq in group.seqs):
+            drop(batch, group, ended)
+
+
 class Generator:
-    """One prompt run alone, start to end: the events of a single group (warm-up, tests and tools)."""
+    """One prompt run alone, start to end: its text events (warm-up, tests and tools). Decoding happens here,
+    between steps, as a request's thread does it for the scheduler's batch."""
 
     def __init__(self, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, *,
                  max_length: int, timings: Timings | None = None):
         self.group = RequestGroup(runner, prompt_ids, params, max_length=max_length, timings=timings)
 
     def __iter__(self) -> Iterator[PromptEvent | TokenEvent]:
+        from app.engine.output import RequestDecoder
         group = self.group
+        decoder = RequestDecoder(group)
         with group.runner.adapter(group.params.adapter), torch.inference_mode():
             batch = DecodeBatch(group.runner)
-            yield from admit(batch, group)
+            for numbers in admit(batch, group):
+                yield from decoder.push(numbers)
             start = time.perf_counter()
             try:
                 while batch.groups:
+                    drop_finished(batch)
+                    if not batch.groups:
+                        break
                     for _, events in step(batch):
-                        yield from events
+                        for numbers in events:
+                            yield from decoder.push(numbers)
             finally:
                 group.timings.decode_s += time.perf_counter() - start
+                group.timings.generated_tokens += decoder.generated_tokens

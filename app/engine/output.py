@@ -1,4 +1,10 @@
-"""Per-choice output assembly, shared by plain and streamed answers so that both read the same.
+"""The output side, off the model thread: numbers in, text out.
+
+A ``RequestDecoder`` turns one prompt's engine events (``PromptNumbers``, ``TokenNumbers``) into text events: a
+``ChoiceDecoder`` per candidate owns its incremental detokenizer, its stop rules (stop strings included) and the
+``top_logprobs`` keys. It runs on the thread of the request that reads the events; when a stop string ends a
+candidate it tells the engine (``RequestGroup.finish_candidate``), whose row then leaves at the next step; tokens
+the row made after the stop are dropped here, never returned nor counted.
 
 A ``ChoiceAssembler`` takes a candidate's TokenEvents and releases whole tokens once their text is final:
 text that could still be the start of a stop string is held back (``StopStrings.holdback``); at the end the
@@ -10,9 +16,137 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from app.engine.generate import PromptEvent, TokenEvent
+from app.engine.detokenize import IncrementalDetokenizer
+from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers
+from app.engine.logprobs import candidate_keys
 from app.engine.params import SamplingParams, TokenLogprobs
-from app.engine.stopping import StopStrings
+from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
+
+
+def _top_dict(tokenizer, byte_level: bool, detok: IncrementalDetokenizer, chosen_id: int, chosen_lp: float,
+              ids: list[int], vals: list[float]) -> dict[str, float]:
+    """``top_logprobs`` of one position: the top k plus the chosen token, keyed by their text in context."""
+    cand_ids = [chosen_id] + [i for i in ids if i != chosen_id]
+    cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id]
+    keys = candidate_keys(tokenizer, detok, cand_ids, byte_level)
+    return dict(sorted(zip(keys, cand_vals), key=lambda kv: -kv[1]))
+
+
+class ChoiceDecoder:
+    """One candidate's text: detokenizer, stop rules, logprob keys."""
+
+    def __init__(self, index: int, tokenizer, byte_level: bool, prompt_ids: list[int], params: SamplingParams,
+                 stopping: StoppingCriteria):
+        self.index = index
+        self.tokenizer, self.byte_level = tokenizer, byte_level
+        self.want_logprobs = params.logprobs is not None
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.stopping = stopping
+        self.prompt_len = len(prompt_ids)
+        self.generated = 0
+        self.text = ""
+        self.finished = False
+
+    def token(self, raw: TokenNumbers) -> TokenEvent | None:
+        """The text event of this token; None once the candidate has finished (a row that ran on past its stop
+        string until the engine heard of it)."""
+        if self.finished:
+            return None
+        token_id, detok = raw.token_id, self.detok
+        top_dict = None
+        if self.want_logprobs:
+            top_dict = _top_dict(self.tokenizer, self.byte_level, detok, token_id, raw.logprob,
+                                 raw.top_ids or [], raw.top_values or [])
+        self.generated += 1
+        piece = ""
+        if self.stopping.stop_token(token_id, self.generated):
+            piece = detok.flush()                   # bytes held before an EOS/stop token are final now
+            self.text += piece
+        before = len(self.text)
+        added = detok.add(token_id)
+        piece += added
+        self.text += added
+        decision = self.stopping(token_id, self.text, before, self.generated, self.prompt_len + self.generated)
+        if decision.stop and decision.text_end in (None, len(self.text)):
+            tail = detok.flush()
+            piece += tail
+            self.text += tail
+            if decision.text_end is not None:
+                decision = StopDecision(True, decision.reason, len(self.text))
+        event = TokenEvent(self.index, token_id, piece, raw.logprob, top_dict)
+        if decision.stop:
+            event.finish_reason = decision.reason
+            event.text_end = decision.text_end
+            self.finished = True
+        return event
+
+
+class RequestDecoder:
+    """The output side of one prompt of a request (a ``RequestGroup``): engine events in, text events out."""
+
+    def __init__(self, group):
+        self.group = group
+        runner, params = group.runner, group.params
+        self.tokenizer, self.byte_level, self.params = runner.tokenizer, runner.byte_level, params
+        self.prompt_ids = group.prompt_ids
+        self.choices: list[ChoiceDecoder] = []
+        self.generated_tokens = 0
+
+    def push(self, numbers: PromptNumbers | TokenNumbers) -> list[PromptEvent | TokenEvent]:
+        if isinstance(numbers, PromptNumbers):
+            return [self.prompt(numbers)]
+        if not self.choices:
+            self._open()
+        choice = self.choices[numbers.index]
+        event = choice.token(numbers)
+        if event is None:
+            return []
+        self.generated_tokens += 1
+        if event.finish_reason and not numbers.ends:
+            self.group.finish_candidate(numbers.index)       # a stop string: the engine's row must leave
+        return [event]
+
+    def _open(self) -> None:
+        group, params = self.group, self.params
+        stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.choices = [ChoiceDecoder(i, self.tokenizer, self.byte_level, self.prompt_ids, params,
+                                      StoppingCriteria(eos_token_ids=frozenset(group.runner.eos_token_ids),
+                                                       stop_token_ids=params.stop_token_ids,
+                                                       stop_strings=stops, ignore_eos=params.ignore_eos,
+                                                       min_tokens=params.min_tokens, max_tokens=group.max_new,
+                                                       max_length=group.max_length))
+                        for i in range(params.num_candidates)]
+
+    def prompt(self, numbers: PromptNumbers) -> PromptEvent:
+        """The prompt's text and (with echo + logprobs) its tokens, logprobs and keys."""
+        params, tok, ids = self.params, self.tokenizer, self.prompt_ids
+        if not params.echo:
+            return PromptEvent(numbers.prompt_tokens, "", None)
+        if params.logprobs is None or numbers.logprobs is None:
+            text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+            return PromptEvent(numbers.prompt_tokens, text, None)
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=params.skip_special_tokens)
+        out = TokenLogprobs()
+        text = ""
+        for i, token_id in enumerate(ids):
+            if i == 0:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                chosen = numbers.logprobs[i - 1]
+                out.token_logprobs.append(chosen)
+                out.top_logprobs.append(_top_dict(tok, self.byte_level, detok, token_id, chosen,
+                                                  numbers.top_ids[i - 1] if numbers.top_ids else [],
+                                                  numbers.top_values[i - 1] if numbers.top_values else []))
+            piece = detok.add(token_id)
+            out.text_offset.append(len(text))
+            out.tokens.append(piece)
+            text += piece
+        tail = detok.flush()
+        if tail:
+            out.tokens[-1] += tail
+            text += tail
+        return PromptEvent(numbers.prompt_tokens, text, out)
 
 
 @dataclass

@@ -19,8 +19,10 @@ from typing import Iterator
 
 import torch
 
-from app.engine.generate import (BatchOutOfMemory, ChunkedPrefill, DecodeBatch, PromptEvent, RequestGroup,
-                                 TokenEvent, admit, admit_together, drop, step)
+from app.engine.events import PromptEvent, TokenEvent
+from app.engine.generate import (BatchOutOfMemory, ChunkedPrefill, DecodeBatch, Event, RequestGroup, admit,
+                                 admit_together, drop, drop_finished, step)
+from app.engine.output import RequestDecoder
 from app.engine.kv_cache import mergeable
 from app.engine.runner import ModelRunner
 
@@ -30,37 +32,66 @@ _DONE = object()
 
 
 class Ticket:
-    """A request's view of its groups: iterate for ``(tag, event)``; ``cancel()`` when the client is gone."""
+    """A request's view of its groups: iterate for ``(tag, event)``; ``cancel()`` when the client is gone.
 
-    def __init__(self, groups: list[RequestGroup]):
+    The scheduler puts each group's engine events of a step (numbers); iterating turns them into text events on
+    the reader's thread (``output.RequestDecoder``), so detokenizing, stop strings and logprob keys never run on
+    the model thread. An ``eager`` ticket (a stream, or a request with stop strings) wakes its reader every
+    step; another one only when a group ends, so that many waiting requests do not take the interpreter from
+    the model thread at every step."""
+
+    def __init__(self, groups: list[RequestGroup], eager: bool = True):
         self.groups = groups
+        self.eager = eager
+        self.decoders = {group.tag: RequestDecoder(group) for group in groups}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list[tuple[int, list[Event]]] = []     # lazy: events not handed over yet
+        self._ready: collections.deque[tuple[int, PromptEvent | TokenEvent]] = collections.deque()
         self._open = len(groups)
         self.submitted = time.perf_counter()
 
-    def put(self, group: RequestGroup, event: PromptEvent | TokenEvent) -> None:
-        self._events.put((group.tag, event))
+    def put(self, group: RequestGroup, events: list[Event]) -> None:
+        if not events:
+            return
+        if self.eager:
+            self._events.put([(group.tag, events)])
+        else:
+            self._held.append((group.tag, events))
+
+    def _hand_over(self, marker: tuple[int, object]) -> None:
+        held, self._held = self._held, []
+        self._events.put(held + [marker])
 
     def done(self, group: RequestGroup) -> None:
-        self._events.put((group.tag, _DONE))
+        self._hand_over((group.tag, _DONE))
 
     def fail(self, group: RequestGroup, exc: BaseException) -> None:
-        self._events.put((group.tag, exc))
+        self._hand_over((group.tag, exc))
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens handed to the reader so far (a row that ran past its stop string counts only up to it)."""
+        return sum(d.generated_tokens for d in self.decoders.values())
 
     def cancel(self) -> None:
         for group in self.groups:
             group.cancelled = True
 
     def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
+        while self._ready:          # decoded before an earlier iteration stopped (events come a step at a time)
+            yield self._ready.popleft()
         while self._open:
-            tag, item = self._events.get()
-            if item is _DONE:
-                self._open -= 1
-            elif isinstance(item, BaseException):
-                self.cancel()
-                raise item
-            else:
-                yield tag, item
+            for tag, item in self._events.get():
+                if item is _DONE:
+                    self._open -= 1
+                elif isinstance(item, BaseException):
+                    self.cancel()
+                    raise item
+                else:
+                    decoder = self.decoders[tag]
+                    self._ready.extend((tag, event) for numbers in item for event in decoder.push(numbers))
+                while self._ready:
+                    yield self._ready.popleft()
 
 
 class Scheduler:
@@ -85,8 +116,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="saker-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, groups: list[RequestGroup]) -> Ticket:
-        ticket = Ticket(groups)
+    def submit(self, groups: list[RequestGroup], eager: bool = True) -> Ticket:
+        ticket = Ticket(groups, eager)
         with self._cond:
             for group in groups:
                 group.submitted = ticket.submitted
@@ -159,6 +190,11 @@ class Scheduler:
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
                 self._forget(group).done(group)
+            running = list(self.batch.groups)
+            drop_finished(self.batch)                # candidates the output side ended (stop strings)
+            for group in running:
+                if group not in self.batch.groups:
+                    self._forget(group).done(group)
             if not self.batch.groups:
                 return
             start = time.perf_counter()
@@ -176,9 +212,7 @@ class Scheduler:
             self.max_rows_seen = max(self.max_rows_seen, sum(len(events) for _, events in results))
             for group, events in results:
                 group.timings.decode_s += took
-                ticket = self._tickets[id(group)]
-                for event in events:
-                    ticket.put(group, event)
+                self._tickets[id(group)].put(group, events)
                 if not group.rows:
                     self._forget(group).done(group)
 
@@ -252,9 +286,7 @@ class Scheduler:
             self._after_failure(exc)
             self._forget(group).fail(group, exc)
             return
-        ticket = self._tickets[id(group)]
-        for event in events:
-            ticket.put(group, event)
+        self._tickets[id(group)].put(group, events)
         if group not in self.batch.groups:
             self._forget(group).done(group)
 
@@ -287,12 +319,11 @@ class Scheduler:
                 self._after_failure(outcome)
                 self._forget(group).fail(group, outcome)
                 continue
-            for event in outcome:
-                ticket.put(group, event)
+            ticket.put(group, outcome)
             if group not in self.batch.groups:
                 self._forget(group).done(group)
 
-    def _step(self) -> list[tuple[RequestGroup, list[TokenEvent]]]:
+    def _step(self) -> list[tuple[RequestGroup, list[Event]]]:
         """One decode step. When the forward of several groups runs out of memory, the newest group fails
         (its request gets the out-of-memory error: a 503) and the step is retried for the others."""
         while True:

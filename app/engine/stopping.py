@@ -67,6 +67,16 @@ class StoppingCriteria:
             return "stop_token"
         return None
 
+    def ends(self, token_id: int, num_generated: int, total_length: int) -> bool:
+        """The token-level part of the rules (no text): whether this token ends the sequence by itself (EOS, a
+        stop token), or the sequence is at max_tokens or the context. What the engine decides on its own; stop
+        strings are the output side's."""
+        if self.stop_token(token_id, num_generated) is not None:
+            return True
+        if self.max_tokens is not None and num_generated >= self.max_tokens:
+            return True
+        return self.max_length is not None and total_length >= self.max_length
+
     def __call__(self, token_id: int, text: str, text_before: int, num_generated: int,
                  total_length: int) -> StopDecision:
         """``text``: the generated text so far (this token included); ``text_before``: its length before.

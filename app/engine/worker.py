@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from app.engine.admission import Admission
-from app.engine.generate import Generator, PromptEvent, RequestGroup, TokenEvent
+from app.engine.events import PromptEvent, TokenEvent
+from app.engine.generate import Generator, RequestGroup
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_as_503
@@ -169,18 +170,19 @@ class Worker:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     # -- serving ----------------------------------------------------------------------------------------
-    def events(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
-               ) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
+    def events(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings,
+               eager: bool = True) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
         """Run the prompts (as groups of the scheduler's batch, side by side with other requests), yielding
         ``(prompt index, event)``. Closing the iterator (a dropped client) cancels the request: the
-        scheduler drops it at the next step."""
+        scheduler drops it at the next step. Not ``eager``: events come when each prompt is done (stop strings
+        still end a candidate as soon as they appear)."""
         self.require_ready()
         queued = time.perf_counter()
         with self.admission.slot(), out_of_memory_as_503():
             admitted = time.perf_counter()
             groups = [RequestGroup(self.runner, ids, params, max_length=max_length, tag=p)
                       for p, ids in enumerate(prompts)]
-            ticket = self.scheduler.submit(groups)
+            ticket = self.scheduler.submit(groups, eager=eager or bool(params.stop))
             try:
                 yield from ticket
             finally:
@@ -188,7 +190,7 @@ class Worker:
                 timings.queue_s = admitted - queued + max(g.timings.queue_s for g in groups)
                 timings.prefill_s += sum(g.timings.prefill_s for g in groups)
                 timings.decode_s += max(g.timings.decode_s for g in groups)
-                timings.generated_tokens += sum(g.timings.generated_tokens for g in groups)
+                timings.generated_tokens += ticket.generated_tokens
                 timings.cached_tokens += sum(g.timings.cached_tokens for g in groups)
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
@@ -209,6 +211,6 @@ class Worker:
         """Every prompt to the end; the outputs in prompt order."""
         timings = Timings()
         per_prompt: list[list[PromptEvent | TokenEvent]] = [[] for _ in prompts]
-        for p, event in self.events(prompts, params, max_length, timings):
+        for p, event in self.events(prompts, params, max_length, timings, eager=False):
             per_prompt[p].append(event)
         return [collect(events, params) for events in per_prompt], timings

@@ -1,0 +1,281 @@
+"""The batch-wide sampler: one pass over every row of a step, whatever each row asked for.
+
+Each row's parameters live in per-row tensors (``SamplingRows``), so a step is a few tensor operations over the
+whole batch, each skipped when no row needs it: logit bias, EOS/stop-token suppression before ``min_tokens``,
+repetition and presence/frequency penalties, temperature, top-k, top-p, min-p; then argmax for greedy rows and
+an inverse-CDF draw for sampled rows. Raw logprobs (the model's own distribution, before any of this), the
+chosen token's logprob and the top k come from the same pass, packed into one tensor: one transfer to the host.
+
+Draws are counter-based: row ``i`` at its ``t``-th token uses the uniform number ``hash(seed_i, t)``, computed
+in the step itself (no generator objects, nothing that depends on the other rows). So a request's samples do not
+depend on what else is in the batch, a seed reproduces them, a stop string only cuts them, and the step has no
+host-side state (a CUDA graph can hold it).
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.params import SamplingParams
+
+NEG_INF = float("-inf")
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)     # splitmix64 constants as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_STEP = 0xD1B54A32D192ED03 - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping arithmetic)."""
+    x = (x ^ _shift_right(x, 30)) * _M1
+    x = (x ^ _shift_right(x, 27)) * _M2
+    return x ^ _shift_right(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One float64 number in (0, 1) per row, a function of that row's seed and step only (52 random bits, so
+    that ``bits + 0.5`` is exact and the largest value stays below 1)."""
+    bits = _shift_right(_mix(seeds * _GOLDEN + steps * _STEP), 12)
+    return (bits.double() + 0.5) * (1.0 / (1 << 52))
+
+
+def sorted_descending(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's values, largest first (values only: thresholds need no indices). On the CPU numpy's SIMD sort
+    is several times faster than torch's for this."""
+    if scores.device.type == "cpu":
+        import numpy as np
+        return torch.from_numpy(np.ascontiguousarray(np.sort(scores.numpy(), axis=-1)[:, ::-1]))
+    return torch.sort(scores, dim=-1, descending=True).values
+
+
+def sequence_seed(seed: int | None, index: int) -> int:
+    """Seed of candidate ``index`` of a request: its own stream, so a sequence's samples do not depend on the
+    others (an unseeded request draws a random base)."""
+    base = seed if seed is not None else secrets.randbits(63)
+    return (base * 1_000_003 + index * 0x9E3779B1) % (2 ** 63)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What one row asked for (host side: decides which passes a step needs)."""
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition: float
+    presence: float
+    frequency: float
+    min_tokens: int
+    bias: tuple[tuple[int, float], ...]
+    suppress: tuple[int, ...]               # ids kept out before min_tokens (EOS, stop tokens)
+    logprobs: int                           # top-k of the raw logprobs this row reports (0: none)
+    wants_logprob: bool                     # the chosen token's logprob (logprobs or best_of ranking)
+
+    @classmethod
+    def of(cls, params: SamplingParams, suppress: tuple[int, ...], wants_logprob: bool) -> "RowSpec":
+        sampled = not params.greedy
+        return cls(greedy=params.greedy, temperature=params.temperature if sampled else 1.0,
+                   top_k=params.top_k if sampled and params.top_k > 0 else 0,
+                   top_p=params.top_p if sampled else 1.0, min_p=params.min_p if sampled else 0.0,
+                   repetition=params.repetition_penalty, presence=params.presence_penalty,
+                   frequency=params.frequency_penalty, min_tokens=params.min_tokens,
+                   bias=params.logit_bias, suppress=suppress if params.min_tokens > 0 else (),
+                   logprobs=params.logprobs or 0, wants_logprob=wants_logprob)
+
+
+class SamplingRows:
+    """Per-row sampling parameters and history of a batch, in row order.
+
+    Parameters are built once per membership change from the rows' ``RowSpec``s; the history (tokens generated
+    so far, and the counts/seen masks penalties need) follows its rows through ``select`` and ``cat``."""
+
+    def __init__(self, specs: list[RowSpec], seeds: list[int], vocab: int, device, *,
+                 steps: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                 seen: torch.Tensor | None = None):
+        self.specs, self.seed_list, self.vocab, self.device = specs, seeds, vocab, device
+        rows = len(specs)
+        self.greedy_all = all(s.greedy for s in specs)
+        self.sampled_any = not self.greedy_all
+        self.steps = steps if steps is not None else torch.zeros(rows, dtype=torch.long, device=device)
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.k = max((s.logprobs for s in specs), default=0)
+        self.wants_logprob = any(s.wants_logprob for s in specs)
+
+        def column(name, dtype=torch.float32):
+            return torch.tensor([getattr(s, name) for s in specs], dtype=dtype, device=device).view(-1, 1)
+
+        mixed = self.sampled_any and any(s.greedy for s in specs)
+        self.greedy = column("greedy", torch.bool).view(-1) if mixed else None
+        self.temperature = column("temperature") if any(s.temperature != 1.0 for s in specs) else None
+        self.top_k = column("top_k", torch.long) if any(s.top_k for s in specs) else None
+        self.top_p = column("top_p") if any(s.top_p < 1.0 for s in specs) else None
+        self.log_min_p = None
+        if any(s.min_p > 0 for s in specs):
+            self.log_min_p = torch.tensor([math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs],
+                                          dtype=torch.float32, device=device).view(-1, 1)
+        self.repetition = column("repetition") if any(s.repetition != 1.0 for s in specs) else None
+        self.presence = column("presence") if any(s.presence or s.frequency for s in specs) else None
+        self.frequency = column("frequency") if self.presence is not None else None
+        self.bias = None
+        if any(s.bias for s in specs):
+            self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+            for row, spec in enumerate(specs):
+                for token, value in spec.bias:
+                    self.bias[row, token] += value
+        self.suppress = self.min_tokens = None
+        if any(s.suppress for s in specs):
+            self.suppress = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+            for row, spec in enumerate(specs):
+                if spec.suppress:
+                    self.suppress[row, list(spec.suppress)] = True
+            self.min_tokens = column("min_tokens", torch.long).view(-1)
+        need_counts = self.presence is not None
+        need_seen = self.repetition is not None
+        self.counts = counts if need_counts else None
+        self.seen = seen if need_seen else None
+        if need_counts and self.counts is None:
+            self.counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        if need_seen and self.seen is None:
+            self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+
+    @classmethod
+    def for_prompt(cls, spec: RowSpec, seeds: list[int], prompt_ids: list[int], vocab: int, device
+                   ) -> "SamplingRows":
+        """The rows of one prompt's candidates (all with the same spec), before their first token."""
+        rows = cls([spec] * len(seeds), seeds, vocab, device)
+        if rows.seen is not None and prompt_ids:
+            rows.seen[:, torch.tensor(prompt_ids, device=device)] = True
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    # -- membership -------------------------------------------------------------------------------------------
+    def select(self, keep: list[int]) -> "SamplingRows":
+        """These rows only, in this order (their history goes with them)."""
+        if keep == list(range(len(self.specs))):
+            return self
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        pick = (lambda t: t.index_select(0, index) if t is not None else None)
+        return SamplingRows([self.specs[i] for i in keep], [self.seed_list[i] for i in keep], self.vocab,
+                            self.device, steps=pick(self.steps), counts=pick(self.counts), seen=pick(self.seen))
+
+    @staticmethod
+    def cat(parts: list["SamplingRows"]) -> "SamplingRows":
+        nonempty = [p for p in parts if len(p)]
+        if len(nonempty) <= 1:
+            return nonempty[0] if nonempty else parts[0]
+        parts = nonempty
+        first = parts[0]
+
+        def joined(name, dtype):
+            if all(getattr(p, name) is None for p in parts):
+                return None
+            return torch.cat([getattr(p, name) if getattr(p, name) is not None else
+                              torch.zeros(len(p), first.vocab, dtype=dtype, device=first.device) for p in parts])
+
+        return SamplingRows([s for p in parts for s in p.specs], [s for p in parts for s in p.seed_list],
+                            first.vocab, first.device, steps=torch.cat([p.steps for p in parts]),
+                            counts=joined("counts", torch.float32), seen=joined("seen", torch.bool))
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """After a step: every row has one more token (history for penalties, the counter for draws)."""
+        self.steps += 1
+        column = tokens.view(-1, 1)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, column, torch.ones_like(column, dtype=torch.float32))
+        if self.seen is not None:
+            self.seen.scatter_(1, column, True)
+
+
+# -- the pass ----------------------------------------------------------------------------------------------------
+def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Logits after every row's processing, in vocabulary order: -inf where a token may not be chosen. Greedy
+    rows get bias, suppression and penalties only (their argmax is taken over these)."""
+    scores = logits
+    if rows.bias is not None:
+        scores = scores + rows.bias
+    if rows.suppress is not None:
+        early = (rows.steps < rows.min_tokens).view(-1, 1)
+        scores = scores.masked_fill(rows.suppress & early, NEG_INF)
+    if rows.repetition is not None:
+        penalized = torch.where(scores > 0, scores / rows.repetition, scores * rows.repetition)
+        scores = torch.where(rows.seen, penalized, scores)
+    if rows.presence is not None:
+        scores = scores - rows.counts * rows.frequency - (rows.counts > 0).float() * rows.presence
+    if rows.greedy_all:
+        return scores
+    if rows.temperature is not None:
+        scores = scores / rows.temperature
+    if rows.top_k is not None or rows.top_p is not None:
+        # both are thresholds on the sorted values: a token stays when its score reaches the row's threshold
+        # (tokens tied with the last one kept all stay, whatever their ids)
+        ordered = sorted_descending(scores)
+        vocab = ordered.shape[-1]
+        if rows.top_k is not None:
+            k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
+            ordered = ordered.masked_fill(ordered < ordered.gather(1, k - 1), NEG_INF)
+        if rows.top_p is not None:
+            probs = ordered.softmax(-1)
+            before = probs.cumsum(-1) - probs          # mass of the tokens ranked above each one
+            kept = ((before < rows.top_p) | (rows.top_p >= 1.0)).sum(-1, keepdim=True).clamp(min=1)
+            ordered = ordered.masked_fill(ordered < ordered.gather(1, kept - 1), NEG_INF)
+        threshold = ordered.gather(1, (ordered > NEG_INF).sum(-1, keepdim=True).clamp(min=1) - 1)
+        scores = scores.masked_fill(scores < threshold, NEG_INF)
+    if rows.log_min_p is not None:                     # p < min_p * p_max  <=>  s < s_max + log(min_p)
+        scores = scores.masked_fill(scores < scores.max(-1, keepdim=True).values + rows.log_min_p, NEG_INF)
+    return scores
+
+
+def choose(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Next token per row from shaped scores: argmax for greedy rows, an inverse-CDF draw for sampled rows."""
+    if rows.greedy_all:
+        return scores.argmax(-1)
+    cdf = scores.softmax(-1).cumsum(-1, dtype=torch.float64)
+    # the token whose interval (cdf[i-1], cdf[i]] holds u * total: tokens without mass have empty intervals, and
+    # u < 1 keeps the target at most the total, so the pick is never past the last token with mass
+    target = uniforms(rows.seeds, rows.steps).view(-1, 1) * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, target).view(-1)
+    if rows.greedy is not None:
+        picks = torch.where(rows.greedy, scores.argmax(-1), picks)
+    return picks
+
+
+@dataclass
+class StepNumbers:
+    """A step's results on the host: per row the token, and (when any row asks) its raw logprob and the top k."""
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_values: list[list[float]] | None = None
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, StepNumbers]:
+    """One step for every row of ``logits`` (B, V) float32: tokens (on the device, to feed the next forward) and
+    the numbers the output side needs, brought to the host in one transfer."""
+    tokens = choose(shape_scores(logits, rows), rows)
+    rows.record(tokens)
+    if not rows.wants_logprob:
+        return tokens, StepNumbers(tokens.tolist())
+    lp = torch.log_softmax(logits, dim=-1)
+    column = tokens.view(-1, 1)
+    parts = [column.double(), lp.gather(-1, column).double()]
+    k = rows.k
+    if k:
+        top = torch.topk(lp, k, dim=-1)
+        parts += [top.values.double(), top.indices.double()]
+    host = torch.cat(parts, dim=1).tolist()     # float64 holds float32 values and token ids exactly
+    numbers = StepNumbers([int(r[0]) for r in host], [r[1] for r in host])
+    if k:
+        numbers.top_values = [r[2:2 + k] for r in host]
+        numbers.top_ids = [[int(i) for i in r[2 + k:]] for r in host]
+    return tokens, numbers
