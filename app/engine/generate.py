@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers  # noqa: F401 - re-exported
-from app.engine.kv_cache import mergeable
+from app.engine.kv_cache import SlotStore, mergeable
 from app.engine.logprobs import raw_logprobs
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import MIXED, ModelRunner
@@ -158,6 +158,12 @@ def sample_step(groups: list[RequestGroup], logits: torch.Tensor, rows: Sampling
 Event = PromptNumbers | TokenNumbers
 
 
+def new_batch(runner: ModelRunner) -> "SlotBatch | PaddedBatch":
+    """A slot batch where the model's cache layers are plain (their rows can be written into slots), else a
+    left-padded one."""
+    return SlotBatch(runner) if runner.prefills_together else PaddedBatch(runner)
+
+
 class BatchOutOfMemory(Exception):
     """A decode forward of a batch of several groups ran out of memory. The batch was rewound to how it was
     before the step (each layer's cache back to its length, the mask without the new column), so the step can
@@ -168,21 +174,11 @@ class BatchOutOfMemory(Exception):
         self.error = error
 
 
-class DecodeBatch:
-    """The running batch: one KV cache for the rows of several groups, left-padded to a common length.
+class BatchBase:
+    """What both kinds of running batch share: their groups (rows in group order) and the adapters in use."""
 
-    Each row keeps its own positions; an attention mask hides the padding. A group joins after its prefill
-    and leaves when its last candidate finishes; one forward per step serves every row."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.groups: list[RequestGroup] = []
-        self.cache = None
-        self.mask: torch.Tensor | None = None       # (B, L) 1 = real token, 0 = padding; None: no padding
-        self.positions: torch.Tensor | None = None  # (B,) position of the token fed next
-        self.tokens: torch.Tensor | None = None     # (B,) token fed next
-        self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
-        self.length = 0                             # cached columns
+    runner: ModelRunner
+    groups: list[RequestGroup]
 
     @property
     def rows(self) -> int:
@@ -198,6 +194,142 @@ class DecodeBatch:
         adapters = self.adapters
         return (adapters.pop() if adapters else None) if len(adapters) <= 1 else MIXED
 
+
+class SlotBatch(BatchBase):
+    """The running batch over a ``SlotStore``: each candidate row owns a slot of preallocated keys and values.
+
+    A group joins after its prefill (its prompt's keys and values are written into its rows' slots) and leaves
+    when its last candidate finishes (the slots are free at once); no other row's data moves. A step feeds every
+    slot in ``[0, high)`` its next token at its own position, with a mask built from per-slot lengths (free slots
+    in between run along and are ignored), then takes the active rows' logits in row order."""
+
+    joinable = True
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.groups: list[RequestGroup] = []
+        self.store = SlotStore(runner.model.config)
+        self.slot_of: list[int] = []                # slot of each row, in row order
+        self.lengths_host: list[int] = []           # tokens each row has in its slot (row order)
+        self._slot_index: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None    # per slot: tokens in the slot (= position fed next)
+        self.next_tokens: torch.Tensor | None = None  # per slot: the token fed next
+        self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
+
+    @property
+    def cache(self):
+        return self.store.cache
+
+    def accepts(self, group: RequestGroup) -> bool:
+        return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
+
+    def _per_slot(self, device) -> None:
+        """Per-slot tensors as long as the store's slots (grown with it)."""
+        size = self.store.wanted
+        if self.lengths is None or self.lengths.shape[0] < size:
+            lengths = torch.zeros(size, dtype=torch.long, device=device)
+            tokens = torch.zeros(size, dtype=torch.long, device=device)
+            if self.lengths is not None:
+                lengths[:self.lengths.shape[0]] = self.lengths
+                tokens[:self.next_tokens.shape[0]] = self.next_tokens
+            self.lengths, self.next_tokens = lengths, tokens
+
+    def add(self, group: RequestGroup, cache, tokens: torch.Tensor, sampling: SamplingRows) -> None:
+        """Join a prefilled group: its cache (one row, or one per candidate), its candidates' first tokens,
+        their sampling state."""
+        slots = self.store.allocate(group.rows)
+        length = self.store.write(slots, cache.layers)
+        self._per_slot(tokens.device)
+        index = torch.tensor(slots, dtype=torch.long, device=tokens.device)
+        self.lengths[index] = length
+        self.next_tokens[index] = tokens
+        self.groups.append(group)
+        self.slot_of += slots
+        self.lengths_host += [length] * group.rows
+        self._slot_index = None
+        self.sampling = sampling if self.sampling is None else SamplingRows.cat([self.sampling, sampling])
+
+    @property
+    def slot_index(self) -> torch.Tensor:
+        if self._slot_index is None:
+            self._slot_index = torch.tensor(self.slot_of, dtype=torch.long, device=self.lengths.device)
+        return self._slot_index
+
+    def keep(self, keep_rows: list[int], tokens: torch.Tensor | None) -> None:
+        """After a step: the rows' next tokens (row order), then only ``keep_rows`` stay; the others' slots are
+        free."""
+        if tokens is not None and self.slot_of:
+            self.next_tokens[self.slot_index] = tokens
+        self.groups = [g for g in self.groups if g.rows]
+        if len(keep_rows) == len(self.slot_of):
+            return
+        kept = set(keep_rows)
+        gone = [slot for row, slot in enumerate(self.slot_of) if row not in kept]
+        self.store.release(gone)
+        self.lengths[torch.tensor(gone, dtype=torch.long, device=self.lengths.device)] = 0
+        self.slot_of = [self.slot_of[r] for r in keep_rows]
+        self.lengths_host = [self.lengths_host[r] for r in keep_rows]
+        self._slot_index = None
+        self.sampling = self.sampling.select(keep_rows) if keep_rows else None
+
+    def forward(self) -> torch.Tensor:
+        """One decode step for every row; float32 logits (B, V) in row order. A forward that runs out of memory
+        with several groups in the batch raises ``BatchOutOfMemory``: nothing moved (lengths advance only after
+        a step), so the step can be retried once a group has left."""
+        store = self.store
+        high = store.high
+        longest = max(self.lengths_host) + 1
+        store.ensure(longest)
+        view = min(store.capacity, -(-longest // 16) * 16)
+        lengths = self.lengths[:high]
+        store.prepare(high, lengths, view)
+        positions = torch.arange(view, device=lengths.device)
+        mask = (positions.view(1, -1) <= lengths.view(-1, 1)).view(high, 1, 1, view)
+        row_adapters = None
+        if self.adapter is MIXED:
+            names = ["__base__"] * high
+            row = 0
+            for group in self.groups:
+                for _ in range(group.rows):
+                    names[self.slot_of[row]] = group.params.adapter or "__base__"
+                    row += 1
+            row_adapters = names
+        try:
+            logits = self.runner.decode(self.next_tokens[:high], store.cache, attention_mask=mask,
+                                        position_ids=lengths, row_adapters=row_adapters)
+        except torch.OutOfMemoryError as exc:
+            if len(self.groups) < 2:
+                raise
+            raise BatchOutOfMemory(exc) from None
+        index = self.slot_index
+        self.lengths[index] += 1
+        self.lengths_host = [n + 1 for n in self.lengths_host]
+        if high == len(self.slot_of) and self.slot_of == list(range(high)):
+            return logits
+        return logits.index_select(0, index)
+
+
+class PaddedBatch(BatchBase):
+    """The running batch for models whose cache layers cannot be written per slot (sliding windows, static
+    caches): one KV cache for the rows of several groups, left-padded to a common length.
+
+    Each row keeps its own positions; an attention mask hides the padding. A group joins after its prefill
+    and leaves when its last candidate finishes; one forward per step serves every row."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.groups: list[RequestGroup] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None       # (B, L) 1 = real token, 0 = padding; None: no padding
+        self.positions: torch.Tensor | None = None  # (B,) position of the token fed next
+        self.tokens: torch.Tensor | None = None     # (B,) token fed next
+        self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
+        self.length = 0                             # cached columns
+
+    @property
+    def joinable(self) -> bool:
+        return mergeable(self.cache)
+
     def accepts(self, group: RequestGroup) -> bool:
         if not self.groups:
             return True
@@ -206,6 +338,8 @@ class DecodeBatch:
     def add(self, group: RequestGroup, cache, tokens: torch.Tensor, sampling: SamplingRows) -> None:
         """Join a prefilled group: its cache (rows, prompt length), its first chosen tokens, its rows'
         sampling state."""
+        if group.rows > 1 and cache.layers[0].keys.shape[0] == 1:
+            cache.batch_repeat_interleave(group.rows)
         length = len(group.prompt_ids)
         device = tokens.device
         positions = torch.full((group.rows,), length, dtype=torch.long, device=device)
@@ -228,8 +362,11 @@ class DecodeBatch:
         self.length = new_len
         self.groups.append(group)
 
-    def keep(self, keep_rows: list[int], tokens: torch.Tensor) -> None:
-        """After a step: keep these batch rows (their next tokens are ``tokens`` rows) and drop the rest."""
+    def keep(self, keep_rows: list[int], tokens: torch.Tensor | None) -> None:
+        """After a step: keep these batch rows (their next tokens are ``tokens`` rows; None: as they are) and
+        drop the rest."""
+        if tokens is None:
+            tokens = self.tokens
         self.groups = [g for g in self.groups if g.rows]
         if not keep_rows:
             self.groups, self.cache, self.mask, self.positions, self.tokens, self.length = [], None, None, None, None, 0
@@ -303,7 +440,7 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
 
 
-def admit(batch: DecodeBatch, group: RequestGroup) -> list[Event]:
+def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
     """Prefill a group, sample its first tokens from the prefill's logits and, if it goes on, add it to the
     batch. Returns its events so far: the prompt's, then its first tokens'."""
     start = time.perf_counter()
@@ -316,7 +453,7 @@ def admit(batch: DecodeBatch, group: RequestGroup) -> list[Event]:
     return _join(batch, group, logits, cache, start)
 
 
-def admit_together(batch: DecodeBatch, groups: list[RequestGroup]
+def admit_together(batch: SlotBatch | PaddedBatch, groups: list[RequestGroup]
                    ) -> list[list[Event] | BaseException]:
     """``admit`` for several groups (each of which ``prefills``) with one prefill forward over their prompts,
     left-padded to a common length; each group then goes on with its own row of the logits and of the cache
@@ -367,14 +504,14 @@ class ChunkedPrefill:
         self.spent += time.perf_counter() - start
         return end == len(prompt)
 
-    def finish(self, batch: DecodeBatch) -> list[Event]:
+    def finish(self, batch: SlotBatch | PaddedBatch) -> list[Event]:
         group = self.group
         group.runner.remember(group.prompt_ids, self.cache)
         logits = torch.cat(self.parts, dim=1) if len(self.parts) > 1 else self.parts[0]
         return _join(batch, group, logits, self.cache, time.perf_counter() - self.spent)
 
 
-def _join(batch: DecodeBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
+def _join(batch: SlotBatch | PaddedBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
           ) -> list[Event]:
     """After a group's prefill (logits (1, L or 1, V), its cache): the prompt's numbers, the first tokens, and
     the group in the batch if it goes on."""
@@ -386,23 +523,20 @@ def _join(batch: DecodeBatch, group: RequestGroup, logits: torch.Tensor, cache, 
     count = group.params.num_candidates
     sampling = group.begin(last.device, last.shape[-1])
     if count > 1:
-        cache.batch_repeat_interleave(count)
         last = last.expand(count, last.shape[-1])
     [(first, keep)], tokens = sample_step([group], last, sampling)
     events += first
     group.select(keep)
     if keep:
         if len(keep) < count:
-            index = torch.tensor(keep, device=tokens.device)
-            cache.batch_select_indices(index)
-            tokens = tokens.index_select(0, index)
+            tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
-        batch.add(group, cache, tokens, sampling)
+        batch.add(group, cache, tokens, sampling)      # the prompt's one cache row serves every candidate
     group.timings.prefill_s += time.perf_counter() - start
     return events
 
 
-def step(batch: DecodeBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
+def step(batch: SlotBatch | PaddedBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch."""
     logits = batch.forward()
     groups = list(batch.groups)
@@ -417,7 +551,7 @@ def step(batch: DecodeBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     return out
 
 
-def drop(batch: DecodeBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
+def drop(batch: SlotBatch | PaddedBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
     """Take a group's rows out of the batch: all of them (its client went away), or those of ``candidates``
     (the output side ended them: stop strings)."""
     keep_rows, offset = [], 0
@@ -427,10 +561,10 @@ def drop(batch: DecodeBatch, group: RequestGroup, candidates: set[int] | None = 
                 keep_rows.append(offset + row)
         offset += g.rows
     group.seqs = [] if candidates is None else [seq for seq in group.seqs if seq.index not in candidates]
-    batch.keep(keep_rows, batch.tokens)
+    batch.keep(keep_rows, None)
 
 
-def drop_finished(batch: DecodeBatch) -> None:
+def drop_finished(batch: SlotBatch | PaddedBatch) -> None:
     """Rows whose candidates the output side ended since the last step leave the batch."""
     for group in list(batch.groups):
         ended = group.take_finished()
@@ -451,7 +585,7 @@ class Generator:
         group = self.group
         decoder = RequestDecoder(group)
         with group.runner.adapter(group.params.adapter), torch.inference_mode():
-            batch = DecodeBatch(group.runner)
+            batch = new_batch(group.runner)
             for numbers in admit(batch, group):
                 yield from decoder.push(numbers)
             start = time.perf_counter()

@@ -8,8 +8,10 @@ update and copied into a fresh buffer.
 """
 from __future__ import annotations
 
+import heapq
+
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 ROUND = 128          # buffer lengths are multiples of this
 
@@ -96,3 +98,125 @@ def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
     return cache
+
+
+# -- the decode batch's slot store ---------------------------------------------------------------------------------
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values for every slot: (slots, kv heads, capacity, head dim), preallocated. A decode
+    step writes each row's new key and value at that row's own position and hands attention a view of the first
+    ``view`` positions of the first ``rows`` slots (the mask, built from per-row lengths, hides the rest)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, store: "SlotStore"):
+        super().__init__()
+        self.store = store
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        store = self.store
+        rows, at = store.row_ids.to(self.keys.device), store.write_at.to(self.keys.device)
+        self.keys[rows, :, at] = key_states[:, :, 0]
+        self.values[rows, :, at] = value_states[:, :, 0]
+        return self.keys[:store.rows, :, :store.view], self.values[:store.rows, :, :store.view]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.view, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.view
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2] if self.keys is not None else 0
+
+
+class SlotStore:
+    """Preallocated keys and values of the running batch: one slot per candidate row, written at per-row
+    positions, so joining and leaving move no other row's data. A joining row's prefilled keys and values are
+    written into its slot; a leaving row's slot is free at once (the lowest free slot is taken first, so the
+    occupied slots stay near the front: a step runs over slots ``[0, high)``).
+
+    Storage is allocated at the first join (each layer's on that layer's device, in its dtype) and grows, in
+    place of a reallocation per join, when more slots or a longer row are needed (``ensure``)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.layers: list[SlotLayer] = []
+        self.cache = None
+        self.slots = 0                 # slots with storage
+        self.wanted = 0                # slots handed out or free to hand out (storage follows at ``ensure``)
+        self.capacity = 0              # positions per slot
+        self._free: list[int] = []     # a heap: the lowest free slot first
+        self.used: set[int] = set()
+        # the step being run (set by ``prepare``)
+        self.rows = 0
+        self.view = 0
+        self.row_ids: torch.Tensor | None = None
+        self.write_at: torch.Tensor | None = None
+
+    @property
+    def high(self) -> int:
+        """One past the highest slot in use."""
+        return max(self.used) + 1 if self.used else 0
+
+    def allocate(self, count: int) -> list[int]:
+        """The ``count`` lowest free slots (more are made room for at the next ``ensure``)."""
+        while len(self._free) < count:
+            more = max(8, self.wanted)
+            for slot in range(self.wanted, self.wanted + more):
+                heapq.heappush(self._free, slot)
+            self.wanted += more
+        out = [heapq.heappop(self._free) for _ in range(count)]
+        self.used.update(out)
+        return out
+
+    def release(self, slots: list[int]) -> None:
+        for slot in slots:
+            if slot in self.used:
+                self.used.discard(slot)
+                heapq.heappush(self._free, slot)
+
+    def ensure(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Storage for every slot handed out so far with room for ``length`` positions each (``like``: per layer
+        a keys and a values tensor to take head counts, dtypes and devices from, the first time)."""
+        if self.layers and self.wanted <= self.slots and length <= self.capacity:
+            return
+        capacity = _room(length) if length > self.capacity else self.capacity
+        slots = max(self.slots, self.wanted)
+        if not self.layers:
+            from transformers import Cache
+            self.layers = [SlotLayer(self) for _ in like]
+            self.cache = Cache(layers=self.layers)
+            for layer, (keys, values) in zip(self.layers, like):
+                layer.keys = keys.new_zeros(0, keys.shape[1], 0, keys.shape[3])
+                layer.values = values.new_zeros(0, values.shape[1], 0, values.shape[3])
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                new[:old.shape[0], :, :old.shape[2]] = old
+                setattr(layer, name, new)
+        self.slots, self.capacity = slots, capacity
+
+    def write(self, slots: list[int], layers) -> int:
+        """Write a prefilled cache (per layer keys/values of 1 row, or one row per slot) into ``slots``;
+        returns its length."""
+        length = layers[0].keys.shape[-2]
+        self.ensure(length + 1, [(layer.keys, layer.values) for layer in layers])
+        index = torch.tensor(slots, dtype=torch.long, device=self.layers[0].keys.device)
+        for slot_layer, layer in zip(self.layers, layers):
+            at = index.to(slot_layer.keys.device)
+            slot_layer.keys[at, :, :length] = layer.keys
+            slot_layer.values[at, :, :length] = layer.values
+        return length
+
+    def prepare(self, rows: int, lengths: torch.Tensor, view: int) -> None:
+        """The next step runs over slots ``[0, rows)``; row ``i`` writes at position ``lengths[i]`` and attends to
+        positions ``[0, lengths[i]]`` of a ``view``-long window."""
+        self.rows, self.view = rows, view
+        self.row_ids = torch.arange(rows, device=lengths.device)
+        self.write_at = lengths

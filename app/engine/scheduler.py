@@ -20,10 +20,9 @@ from typing import Iterator
 import torch
 
 from app.engine.events import PromptEvent, TokenEvent
-from app.engine.generate import (BatchOutOfMemory, ChunkedPrefill, DecodeBatch, Event, RequestGroup, admit,
-                                 admit_together, drop, drop_finished, step)
+from app.engine.generate import (BatchOutOfMemory, ChunkedPrefill, Event, RequestGroup, admit,
+                                 admit_together, drop, drop_finished, new_batch, step)
 from app.engine.output import RequestDecoder
-from app.engine.kv_cache import mergeable
 from app.engine.runner import ModelRunner
 
 log = logging.getLogger("saker.scheduler")
@@ -104,7 +103,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk      # longer prompts are prefilled this many tokens per iteration (0: whole)
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self._reuse: dict[int, int] = {}         # id(group) -> prefix-cache tokens, for this iteration's decisions
-        self.batch = DecodeBatch(runner)
+        self.batch = new_batch(runner)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
         self._cond = threading.Condition()
@@ -174,7 +173,7 @@ class Scheduler:
         with torch.inference_mode():
             i = 0
             while i < len(taken):
-                if self.batch.groups and not mergeable(self.batch.cache):
+                if self.batch.groups and not self.batch.joinable:
                     with self._cond:            # this model's cache cannot be joined: one group at a time
                         self._pending.extendleft(reversed(taken[i:]))
                     break
@@ -201,7 +200,7 @@ class Scheduler:
             try:
                 results = self._step()
             except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
-                failed, self.batch = self.batch.groups, DecodeBatch(self.runner)
+                failed, self.batch = self.batch.groups, new_batch(self.runner)
                 _drop_frames(exc)
                 self._after_failure(exc)        # memory back before the requests hear of it
                 for group in failed:
