@@ -132,7 +132,36 @@ def test_cancelled_request_leaves_the_others_intact(batch_worker, reference):
             doomed_ticket.cancel()
     events = [event for _, event in kept_ticket]
     same(collect(events, keep_params), alone(worker, keep_ids, keep_params))
-    assert doomed.timings.generated_tokens < 200
+    assert doomed.tokens_made < 200
+
+
+def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker, reference):
+    """The output side finds the stop string (off the model thread) and ends the candidate: the text stops
+    before it, the tokens counted are those up to the one that completed it, and the engine's row leaves within
+    a step or two (not at max_tokens), while a longer request in the same batch goes on unaffected."""
+    from dataclasses import replace
+    worker, path = batch_worker
+    _, tok = reference(path)
+    ids = tok("Once upon a time").input_ids
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    plain = alone(worker, ids, free).choices[0]
+    pieces = plain.logprobs.tokens
+    at = next(i for i in range(3, 30) if pieces[i].strip() and pieces[i] not in "".join(pieces[:i]))
+    stop = pieces[at]
+    stopped = replace(free, stop=(stop,))
+    other_ids = tok("Hello").input_ids
+    other = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=0)
+    group = RequestGroup(worker.runner, ids, stopped, max_length=256, tag=0)
+    ticket = worker.scheduler.submit([group, RequestGroup(worker.runner, other_ids, other, max_length=256, tag=1)])
+    per = {0: [], 1: []}
+    for tag, event in ticket:
+        per[tag].append(event)
+    out = collect(per[0], stopped)
+    assert out.choices[0].text == "".join(pieces[:at])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.completion_tokens == at + 1                      # up to the token that completed the stop
+    assert at + 1 <= group.tokens_made <= at + 3                 # the row left a step or two later, not at 40
+    same(collect(per[1], other), alone(worker, other_ids, other))
 
 
 def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):

@@ -52,6 +52,7 @@ class RequestGroup:
                                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                                          min_tokens=params.min_tokens, max_tokens=self.max_new, max_length=max_length)
         self.cancelled = False
+        self.tokens_made = 0                         # tokens the engine sampled for this group (all rows)
         self._finish: list[int] = []                 # candidates the output side ended (stop strings)
 
     @property
@@ -135,6 +136,7 @@ class RequestGroup:
                                        numbers.top_values[at][:k] if k and self.want_logprobs else None, ends))
             if not ends:
                 keep.append(row)
+        self.tokens_made += len(events)
         return events, keep
 
     def select(self, keep: list[int]) -> None:
