@@ -105,6 +105,12 @@ class Metrics:
             lambda: self.worker.admission.waiting)
         Gauge("saker_requests_running", "Requests the model is working on", registry=r).set_function(
             lambda: self.worker.admission.active)
+        Gauge("saker_kv_cache_usage", "Token positions the running batch holds in its KV cache, as a share of "
+              "the KV budget (0-1)", registry=r).set_function(
+            lambda: getattr(getattr(self.worker, "scheduler", None), "kv_usage", 0.0))
+        Gauge("saker_kv_cache_budget_tokens", "The running batch's KV budget in token positions "
+              "(SAKER_KV_CACHE_TOKENS, or derived at load)", registry=r).set_function(
+            lambda: getattr(self.worker, "kv_cache_tokens", None) or 0)
         r.register(_AdmissionCounters(self))
         r.register(_PrefixCacheCounters(self))
         Gauge("saker_model_load_seconds", "Time the model took to load (0 until loaded)", registry=r).set_function(

@@ -105,6 +105,12 @@ class Settings(BaseSettings):
     max_batch_tokens: int | None = Field(None, gt=0, description="Most KV-cache tokens (prompt + max_tokens per "
                                          "sequence) in the batch; a request that does not fit waits. Unset: no "
                                          "bound beyond max_batch_size.")
+    kv_cache_tokens: int | None = Field(None, gt=0, description="KV-cache budget of the running batch, in "
+                                        "token positions (slots x positions per slot: every row may grow to the "
+                                        "longest row's prompt + max_tokens); a request that would take the batch "
+                                        "past it waits. Unset: derived at load from the model's bytes per token: "
+                                        "0.9 of the GPU memory free after loading on CUDA, a quarter of the "
+                                        "machine's memory on the CPU.")
     prefill_batch_tokens: int = Field(4096, ge=0, description="Most padded prompt tokens in one shared prefill: "
                                       "prompts admitted together are prefilled in one forward (left-padded; at "
                                       "most a third padding) while they fit. 0 = each prompt alone.")

@@ -176,6 +176,28 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
         same(result, alone(worker, ids, params))
 
 
+def test_kv_budget_holds_back_what_would_not_fit(gpt2_dir, reference):
+    """With a KV budget of 2 rows x 40 positions, two 30-position requests fit together and a third waits; a
+    request reaching 70 positions is served alone. Every answer equals its run alone."""
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=8,
+                                kv_cache_tokens=80)
+    _, tok = reference(gpt2_dir)
+    ids = tok("Once upon a time").input_ids
+    short = SamplingParams(max_tokens=30 - len(ids), temperature=0.0, ignore_eos=True)
+    results = batched(worker, [(ids, short)] * 3)
+    assert worker.scheduler.max_rows_seen == 2
+    for result in results:
+        same(result, alone(worker, ids, short))
+    long = SamplingParams(max_tokens=70 - len(ids), temperature=0.0, ignore_eos=True)
+    worker.scheduler.max_rows_seen = 0
+    results = batched(worker, [(ids, long), (ids, short)])
+    assert worker.scheduler.max_rows_seen == 1
+    same(results[0], alone(worker, ids, long))
+    assert worker.scheduler.kv_usage == 0.0                  # everything left: nothing held
+
+
 class InjectedOOM:
     """A pre-hook on the model's second block that raises CUDA's out-of-memory error in decode steps of at least
     ``rows`` rows, ``times`` times (None: always), after the first block has already appended to its cache."""

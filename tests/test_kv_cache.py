@@ -29,3 +29,46 @@ def test_growing_layer_matches_dynamic_layer_through_growth_and_outside_changes(
             rows = 2
     assert ours.get_seq_length() == ref.get_seq_length() == 7 + 2 * ROUND + 5
     assert ours._k_buf.shape[-2] >= ours.get_seq_length()
+
+
+def test_slot_store_joins_and_leaves_move_no_other_rows_data():
+    """Rows are written into the lowest free slots; a leave frees its slot without touching the others; a new
+    row takes the freed slot; storage grows (keeping contents) only when more slots or positions are needed."""
+    from types import SimpleNamespace
+
+    from app.engine.kv_cache import SlotStore
+    torch.manual_seed(0)
+    store = SlotStore(config=None)
+
+    def prompt(rows, length):
+        return [SimpleNamespace(keys=torch.randn(rows, 2, length, 4), values=torch.randn(rows, 2, length, 4))
+                for _ in range(3)]
+
+    a, b = prompt(1, 5), prompt(2, 7)
+    slots_a = store.allocate(1)
+    store.write(slots_a, a)
+    slots_b = store.allocate(2)
+    store.write(slots_b, b)
+    assert slots_a == [0] and slots_b == [1, 2]
+    layer = store.layers[1]
+    buffer = layer.keys.data_ptr()
+    kept = layer.keys[1:3, :, :7].clone()
+    store.release(slots_a)
+    c = prompt(1, 3)
+    slots_c = store.allocate(1)
+    store.write(slots_c, c)
+    assert slots_c == [0]                                          # the freed slot, lowest first
+    assert layer.keys.data_ptr() == buffer                         # no reallocation, nothing moved
+    assert torch.equal(layer.keys[1:3, :, :7], kept)               # the other rows' keys untouched
+    assert torch.equal(layer.keys[0, :, :3], c[1].keys[0])
+    assert torch.equal(layer.values[1:3, :, :7], b[1].values)
+    assert store.high == 3
+    store.ensure(store.capacity + 1)                               # a longer row: storage grows, contents stay
+    assert layer.keys.data_ptr() != buffer
+    assert torch.equal(layer.keys[1:3, :, :7], kept)
+    one = prompt(1, 4)                                             # one prompt row written into several slots
+    slots = store.allocate(9)
+    store.write(slots, one)
+    assert slots[0] == 3 and store.slots >= 12
+    assert all(torch.equal(layer.keys[s, :, :4], one[1].keys[0]) for s in slots)
+    assert torch.equal(layer.keys[1:3, :, :7], kept)

@@ -303,6 +303,26 @@ def test_metrics_count_requests_tokens_and_timings(gpt2_worker):
     assert value(after, "saker_prefix_cache_reused_tokens_total") == cache.reused_tokens
     assert value(after, "saker_prefix_cache_tokens") == cache.tokens
     assert value(after, "process_resident_memory_bytes") > 0
+    assert value(after, "saker_kv_cache_budget_tokens") == gpt2_worker.kv_cache_tokens > 0
+    assert value(after, "saker_kv_cache_usage") == 0.0                   # nothing running
+
+
+def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
+    """The gauge reads the running batch: a request's rows hold their prompt + tokens so far."""
+    from app.engine.generate import RequestGroup
+    from app.engine.params import SamplingParams
+    client = make_app(gpt2_worker, access_log="off").test_client()
+    group = RequestGroup(gpt2_worker.runner, [1, 2, 3, 4], SamplingParams(max_tokens=200, temperature=0.0,
+                                                                          ignore_eos=True), max_length=256)
+    ticket = gpt2_worker.scheduler.submit([group])
+    events = iter(ticket)
+    for _ in range(3):
+        next(events)
+    usage = value(metric_samples(client), "saker_kv_cache_usage")
+    ticket.cancel()
+    for _ in events:
+        pass
+    assert 4 / gpt2_worker.kv_cache_tokens < usage <= 210 / gpt2_worker.kv_cache_tokens
 
 
 def test_metrics_see_queue_depth_and_rejections(gpt2_worker, monkeypatch):

@@ -69,6 +69,11 @@ class RequestGroup:
         return self.generates or self.needs_prompt_logits
 
     @property
+    def reach(self) -> int:
+        """The longest a row of this group can get: prompt + max new tokens (positions of its slot)."""
+        return len(self.prompt_ids) + max(self.max_new, 0)
+
+    @property
     def budget_tokens(self) -> int:
         """KV tokens this group may hold at most: what the batch token budget counts."""
         return (len(self.prompt_ids) + max(self.max_new, 0)) * self.params.num_candidates
@@ -160,10 +165,10 @@ def sample_step(groups: list[RequestGroup], logits: torch.Tensor, rows: Sampling
 Event = PromptNumbers | TokenNumbers
 
 
-def new_batch(runner: ModelRunner) -> "SlotBatch | PaddedBatch":
+def new_batch(runner: ModelRunner, kv_cache_tokens: int | None = None) -> "SlotBatch | PaddedBatch":
     """A slot batch where the model's cache layers are plain (their rows can be written into slots), else a
     left-padded one."""
-    return SlotBatch(runner) if runner.prefills_together else PaddedBatch(runner)
+    return SlotBatch(runner, kv_cache_tokens) if runner.prefills_together else PaddedBatch(runner)
 
 
 class BatchOutOfMemory(Exception):
@@ -207,10 +212,10 @@ class SlotBatch(BatchBase):
 
     joinable = True
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, kv_cache_tokens: int | None = None):
         self.runner = runner
         self.groups: list[RequestGroup] = []
-        self.store = SlotStore(runner.model.config)
+        self.store = SlotStore(runner.model.config, kv_cache_tokens)
         self.slot_of: list[int] = []                # slot of each row, in row order
         self.lengths_host: list[int] = []           # tokens each row has in its slot (row order)
         self._slot_index: torch.Tensor | None = None

@@ -100,6 +100,24 @@ def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
     return cache
 
 
+def kv_bytes_per_token(cache) -> int:
+    """Bytes one token position takes in a prefilled cache (all layers, keys and values)."""
+    return sum(layer.keys[0, :, 0].numel() * layer.keys.element_size()
+               + layer.values[0, :, 0].numel() * layer.values.element_size() for layer in cache.layers)
+
+
+def default_kv_budget(bytes_per_token: int, device: torch.device) -> int:
+    """Token positions for the decode batch's KV cache when no budget is set: 90% of the GPU memory free after
+    loading on CUDA, a quarter of the machine's memory on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        room = int(free * 0.9)
+    else:
+        import os
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return max(1, room // max(1, bytes_per_token))
+
+
 # -- the decode batch's slot store ---------------------------------------------------------------------------------
 class SlotLayer(CacheLayerMixin):
     """One layer's keys and values for every slot: (slots, kv heads, capacity, head dim), preallocated. A decode
@@ -143,8 +161,9 @@ class SlotStore:
     Storage is allocated at the first join (each layer's on that layer's device, in its dtype) and grows, in
     place of a reallocation per join, when more slots or a longer row are needed (``ensure``)."""
 
-    def __init__(self, config):
+    def __init__(self, config, budget: int | None = None):
         self.config = config
+        self.budget = budget           # token positions the storage should stay within (None: no bound)
         self.layers: list[SlotLayer] = []
         self.cache = None
         self.slots = 0                 # slots with storage
@@ -166,7 +185,7 @@ class SlotStore:
     def allocate(self, count: int) -> list[int]:
         """The ``count`` lowest free slots (more are made room for at the next ``ensure``)."""
         while len(self._free) < count:
-            more = max(8, self.wanted)
+            more = 8
             for slot in range(self.wanted, self.wanted + more):
                 heapq.heappush(self._free, slot)
             self.wanted += more
@@ -185,8 +204,12 @@ class SlotStore:
         a keys and a values tensor to take head counts, dtypes and devices from, the first time)."""
         if self.layers and self.wanted <= self.slots and length <= self.capacity:
             return
-        capacity = _room(length) if length > self.capacity else self.capacity
         slots = max(self.slots, self.wanted)
+        capacity = self.capacity
+        if length > capacity:          # room to grow, within the budget when there is one
+            capacity = _room(length)
+            if self.budget:
+                capacity = max(length, min(capacity, self.budget // max(1, slots)))
         if not self.layers:
             from transformers import Cache
             self.layers = [SlotLayer(self) for _ in like]

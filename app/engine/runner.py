@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.kv_cache import growing_cache, mergeable, split_rows, use_growing_layers
+from app.engine.kv_cache import (default_kv_budget, growing_cache, kv_bytes_per_token, mergeable, split_rows,
+                                 use_growing_layers)
 from app.engine.logprobs import is_byte_level
 
 MIXED = object()      # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
@@ -167,6 +168,16 @@ class ModelRunner:
             kwargs["adapter_names"] = [name or "__base__" for name in row_adapters]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
+
+    def default_kv_budget(self) -> int:
+        """The decode batch's KV budget in token positions when none is set (see ``kv_cache.default_kv_budget``),
+        from the bytes one position of this model's cache takes."""
+        from transformers import DynamicCache
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.input_device),
+                       past_key_values=cache, use_cache=True)
+        return default_kv_budget(kv_bytes_per_token(cache), self.input_device)
 
     @property
     def compiled_forward(self):

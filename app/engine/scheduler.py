@@ -95,15 +95,16 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_batch_size: int = 8, max_batch_tokens: int | None = None,
-                 prefill_tokens: int = 0, prefill_chunk: int = 0):
+                 prefill_tokens: int = 0, prefill_chunk: int = 0, kv_cache_tokens: int | None = None):
         self.runner = runner
         self.max_batch_size = max(1, max_batch_size)
         self.max_batch_tokens = max_batch_tokens
+        self.kv_cache_tokens = kv_cache_tokens  # the KV budget: rows x the longest row's reach stays within it
         self.prefill_tokens = prefill_tokens    # padded prompt tokens one shared prefill may hold (0: alone)
         self.prefill_chunk = prefill_chunk      # longer prompts are prefilled this many tokens per iteration (0: whole)
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self._reuse: dict[int, int] = {}         # id(group) -> prefix-cache tokens, for this iteration's decisions
-        self.batch = new_batch(runner)
+        self.batch = new_batch(runner, kv_cache_tokens)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
         self._cond = threading.Condition()
@@ -144,6 +145,7 @@ class Scheduler:
             coming = [job.group for job in self._prefilling]        # admitted, still prefilling in chunks
             rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
             tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
+            reach = max((g.reach for g in self.batch.groups + coming), default=0)
             adapters = self.batch.adapters | {g.params.adapter for g in coming}
             busy = bool(self.batch.groups or coming)
             while self._pending:
@@ -157,6 +159,9 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
+                    if self.kv_cache_tokens and (rows + group.params.num_candidates) * max(reach, group.reach) \
+                            > self.kv_cache_tokens:
+                        break
                     if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
                         break
                 self._pending.popleft()
@@ -165,7 +170,16 @@ class Scheduler:
                 adapters.add(group.params.adapter)
                 rows += group.params.num_candidates
                 tokens += group.budget_tokens
+                reach = max(reach, group.reach)
             return taken
+
+    @property
+    def kv_usage(self) -> float:
+        """Token positions the running batch's rows hold, as a share of the KV budget (0-1)."""
+        if not self.kv_cache_tokens:
+            return 0.0
+        held = sum(getattr(self.batch, "lengths_host", ()))
+        return min(1.0, held / self.kv_cache_tokens)
 
     def _iteration(self) -> None:
         taken = self._take_admissible()
@@ -200,7 +214,7 @@ class Scheduler:
             try:
                 results = self._step()
             except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
-                failed, self.batch = self.batch.groups, new_batch(self.runner)
+                failed, self.batch = self.batch.groups, new_batch(self.runner, self.kv_cache_tokens)
                 _drop_frames(exc)
                 self._after_failure(exc)        # memory back before the requests hear of it
                 for group in failed:

@@ -59,7 +59,8 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 class Worker:
     def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
                  *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile_len: int | None = None,
-                 prefill_batch_tokens: int = 4096, prefix_cache_tokens: int = 4096, prefill_chunk_tokens: int = 512):
+                 prefill_batch_tokens: int = 4096, prefix_cache_tokens: int = 4096, prefill_chunk_tokens: int = 512,
+                 kv_cache_tokens: int | None = None):
         self.names = names
         self._loader = loader
         self.max_batch_size = max_batch_size
@@ -67,6 +68,7 @@ class Worker:
         self.prefill_batch_tokens = prefill_batch_tokens    # padded prompt tokens of a shared prefill (0: off)
         self.prefix_cache_tokens = prefix_cache_tokens      # prompt tokens whose KV is kept for reuse (0: off)
         self.prefill_chunk_tokens = prefill_chunk_tokens    # longer prompts are prefilled in chunks (0: off)
+        self.kv_cache_tokens = kv_cache_tokens              # the decode batch's KV budget (None: derived at load)
         self.compile_len = compile_len          # SAKER_COMPILE: static cache length (0 = the model's context)
         self.scheduler: Scheduler | None = None
         # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
@@ -87,6 +89,7 @@ class Worker:
                    prefill_batch_tokens=settings.prefill_batch_tokens,
                    prefix_cache_tokens=settings.prefix_cache_tokens,
                    prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                   kv_cache_tokens=settings.kv_cache_tokens,
                    compile_len=(settings.max_total_tokens or 0) if settings.compile else None)
 
     @classmethod
@@ -115,9 +118,11 @@ class Worker:
         if self.prefix_cache_tokens:
             self.runner.prefix_cache = PrefixCache(self.prefix_cache_tokens)
         self.warm_up()
+        if self.kv_cache_tokens is None:
+            self.kv_cache_tokens = self.runner.default_kv_budget()
         self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
                                    max_batch_tokens=self.max_batch_tokens, prefill_tokens=self.prefill_batch_tokens,
-                                   prefill_chunk=self.prefill_chunk_tokens)
+                                   prefill_chunk=self.prefill_chunk_tokens, kv_cache_tokens=self.kv_cache_tokens)
         self.scheduler.start()
         self.load_seconds = loaded.load_seconds
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
