@@ -120,9 +120,10 @@ class Settings(BaseSettings):
     prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt tokens whose KV cache is kept for reuse "
                                      "(least recently used first out): a prompt that starts with 16 or more "
                                      "tokens of a recent one prefills only the rest. 0 = off.")
-    compile: bool = Field(False, description="CUDA only: decode single-sequence requests with a static KV cache "
-                          "and torch.compile (CUDA graphs); compiles during warm-up (tens of seconds). Serves one "
-                          "request at a time (max_batch_size 1); requests with n/best_of > 1 run eagerly.")
+    compile: bool | None = Field(None, description="Compile the continuous batch's decode step (torch.compile, "
+                                 "one graph per batch bucket: 1, 2, 4, 8, 16, 24, 32, then multiples of 8; CUDA "
+                                 "graphs on CUDA), at start-up so that no request pays for it. Unset: on with "
+                                 "CUDA, off on the CPU (where compiling takes tens of seconds per bucket).")
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
     max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides those it "
                            "serves); more get 429 (model is overloaded) with Retry-After.")
@@ -194,8 +195,6 @@ class Settings(BaseSettings):
             raise ValueError(f"quantize={self.quantize} needs a CUDA GPU, but device is cpu")
         if self.chat_template and "{" not in self.chat_template and not Path(self.chat_template).expanduser().is_file():
             raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a Jinja template")
-        if self.compile and self.device == "cpu":
-            raise ValueError("compile needs a CUDA GPU, but device is cpu")
         if self.compile and self.peft_weights and None not in self.peft_adapters:
             raise ValueError("compile does not support named PEFT adapters")
         if self.gguf_file and not self.model:

@@ -5,7 +5,7 @@ import time
 
 from app.engine import runner
 
-_decode = runner.ModelRunner.decode
+_decode = runner.ModelRunner.slot_step
 
 
 def _gated_decode(self, *args, **kwargs):
@@ -15,6 +15,6 @@ def _gated_decode(self, *args, **kwargs):
     return _decode(self, *args, **kwargs)
 
 
-runner.ModelRunner.decode = _gated_decode
+runner.ModelRunner.slot_step = _gated_decode
 
 from wsgi import app  # noqa: E402,F401 - after the patch

@@ -396,7 +396,7 @@ def chunked(batch_worker, monkeypatch):
     """The batch worker prefilling prompts longer than 5 tokens 5 at a time; logs its forwards in order."""
     worker, path = batch_worker
     calls = []
-    real_extend, real_decode = worker.runner.extend, worker.runner.decode
+    real_extend, real_decode = worker.runner.extend, worker.runner.slot_step
 
     def extend(cache, ids, all_logits):
         calls.append(("chunk", len(ids)))
@@ -406,7 +406,7 @@ def chunked(batch_worker, monkeypatch):
         calls.append(("decode", args[0].shape[0]))
         return real_decode(*args, **kwargs)
     monkeypatch.setattr(worker.runner, "extend", extend)
-    monkeypatch.setattr(worker.runner, "decode", decode)
+    monkeypatch.setattr(worker.runner, "slot_step", decode)
     monkeypatch.setattr(worker.scheduler, "prefill_chunk", 5)
     if worker.runner.prefix_cache is not None:
         worker.runner.prefix_cache.clear()     # a kept prompt would leave too little to chunk

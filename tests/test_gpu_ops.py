@@ -32,7 +32,8 @@ def test_real_cuda_out_of_memory_is_503_and_memory_comes_back(cuda_app, monkeypa
     expected = client.post(URL, json=body).get_json()["choices"]
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    real = runner.decode
+    step = "compiled_step" if runner.compiled_step is not None else "slot_step"   # the decode step in use
+    real = getattr(runner, step)
     calls = {"n": 0}
 
     def decode_that_runs_out(*args, **kwargs):
@@ -43,7 +44,7 @@ def test_real_cuda_out_of_memory_is_503_and_memory_comes_back(cuda_app, monkeypa
             del ballast
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "decode", decode_that_runs_out)
+    monkeypatch.setattr(runner, step, decode_that_runs_out)
     resp = client.post(URL, json={**body, "stream": stream})
     if stream:
         assert resp.status_code == 200

@@ -236,40 +236,25 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
     assert set(plan.values()) <= {5, 2, "cpu"}, plan
 
 
-def test_compile_needs_a_gpu(llama_dir):
-    from app.engine.worker import Worker
-    from app.errors import ConfigError
-    from app.settings import load_settings
-    with pytest.raises(ConfigError, match="compile needs a CUDA GPU"):
-        load_settings(model=str(llama_dir), compile=True, device="cpu")
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    worker = Worker.from_settings(make_settings(model=str(llama_dir), compile=True))
-    with pytest.raises(ConfigError, match="compile needs a CUDA GPU"):
-        worker.load()
-
-
 @gpu
 @pytest.mark.gpu
 def test_compiled_decoding_matches_eager(llama_dir, reference):
-    """SAKER_COMPILE: static cache + CUDA graphs give the eager server's greedy text and logprobs (fp32)."""
+    """SAKER_COMPILE on CUDA: the slot step replayed as CUDA graphs gives the eager server's greedy text and
+    logprobs (fp32), alone and with n > 1 (several slots of one bucket)."""
     from app.engine.loader import load_model
+    from app.engine.params import SamplingParams
     from app.engine.worker import Worker
-    settings = make_settings(model=str(llama_dir), dtype="float32", compile=True)
+    settings = make_settings(model=str(llama_dir), dtype="float32", compile=True, max_batch_size=4)
     compiled = Worker.from_settings(settings)
     compiled.load()
-    assert compiled.runner.static_len == 256 and compiled.max_batch_size == 1
+    assert compiled.runner.compiled_step is not None
     eager = Worker.from_loaded(("m",), load_model(make_settings(model=str(llama_dir), dtype="float32")))
     _, tok = reference(llama_dir)
-    for prompt in ("Hello", "Once upon a time there was"):
+    for prompt, n in (("Hello", 1), ("Once upon a time there was", 3)):
         ids = tok(prompt).input_ids
-        from app.engine.params import SamplingParams
-        params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
+        params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True, n=n)
         (a,), _ = compiled.complete([ids], params, 256)
         (b,), _ = eager.complete([ids], params, 256)
-        assert a.choices[0].text == b.choices[0].text
-        assert a.choices[0].logprobs.token_logprobs == pytest.approx(b.choices[0].logprobs.token_logprobs, abs=1e-3)
-    # n > 1 runs eagerly in the same worker
-    params = SamplingParams(max_tokens=5, temperature=0.0, n=2)
-    (c,), _ = compiled.complete([tok("Hello").input_ids], params, 256)
-    assert len(c.choices) == 2
+        assert [c.text for c in a.choices] == [c.text for c in b.choices]
+        for x, y in zip(a.choices, b.choices):
+            assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=1e-3)

@@ -115,7 +115,7 @@ def test_out_of_memory_is_503_and_the_server_goes_on(llama_app, monkeypatch, cud
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     expected = client.post(URL, json=body).get_json()["choices"][0]["text"]
-    calls = inject_oom(monkeypatch, worker.runner, "decode", on_call=1)
+    calls = inject_oom(monkeypatch, worker.runner, "slot_step", on_call=1)
     resp = client.post(URL, json=body)
     err = error_of(resp, 503, "out_of_memory", "service_unavailable")
     assert "memory" in err["message"] and "20.00 GiB" not in err["message"]
@@ -132,7 +132,7 @@ def test_out_of_memory_mid_stream_is_an_error_frame_then_done(llama_app, monkeyp
     worker = llama_app.extensions["saker.service"].worker
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
             "ignore_eos": True}
-    inject_oom(monkeypatch, worker.runner, "decode", on_call=3)
+    inject_oom(monkeypatch, worker.runner, "slot_step", on_call=3)
     frames = sse(client.post(URL, json={**body, "stream": True}))
     assert frames[-1] == {"error": frames[-1]["error"]}
     assert frames[-1]["error"]["code"] == "out_of_memory" and frames[-1]["error"]["type"] == "service_unavailable"
@@ -389,7 +389,7 @@ def test_access_log_with_prompts(gpt2_worker, tmp_path):
 def test_access_log_records_a_stream_error_code(llama_worker, tmp_path, monkeypatch):
     log_file = tmp_path / "access.log"
     client = make_app(llama_worker, access_log=str(log_file), served_model_name="tiny-llama").test_client()
-    inject_oom(monkeypatch, llama_worker.runner, "decode", on_call=3)
+    inject_oom(monkeypatch, llama_worker.runner, "slot_step", on_call=3)
     sse(client.post(URL, json={"prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True,
                                "temperature": 0, "stream": True}))
     monkeypatch.undo()

@@ -193,15 +193,15 @@ def test_out_of_memory_empties_the_prefix_cache(workers, monkeypatch):
     params = SamplingParams(max_tokens=3, temperature=0.0)
     run(on, ids, params)
     assert len(cache)
-    real_decode = on.runner.decode
+    real_decode = on.runner.slot_step
 
     def failing(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-    monkeypatch.setattr(on.runner, "decode", failing)
+    monkeypatch.setattr(on.runner, "slot_step", failing)
     with pytest.raises(torch.OutOfMemoryError):
         run(on, ids + [5], params)
     assert len(cache) == 0 and cache.tokens == 0
-    monkeypatch.setattr(on.runner, "decode", real_decode)
+    monkeypatch.setattr(on.runner, "slot_step", real_decode)
 
     def no_room(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")

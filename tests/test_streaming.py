@@ -115,15 +115,15 @@ def test_usage_chunk_and_done(tiny):
 def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkeypatch):
     runner = llama_app.extensions["saker.service"].worker.runner
     calls = {"n": 0}
-    real = runner.decode
+    real = runner.slot_step
 
-    def failing(tokens, cache, **kwargs):
+    def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected fault")
-        return real(tokens, cache, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "decode", failing)
+    monkeypatch.setattr(runner, "slot_step", failing)
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
             "ignore_eos": True}
     data = frames(llama_client.post("/v1/completions", json={**body, "stream": True}))
@@ -132,7 +132,7 @@ def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkey
     assert set(error) == {"error"} and error["error"]["type"] == "server_error"
     assert "request id" in error["error"]["message"] and "injected" not in error["error"]["message"]
     assert any(json.loads(d).get("choices") for d in data[:-2])     # text was streamed before the fault
-    monkeypatch.setattr(runner, "decode", real)
+    monkeypatch.setattr(runner, "slot_step", real)
     # the worker is free and serving
     assert llama_client.post("/v1/completions", json=body).status_code == 200
 

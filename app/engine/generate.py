@@ -282,28 +282,36 @@ class SlotBatch(BatchBase):
     def forward(self) -> torch.Tensor:
         """One decode step for every row; float32 logits (B, V) in row order. A forward that runs out of memory
         with several groups in the batch raises ``BatchOutOfMemory``: nothing moved (lengths advance only after
-        a step), so the step can be retried once a group has left."""
-        store = self.store
-        high = store.high
+        a step), so the step can be retried once a group has left.
+
+        Eager, the step runs over slots ``[0, high)`` with a window just past the longest row. Compiled
+        (SAKER_COMPILE), it runs over a bucket of slots (free slots pad it) with the whole capacity as its
+        window, so that each bucket is one graph whatever rows join and leave."""
+        store, runner = self.store, self.runner
         longest = max(self.lengths_host) + 1
-        store.ensure(longest)
-        view = min(store.capacity, -(-longest // 16) * 16)
-        lengths = self.lengths[:high]
-        store.prepare(high, lengths, view)
-        positions = torch.arange(view, device=lengths.device)
-        mask = (positions.view(1, -1) <= lengths.view(-1, 1)).view(high, 1, 1, view)
-        row_adapters = None
-        if self.adapter is MIXED:
-            names = ["__base__"] * high
+        mixed = self.adapter is MIXED
+        compiled = runner.compiled_step if not mixed else None
+        if compiled is not None:
+            rows = bucket(store.high)
+            store.ensure(longest, slots=rows)
+            view = store.capacity
+        else:
+            rows = store.high
+            store.ensure(longest)
+            view = min(store.capacity, -(-longest // 16) * 16)
+        self._per_slot(self.lengths.device)
+        names = None
+        if mixed:
+            names = ["__base__"] * rows
             row = 0
             for group in self.groups:
                 for _ in range(group.rows):
                     names[self.slot_of[row]] = group.params.adapter or "__base__"
                     row += 1
-            row_adapters = names
         try:
-            logits = self.runner.decode(self.next_tokens[:high], store.cache, attention_mask=mask,
-                                        position_ids=lengths, row_adapters=row_adapters)
+            step = compiled or runner.slot_step
+            logits = step(self.next_tokens[:rows], self.lengths[:rows], store, view, **(
+                {"adapter_names": names} if names is not None else {}))
         except torch.OutOfMemoryError as exc:
             if len(self.groups) < 2:
                 raise
@@ -311,9 +319,32 @@ class SlotBatch(BatchBase):
         index = self.slot_index
         self.lengths[index] += 1
         self.lengths_host = [n + 1 for n in self.lengths_host]
-        if high == len(self.slot_of) and self.slot_of == list(range(high)):
+        if rows == len(self.slot_of) and self.slot_of == list(range(rows)):
             return logits
         return logits.index_select(0, index)
+
+    def warm_up(self, like, max_rows: int, length: int) -> None:
+        """Compiled steps: storage for the largest bucket at ``length`` positions, then one step per bucket up
+        to ``max_rows`` over free slots, so that no request pays a compile or a graph capture."""
+        top = bucket(max_rows)
+        self.store.ensure(length, like=[(layer.keys, layer.values) for layer in like.layers], slots=top)
+        device = like.layers[0].keys.device
+        for rows in BUCKETS + tuple(range(BUCKETS[-1] + 8, top + 1, 8)):
+            if rows > top:
+                break
+            zeros = torch.zeros(rows, dtype=torch.long, device=device)
+            self.runner.compiled_step(zeros, zeros.clone(), self.store, self.store.capacity)
+
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+
+
+def bucket(rows: int) -> int:
+    """Batch sizes a compiled step is captured for: 1, 2, 4, 8, 16, 24, 32, then multiples of 8."""
+    for size in BUCKETS:
+        if rows <= size:
+            return size
+    return -(-rows // 8) * 8
 
 
 class PaddedBatch(BatchBase):
@@ -453,9 +484,7 @@ def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
     start = time.perf_counter()
     if not group.prefills:
         return [group.prompt_numbers(None)]
-    static = group.runner.uses_static_cache(group.params.num_candidates, len(group.prompt_ids) + group.max_new)
-    logits, cache, reused = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits,
-                                                 static=static)
+    logits, cache, reused = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
     group.timings.cached_tokens += reused
     return _join(batch, group, logits, cache, start)
 

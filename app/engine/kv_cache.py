@@ -199,9 +199,14 @@ class SlotStore:
                 self.used.discard(slot)
                 heapq.heappush(self._free, slot)
 
-    def ensure(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
-        """Storage for every slot handed out so far with room for ``length`` positions each (``like``: per layer
-        a keys and a values tensor to take head counts, dtypes and devices from, the first time)."""
+    def ensure(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               slots: int = 0) -> None:
+        """Storage for every slot handed out so far (and at least ``slots``) with room for ``length`` positions
+        each (``like``: per layer a keys and a values tensor to take head counts, dtypes and devices from, the
+        first time)."""
+        while self.wanted < slots:
+            heapq.heappush(self._free, self.wanted)
+            self.wanted += 1
         if self.layers and self.wanted <= self.slots and length <= self.capacity:
             return
         slots = max(self.slots, self.wanted)

@@ -21,9 +21,8 @@ class ModelRunner:
     adapters: tuple[str, ...] = ()            # named PEFT adapters (the model is a PeftModel when any)
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
-    static_len: int | None = None             # SAKER_COMPILE: single-row requests use a static cache this long
     prefix_cache: object = None               # a PrefixCache (SAKER_PREFIX_CACHE_TOKENS > 0), or None
-    _compiled: object = field(default=None, repr=False)
+    compiled_step: object = None              # SAKER_COMPILE: the slot step compiled (CUDA graphs on CUDA), or None
     mixes_adapters: bool = False              # every named adapter is LoRA: one batch may mix them (and the base)
     _active_adapter: object = field(default="", repr=False)   # "": not chosen yet
     _prefills_together: bool | None = field(default=None, repr=False)
@@ -62,17 +61,10 @@ class ModelRunner:
             self._active_adapter = name
         yield
 
-    def prefill(self, prompt_ids: list[int], all_logits: bool, static: bool = False):
-        """Forward the prompt; logits (1, L or 1, V), the KV cache (a static one for compiled decoding) and how
-        many prompt tokens came from the prefix cache: a prompt that starts with a recent one forwards only the
-        rest (not when every position's logits are asked for: those of the reused positions are not kept)."""
-        if static:
-            from transformers import StaticCache
-            cache = StaticCache(config=self.model.config, max_cache_len=self.static_len)
-            ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits
-                             else 1, cache_position=torch.arange(len(prompt_ids), device=self.input_device))
-            return out.logits, cache, 0
+    def prefill(self, prompt_ids: list[int], all_logits: bool):
+        """Forward the prompt; logits (1, L or 1, V), the KV cache and how many prompt tokens came from the
+        prefix cache: a prompt that starts with a recent one forwards only the rest (not when every position's
+        logits are asked for: those of the reused positions are not kept)."""
         cache, start = self.open_prefill(prompt_ids, all_logits)
         logits = self.extend(cache, prompt_ids[start:], all_logits)
         self.remember(prompt_ids, cache)
@@ -144,7 +136,7 @@ class ModelRunner:
             from transformers import DynamicCache
             cache = DynamicCache(config=self.model.config)
             use_growing_layers(cache)
-            self._prefills_together = self.static_len is None and mergeable(cache)
+            self._prefills_together = mergeable(cache)
         return self._prefills_together
 
     def decode(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
@@ -152,14 +144,8 @@ class ModelRunner:
                ) -> torch.Tensor:
         """One step for a batch of sequences; float32 logits (B, V). With left padding, ``attention_mask``
         (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions. ``row_adapters``
-        (under ``adapter(MIXED)``) names each row's LoRA adapter, None for the base model. A static cache
-        (SAKER_COMPILE) goes through the compiled forward, replayed as a CUDA graph."""
+        (under ``adapter(MIXED)``) names each row's LoRA adapter, None for the base model."""
         ids = tokens.view(-1, 1).to(self.input_device)
-        if self.static_len is not None and type(cache).__name__ == "StaticCache":
-            position = position_ids.view(-1)[:1].to(self.input_device)
-            out = self.compiled_forward(input_ids=ids, past_key_values=cache, use_cache=True,
-                                        cache_position=position, position_ids=position.view(1, 1))
-            return out.logits[:, -1, :].float()
         kwargs = {}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.input_device)
@@ -179,12 +165,23 @@ class ModelRunner:
                        past_key_values=cache, use_cache=True)
         return default_kv_budget(kv_bytes_per_token(cache), self.input_device)
 
-    @property
-    def compiled_forward(self):
-        if self._compiled is None:
-            self._compiled = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=False)
-        return self._compiled
+    def slot_step(self, tokens: torch.Tensor, lengths: torch.Tensor, store, view: int,
+                  adapter_names: list[str] | None = None) -> torch.Tensor:
+        """One decode step over slots ``[0, n)`` of a ``SlotStore``: ``tokens`` (n,) fed at positions ``lengths``
+        (n,), each slot attending to its first ``lengths[i] + 1`` positions of a ``view``-long window. A function
+        of tensors and two ints only, so that it compiles as one graph (no break, no recompile while rows join
+        and leave) and, on CUDA, replays as a CUDA graph per batch bucket. Float32 logits (n, V). ``adapter_names``
+        (eager only, under ``adapter(MIXED)``): each slot's LoRA adapter, ``"__base__"`` for the base model."""
+        n = tokens.shape[0]
+        store.prepare(n, lengths, view)
+        positions = torch.arange(view, device=lengths.device)
+        mask = (positions.view(1, -1) <= lengths.view(-1, 1)).view(n, 1, 1, view)
+        extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
+        out = self.model(input_ids=tokens.view(n, 1), past_key_values=store.cache, attention_mask=mask,
+                         position_ids=lengths.view(n, 1), use_cache=True, **extra)
+        return out.logits[:, -1, :].float()
 
-    def uses_static_cache(self, rows: int, length: int) -> bool:
-        """SAKER_COMPILE serves single-row requests that fit the static cache; the rest run eagerly."""
-        return self.static_len is not None and rows == 1 and length <= self.static_len
+    def compile_step(self) -> None:
+        """SAKER_COMPILE: the slot step through torch.compile (one graph; CUDA graphs on CUDA)."""
+        mode = "reduce-overhead" if self.input_device.type == "cuda" else None
+        self.compiled_step = torch.compile(self.slot_step, fullgraph=True, mode=mode)

@@ -58,7 +58,7 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 class Worker:
     def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
-                 *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile_len: int | None = None,
+                 *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile: bool | None = False,
                  prefill_batch_tokens: int = 4096, prefix_cache_tokens: int = 4096, prefill_chunk_tokens: int = 512,
                  kv_cache_tokens: int | None = None):
         self.names = names
@@ -69,7 +69,7 @@ class Worker:
         self.prefix_cache_tokens = prefix_cache_tokens      # prompt tokens whose KV is kept for reuse (0: off)
         self.prefill_chunk_tokens = prefill_chunk_tokens    # longer prompts are prefilled in chunks (0: off)
         self.kv_cache_tokens = kv_cache_tokens              # the decode batch's KV budget (None: derived at load)
-        self.compile_len = compile_len          # SAKER_COMPILE: static cache length (0 = the model's context)
+        self.compile = compile                  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
         self.scheduler: Scheduler | None = None
         # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
         self.admission = admission or Admission(capacity=max_batch_size)
@@ -84,13 +84,13 @@ class Worker:
         return cls(tuple(settings.model_names), lambda: load_model(settings),
                    Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
                              capacity=settings.max_batch_size),
-                   max_batch_size=1 if settings.compile else settings.max_batch_size,
+                   max_batch_size=settings.max_batch_size,
                    max_batch_tokens=settings.max_batch_tokens,
                    prefill_batch_tokens=settings.prefill_batch_tokens,
                    prefix_cache_tokens=settings.prefix_cache_tokens,
                    prefill_chunk_tokens=settings.prefill_chunk_tokens,
                    kv_cache_tokens=settings.kv_cache_tokens,
-                   compile_len=(settings.max_total_tokens or 0) if settings.compile else None)
+                   compile=settings.compile)
 
     @classmethod
     def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **kwargs) -> "Worker":
@@ -109,12 +109,6 @@ class Worker:
         self.runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
         self.info = ModelInfo(self.names, tuple(loaded.adapters), context_length(model, tok),
                               self.runner.vocab_size, loaded.source)
-        if self.compile_len is not None:
-            if self.runner.input_device.type != "cuda":
-                self.error = "compile needs a CUDA GPU; the model is on the CPU"
-                raise ConfigError(self.error)
-            context = self.info.context_length
-            self.runner.static_len = min(self.compile_len or context, context)
         if self.prefix_cache_tokens:
             self.runner.prefix_cache = PrefixCache(self.prefix_cache_tokens)
         self.warm_up()
@@ -123,6 +117,8 @@ class Worker:
         self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
                                    max_batch_tokens=self.max_batch_tokens, prefill_tokens=self.prefill_batch_tokens,
                                    prefill_chunk=self.prefill_chunk_tokens, kv_cache_tokens=self.kv_cache_tokens)
+        if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
+            self.compile_decode_step()
         self.scheduler.start()
         self.load_seconds = loaded.load_seconds
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
@@ -134,10 +130,30 @@ class Worker:
         """One short greedy generation before /health turns 200, so the first request is not the slow one."""
         bos = self.runner.tokenizer.bos_token_id
         ids = [bos if bos is not None else 0]
-        # with SAKER_COMPILE this compiles the decode step and records its CUDA graph (a few steps)
-        params = SamplingParams(max_tokens=2 if self.runner.static_len is None else 6, temperature=0.0,
-                                ignore_eos=True)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         collect(iter(Generator(self.runner, ids, params, max_length=self.info.context_length)), params)
+
+    def compile_decode_step(self) -> None:
+        """SAKER_COMPILE: compile the slot step and run it once per batch bucket on the scheduler's own store
+        (its storage preallocated: every slot as long as the context, within the KV budget), so that no request
+        pays a compile or a CUDA graph capture. Models whose cache cannot be kept in slots decode eagerly."""
+        batch = self.scheduler.batch
+        if not hasattr(batch, "warm_up"):
+            log.warning("SAKER_COMPILE: this model's cache cannot be kept in slots; decoding eagerly")
+            return
+        start = time.perf_counter()
+        self.runner.compile_step()
+        slots = min(self.max_batch_size, max(1, self.kv_cache_tokens // self.info.context_length))
+        length = min(self.info.context_length, max(1, self.kv_cache_tokens // max(1, slots)))
+        import torch
+        from transformers import DynamicCache
+        probe = DynamicCache(config=self.runner.model.config)
+        with torch.inference_mode():
+            self.runner.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.runner.input_device),
+                              past_key_values=probe, use_cache=True)
+            batch.warm_up(probe, self.max_batch_size, length)
+        log.info("compiled the decode step for batches up to %d rows, %d positions per slot (%.1f s)",
+                 self.max_batch_size, length, time.perf_counter() - start)
 
     def load_in_background(self, on_error: Callable[[str], None] | None = None) -> threading.Thread:
         def run():
