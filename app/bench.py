@@ -1171,12 +1171,15 @@ class Bench:
         path = ensure_model(GPT2_TINY, self.cache_dir, self.log)
         self.models["tiny"] = self._model_meta(GPT2_TINY, path)
         top = max(plan.e_levels)
-        server = self.start_server(path, GPT2_TINY.name, extra_env={
-            "SAKER_MAX_BATCH_SIZE": str(top), "SAKER_THREADS": str(2 * top + 8), "SAKER_MAX_QUEUE": str(4 * top)})
-        client = Client(server.url)
         model, tok = self.reference("tiny", path)
         base = prompt_ids(tok, plan.e_prompt_tokens)
         context = plan.e_prompt_tokens + plan.e_tokens // 2
+        # the model's own step time, with no server running (its threads would disturb it); again at the end
+        self.settle()
+        forwards = {clients: batch_forward_ms(model, clients, context, reps=100) for clients in plan.e_levels}
+        server = self.start_server(path, GPT2_TINY.name, extra_env={
+            "SAKER_MAX_BATCH_SIZE": str(top), "SAKER_THREADS": str(2 * top + 8), "SAKER_MAX_QUEUE": str(4 * top)})
+        client = Client(server.url)
 
         def prompt(i: int) -> list[int]:            # distinct prompts of one length (no shared prefixes)
             shift = i % len(base)
@@ -1194,11 +1197,7 @@ class Bench:
         levels = []
         try:
             for clients in plan.e_levels:
-                self.settle()
-                forward = batch_forward_ms(model, clients, context)
-                ideal = clients / (forward["median"] / 1000)
-                level: dict[str, Any] = {"clients": clients, "forward_ms": forward,
-                                         "ideal_tokens_per_s": round(ideal, 1)}
+                level: dict[str, Any] = {"clients": clients}
                 for mode in E_MODES:
                     closed_loop(client, make_body(mode), clients, 1)          # warm-up
                     snap = self.cpu.snapshot() if self.cpu else None
@@ -1207,16 +1206,27 @@ class Bench:
                     tokens = sum(r.tokens for r in replies)
                     if tokens != len(replies) * plan.e_tokens:
                         raise RuntimeError(f"E {mode}: {tokens} tokens for {len(replies)} requests of {plan.e_tokens}")
-                    rate = tokens / wall
-                    level[mode] = {"tokens_per_s": round(rate, 1), "e": round(rate / ideal, 3),
-                                   "requests": len(replies), "foreign_cpu_share": share,
+                    level[mode] = {"tokens_per_s": round(tokens / wall, 1), "requests": len(replies),
+                                   "foreign_cpu_share": share,
                                    "latency_ms": latency_summary([r.e2e_s * 1000 for r in replies])}
-                    self.log(f"  E {clients} clients {mode}: {rate:.0f} tok/s of {ideal:.0f} "
-                             f"(forward {forward['median']:g} ms): E = {rate / ideal:.3f}")
                 levels.append(level)
         finally:
             client.close()
             self.stop_server(server)
+        self.settle()
+        for level in levels:
+            clients = level["clients"]
+            after = batch_forward_ms(model, clients, context, reps=100)
+            forward = (forwards[clients]["median"] + after["median"]) / 2
+            ideal = clients / (forward / 1000)
+            level.update({"forward_ms": {"median": round(forward, 4), "before": forwards[clients],
+                                         "after": after}, "ideal_tokens_per_s": round(ideal, 1)})
+            for mode in E_MODES:
+                rate = level[mode]["tokens_per_s"]
+                level[mode]["e"] = round(rate / ideal, 3)
+                self.log(f"  E {clients} clients {mode}: {rate:.0f} tok/s of {ideal:.0f} "
+                         f"(forward {forward:.3f} ms: {forwards[clients]['median']:g} before, "
+                         f"{after['median']:g} after): E = {rate / ideal:.3f}")
         result: dict[str, Any] = {"prompt_tokens": plan.e_prompt_tokens, "generated_tokens": plan.e_tokens,
                                   "per_client": plan.e_per_client, "forward_context": context,
                                   "modes": E_MODES, "levels": levels}

@@ -253,6 +253,43 @@ TEXTS = ["Hello \u6771\u4eac \U0001F642!", "\u6771\u4eac\u306f\u65e5\u672c", " \
          "The capital of France is Paris."]
 
 
+class TestIncrementalDetokenizerByteLevel:
+    """GPT-2's byte-level decoder: a token after whole text adds its own text (the piece table); the general
+    path (decode in context) must agree, and both must agree with the tokenizer's own decode."""
+
+    @pytest.mark.parametrize("text", TEXTS)
+    def test_deltas_match_full_decode(self, gpt2_tok, text):
+        tok = gpt2_tok
+        prompt = tok.encode("The capital")
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, prompt)
+        assert detok._pieces is not None                        # the table is in use for this tokenizer
+        deltas = [detok.add(i) for i in ids]
+        assert detok.flush() == ""
+        full = tok.decode(prompt + ids, skip_special_tokens=True)
+        assert "".join(deltas) == full[len(tok.decode(prompt, skip_special_tokens=True)):]
+        assert all("\ufffd" not in d for d in deltas)
+
+    @pytest.mark.parametrize("seed", range(20))
+    def test_piece_table_agrees_with_decoding_in_context(self, gpt2_tok, seed):
+        """Random ids (stray bytes, special tokens, incomplete characters included): deltas, flushes and
+        candidate texts are the same with the table and without it."""
+        import random
+        rng = random.Random(seed)
+        tok = gpt2_tok
+        vocab = len(tok)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        fast, slow = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+        slow._pieces = None
+        for _ in range(40):
+            candidates = [rng.randrange(vocab) for _ in range(4)]
+            assert [fast.candidate_text(c) for c in candidates] == [slow.candidate_text(c) for c in candidates]
+            token = rng.randrange(vocab)
+            assert fast.add(token) == slow.add(token)
+            if rng.random() < 0.05:
+                assert fast.flush() == slow.flush()
+
+
 class TestIncrementalDetokenizerLlama:
     @pytest.mark.parametrize("text", TEXTS)
     def test_deltas_match_full_decode(self, llama_tok, text):

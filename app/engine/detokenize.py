@@ -46,6 +46,27 @@ def fast_decode(tokenizer: Decoder) -> Callable[..., str]:
     return decode
 
 
+def piece_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[int, str] | None:
+    """Each token's text decoded alone, filled as tokens come, for tokenizers whose decoder is GPT-2's byte-level
+    one and nothing else: there, after text that ends on a whole character, a token adds exactly its own text
+    (its bytes appended to complete UTF-8). None for other tokenizers (sentencepiece decoders strip or add
+    spaces by position; decoder chains may rewrite text)."""
+    tables = getattr(tokenizer, "_saker_pieces", None)
+    if tables is None:
+        tables = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            import json
+            decoder = json.loads(backend.to_str()).get("decoder") or {}
+            if decoder.get("type") == "ByteLevel":
+                tables = {True: {}, False: {}}
+        try:
+            tokenizer._saker_pieces = tables
+        except AttributeError:
+            return None
+    return tables.get(skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, ids: Sequence[int] = (), skip_special_tokens: bool = True):
         """``ids`` are already-read tokens (the prompt): their text counts as released."""
@@ -56,6 +77,24 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
         self._prefix: tuple[tuple[int, int], str] | None = None
+        self._pieces = piece_texts(tokenizer, skip_special_tokens)
+        self._whole: bool | None = None         # released text ends on a whole character (None: not known)
+
+    def _alone(self, token_id: int) -> str | None:
+        """The text ``token_id`` adds, from the piece table, when that is exact: a byte-level tokenizer, nothing
+        held back and the released text ending on a whole character. Then the token adds its own text: "" for a
+        skipped special token, text ending in U+FFFD for an incomplete character. None: not known this way (the
+        general path decides)."""
+        if self._pieces is None or self.read_offset != len(self.ids):
+            return None
+        if self._whole is None:
+            self._whole = not self._prefix_text().endswith(REPLACEMENT)
+        if not self._whole:
+            return None
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self._decode([token_id])
+        return text
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
@@ -70,6 +109,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ("" while a character is incomplete)."""
+        alone = self._alone(token_id)
+        if alone and not alone.endswith(REPLACEMENT):
+            self.ids.append(token_id)
+            self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
+            self.read_offset = len(self.ids)
+            return alone
         self.ids.append(token_id)
         prefix_text = self._prefix_text()
         new_text = self._decode(self.ids[self.prefix_offset:])
@@ -77,6 +122,7 @@ class IncrementalDetokenizer:
             delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
             self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
             self.read_offset = len(self.ids)
+            self._whole = True
             return delta
         return ""
 
@@ -88,6 +134,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix_offset:])
         delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
         self.read_offset = len(self.ids)
+        self._whole = None
         return delta
 
     def _new_part(self, prefix_text: str, new_text: str, new_ids: Sequence[int]) -> str:
@@ -98,6 +145,9 @@ class IncrementalDetokenizer:
 
     def candidate_text(self, token_id: int) -> str | None:
         """Text ``token_id`` would add after the current ids; None when it would leave a character incomplete."""
+        alone = self._alone(token_id)
+        if alone is not None:
+            return None if alone.endswith(REPLACEMENT) else alone
         prefix_text = self._prefix_text()
         new_text = self._decode(self.ids[self.prefix_offset:] + [token_id])
         if new_text.endswith(REPLACEMENT):

@@ -42,7 +42,23 @@ def is_byte_level(tokenizer) -> bool:
 
 
 def token_bytes(tokenizer, token_id: int, byte_level: bool = False) -> bytes:
-    """The raw bytes a token stands for (byte-fallback ``<0xNN>``, byte-level BPE, or sentencepiece)."""
+    """The raw bytes a token stands for (byte-fallback ``<0xNN>``, byte-level BPE, or sentencepiece); kept per
+    tokenizer once looked up."""
+    known = getattr(tokenizer, "_saker_bytes", None)
+    if known is None:
+        known = {}
+        try:
+            tokenizer._saker_bytes = known
+        except AttributeError:
+            return _token_bytes(tokenizer, token_id, byte_level)
+    key = (int(token_id), byte_level)
+    raw = known.get(key)
+    if raw is None:
+        raw = known[key] = _token_bytes(tokenizer, token_id, byte_level)
+    return raw
+
+
+def _token_bytes(tokenizer, token_id: int, byte_level: bool) -> bytes:
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
     if piece is None:
         return b""

@@ -221,16 +221,18 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         # (tokens tied with the last one kept all stay, whatever their ids)
         ordered = sorted_descending(scores)
         vocab = ordered.shape[-1]
+        count = None                                    # (B, 1): how many of the sorted tokens stay
         if rows.top_k is not None:
-            k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
-            ordered = ordered.masked_fill(ordered < ordered.gather(1, k - 1), NEG_INF)
+            count = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
         if rows.top_p is not None:
             probs = ordered.softmax(-1)
-            before = probs.cumsum(-1) - probs          # mass of the tokens ranked above each one
-            kept = ((before < rows.top_p) | (rows.top_p >= 1.0)).sum(-1, keepdim=True).clamp(min=1)
-            ordered = ordered.masked_fill(ordered < ordered.gather(1, kept - 1), NEG_INF)
-        threshold = ordered.gather(1, (ordered > NEG_INF).sum(-1, keepdim=True).clamp(min=1) - 1)
-        scores = scores.masked_fill(scores < threshold, NEG_INF)
+            cum = probs.cumsum(-1)
+            # top-p over what top-k left: the mass above each token, as a share of the top k's mass
+            mass = cum.gather(1, count - 1) if count is not None else 1.0
+            nucleus = ((cum - probs) < rows.top_p * mass).sum(-1, keepdim=True).clamp(min=1)
+            nucleus = torch.where(rows.top_p < 1.0, nucleus, vocab)
+            count = nucleus if count is None else torch.minimum(count, nucleus)
+        scores = scores.masked_fill(scores < ordered.gather(1, count - 1), NEG_INF)
     if rows.log_min_p is not None:                     # p < min_p * p_max  <=>  s < s_max + log(min_p)
         scores = scores.masked_fill(scores < scores.max(-1, keepdim=True).values + rows.log_min_p, NEG_INF)
     return scores
