@@ -198,6 +198,8 @@ class BatchBase:
     @property
     def adapter(self) -> object:
         """The PEFT adapter every row uses (None: the base model), or ``MIXED``."""
+        if not self.runner.adapters:
+            return None
         adapters = self.adapters
         return (adapters.pop() if adapters else None) if len(adapters) <= 1 else MIXED
 
@@ -600,12 +602,15 @@ def drop(batch: SlotBatch | PaddedBatch, group: RequestGroup, candidates: set[in
     batch.keep(keep_rows, None)
 
 
-def drop_finished(batch: SlotBatch | PaddedBatch) -> None:
-    """Rows whose candidates the output side ended since the last step leave the batch."""
+def drop_finished(batch: SlotBatch | PaddedBatch) -> bool:
+    """Rows whose candidates the output side ended since the last step leave the batch; whether any did."""
+    dropped = False
     for group in list(batch.groups):
         ended = group.take_finished()
         if ended and any(seq.index in ended for seq in group.seqs):
             drop(batch, group, ended)
+            dropped = True
+    return dropped
 
 
 class Generator:

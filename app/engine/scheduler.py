@@ -142,6 +142,8 @@ class Scheduler:
             while not self._pending and not self.batch.groups and not self._prefilling:
                 self._cond.wait()
             taken: list[tuple[RequestGroup, Ticket]] = []
+            if not self._pending:               # the common case while decoding: nothing to weigh
+                return taken
             coming = [job.group for job in self._prefilling]        # admitted, still prefilling in chunks
             rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
             tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
@@ -204,10 +206,10 @@ class Scheduler:
                 drop(self.batch, group)
                 self._forget(group).done(group)
             running = list(self.batch.groups)
-            drop_finished(self.batch)                # candidates the output side ended (stop strings)
-            for group in running:
-                if group not in self.batch.groups:
-                    self._forget(group).done(group)
+            if drop_finished(self.batch):            # candidates the output side ended (stop strings)
+                for group in running:
+                    if group not in self.batch.groups:
+                        self._forget(group).done(group)
             if not self.batch.groups:
                 return
             start = time.perf_counter()
