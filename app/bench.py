@@ -1,7 +1,7 @@
 """``python -m app bench``: the performance suite (issue 6). A benchmark, not a test: it measures, prints a table,
 and writes ``bench.json`` and ``bench.png`` into ``docs/performance/`` (``--out-dir``).
 
-Parts (``--only A,B,...``; default A,B,C,T,L, plus D with ``--gpu``):
+Parts (``--only A,B,...``; default A,B,C,T,L,R,E, plus D with ``--gpu``):
 
 - A  server ms per generated token (HTTP round trip / tokens) on a GPT-2-small-shaped model (12 layers, 768 wide,
      32k byte-level BPE trained offline, random weights), 64-token prompt, 32 greedy tokens (ignore_eos), fp32 on
@@ -11,7 +11,12 @@ Parts (``--only A,B,...``; default A,B,C,T,L, plus D with ``--gpu``):
 - C  tiny model (the tests' size), ``max_tokens: 1``: median HTTP round trip minus the median in-process forward
      of the same prompt. Goal <= 5 ms.
 - T  streaming time to first token vs the server's own prefill time (``timing.prefill_ms``).
-- L  latency percentiles (p50/p90/p99 of the whole request and of the first token) at 1/2/4/8/16 clients.
+- L  latency percentiles (p50/p90/p99 of the whole request and of the first token) at 1/2/4/8/16/32/64 clients.
+- E  engine efficiency at high concurrency on the tiny model (the tests' 2-layer GPT-2: its batch-32 decode step
+     is about as long as a GPU step of a 1B model): delivered tokens/s of 32 (and 64) closed-loop clients, 3
+     requests each, 48-token prompts, 128 tokens (ignore_eos), greedy and sampled (temperature 0.8, top_p 0.9,
+     logprobs 5, a seed each), divided by clients / the in-process forward of a batch of that many rows (measured
+     with no server running, before and after). Goals at 32 clients: >= 0.6 greedy, >= 0.5 sampled.
 - D  (GPU) a 1B-class Llama-shaped model in bf16: server decode ms/token divided by the bandwidth floor
      (weight bytes / device-to-device copy bandwidth). Goal <= 1.3. ``--only D --device cuda``.
 
@@ -97,7 +102,7 @@ class Plan:
     c_per_round: int = 30
     t_tokens: int = 16
     t_reps: int = 9
-    l_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    l_levels: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     l_tokens: int = 16
     l_requests: int = 24                # requests per level (at least 2 per client)
     l_level_seconds: float = 30.0       # no new requests after this long at one level
@@ -120,7 +125,7 @@ class Plan:
 
     @classmethod
     def quick(cls) -> "Plan":
-        return cls(a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
+        return cls(l_levels=(1, 2, 4, 8, 16), a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
                    c_rounds=3, c_per_round=10, t_tokens=8, t_reps=3, l_tokens=8, l_requests=4,
                    l_level_seconds=8.0, d_tokens=16, d_reps=2, r_context=96, r_questions=3, r_tokens=4,
                    r_rounds=1, e_levels=(32,), e_per_client=1, e_tokens=32, a_budget=10.0, t_budget=5.0, b_budget=10.0,
@@ -1766,8 +1771,8 @@ def parse_parts(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,R,D "
-                        "(default A,B,C,T,L,R; D with --gpu)")
+    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,R,E,D "
+                        "(default A,B,C,T,L,R,E; D with --gpu)")
     parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute: fewer repetitions, "
                         "fewer tokens (numbers are not comparable with a full run)")
     parser.add_argument("--size", choices=("small", "tiny"), default="small",

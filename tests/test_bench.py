@@ -18,18 +18,18 @@ pytestmark = pytest.mark.slow
 def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "app", "bench", "--quick", "--size", "tiny", "--only", "A,B,C,T,L,R",
+        [sys.executable, "-m", "app", "bench", "--quick", "--size", "tiny", "--only", "A,B,C,T,L,R,E",
          "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache")],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "bench.json").read_text())
 
     assert report["schema"] == 1 and report["quick"] is True and report["errors"] == {}
-    assert report["parts"] == ["A", "B", "C", "T", "L", "R"]
+    assert report["parts"] == ["A", "B", "C", "T", "L", "R", "E"]
     for key in ("cpu_model", "cores", "torch", "torch_threads"):
         assert key in report["machine"]
     results = report["results"]
-    assert set(results) == {"A", "B", "C", "T", "L", "R"}
+    assert set(results) == {"A", "B", "C", "T", "L", "R", "E"}
 
     def stats(s):
         assert s["n"] == len(s["values"]) > 0
@@ -56,6 +56,12 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     for key in ("ttft_ms", "server_prefill_ms", "ttft_minus_prefill_ms", "in_process_forward_ms"):
         stats(t[key])
 
+    e = results["E"]
+    (level,) = e["levels"]
+    assert level["clients"] == 32 and level["ideal_tokens_per_s"] > 0
+    for mode in ("greedy", "sampled"):
+        assert level[mode]["requests"] == 32 and level[mode]["e"] > 0
+        assert isinstance(e[f"met_{mode}"], bool)
     levels = results["L"]["levels"]
     assert [lv["clients"] for lv in levels] == [1, 2, 4, 8, 16]
     for lv in levels:
