@@ -1,5 +1,5 @@
-"""The one owner of the model in a process: loads it (in the background), and serves requests one at a
-time under a lock. Concurrent callers wait their turn here."""
+"""The one owner of the model in a process: loads it (in the background), then serves requests through the
+scheduler's continuous batch. Admission decides how many run at once and how many may wait."""
 from __future__ import annotations
 
 import contextlib
