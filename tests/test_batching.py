@@ -164,6 +164,29 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
     same(collect(per[1], other), alone(worker, other_ids, other))
 
 
+def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
+    """A request with more candidates than max_batch_size runs alone at first; a small one that comes later
+    joins beside it (up to max_batch_size rows of its own) and ends long before it. Both equal their runs alone."""
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=4)
+    _, tok = reference(gpt2_dir)
+    big_ids, small_ids = tok("Once upon a time").input_ids, tok("Hello").input_ids
+    big_params = SamplingParams(max_tokens=40, temperature=0.8, seed=4, n=6, ignore_eos=True)
+    small_params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    big = RequestGroup(worker.runner, big_ids, big_params, max_length=256)
+    big_ticket = worker.scheduler.submit([big])
+    big_events = iter(big_ticket)
+    first = [next(big_events) for _ in range(7)]          # the prompt and the first tokens: it is running
+    small = worker.scheduler.submit([RequestGroup(worker.runner, small_ids, small_params, max_length=256)])
+    small_events = [event for _, event in small]
+    assert big.tokens_made < 6 * 40                        # the small one ended while the big one ran
+    assert worker.scheduler.max_rows_seen == 7
+    same(collect(small_events, small_params), alone(worker, small_ids, small_params))
+    same(collect([e for _, e in first] + [e for _, e in big_events], big_params),
+         alone(worker, big_ids, big_params))
+
+
 def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
     from app.engine.loader import load_model
     from app.engine.worker import Worker

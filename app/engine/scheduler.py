@@ -145,7 +145,11 @@ class Scheduler:
             if not self._pending:               # the common case while decoding: nothing to weigh
                 return taken
             coming = [job.group for job in self._prefilling]        # admitted, still prefilling in chunks
-            rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
+            # a group with more candidates than max_batch_size runs alone at first, then others fill up to
+            # max_batch_size rows beside it (its rows do not count against that limit, only against the KV
+            # budget): small requests do not wait for a large one to end
+            rows = sum(self._counted(g) for g in self.batch.groups + coming)
+            all_rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
             tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
             reach = max((g.reach for g in self.batch.groups + coming), default=0)
             adapters = self.batch.adapters | {g.params.adapter for g in coming}
@@ -161,8 +165,8 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
-                    if self.kv_cache_tokens and (rows + group.params.num_candidates) * max(reach, group.reach) \
-                            > self.kv_cache_tokens:
+                    if self.kv_cache_tokens and (all_rows + group.params.num_candidates) \
+                            * max(reach, group.reach) > self.kv_cache_tokens:
                         break
                     if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
                         break
@@ -170,10 +174,16 @@ class Scheduler:
                 taken.append((group, ticket))
                 busy = True
                 adapters.add(group.params.adapter)
-                rows += group.params.num_candidates
+                rows += self._counted(group)
+                all_rows += group.params.num_candidates
                 tokens += group.budget_tokens
                 reach = max(reach, group.reach)
             return taken
+
+    def _counted(self, group: RequestGroup) -> int:
+        """A group's rows as max_batch_size counts them: none for a group larger than the limit by itself."""
+        rows = group.params.num_candidates
+        return 0 if rows > self.max_batch_size else rows
 
     @property
     def kv_usage(self) -> float:
