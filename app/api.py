@@ -39,6 +39,8 @@ def json_body() -> object:
         return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body is nested too deeply to be a request") from None
 
 
 def _reject_constant(name: str):

@@ -84,6 +84,8 @@ class SamplingRequest(BaseModel):
         for key, bias in (value or {}).items():
             if not _TOKEN_ID_KEY.fullmatch(key):   # str.isdigit() takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if len(key.lstrip("-")) > 12:          # no vocabulary is that large (and int() refuses 4300+ digits)
+                raise ValueError(f"logit_bias keys must be token ids, got a {len(key)}-digit number")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {bias} for {key}")
         return value

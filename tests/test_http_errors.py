@@ -55,6 +55,16 @@ def test_malformed_json(gpt2_client, data):
     assert_still_serving(gpt2_client)
 
 
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_json_is_a_400(gpt2_client, depth):
+    """JSON nested deeper than the parser recurses (a RecursionError inside json.loads) is a clear 400, not a
+    500 with a traceback; the prompt nested that deep is never a valid request either."""
+    body = b'{"model": "tiny-gpt2", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    message = assert_error(gpt2_client.post(URL, data=body, content_type="application/json"), 400)
+    assert "nested" in message or "prompt" in message
+    assert_still_serving(gpt2_client)
+
+
 @pytest.mark.parametrize("data", [b"[1, 2]", b'[{"prompt": "hi"}]', b"5", b'"prompt"', b"null", b"true"],
                          ids=["list", "list-of-objects", "number", "string", "null", "bool"])
 def test_json_that_is_not_an_object(gpt2_client, data):

@@ -258,3 +258,13 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
         assert [c.text for c in a.choices] == [c.text for c in b.choices]
         for x, y in zip(a.choices, b.choices):
             assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=1e-3)
+
+
+def test_a_model_folder_under_home_loads(gpt2_dir, tmp_path, monkeypatch):
+    """SAKER_MODEL=~/models/x: the folder is used (not taken for a hub id), tokenizer included."""
+    from app.engine.loader import load_model
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "x").symlink_to(gpt2_dir)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loaded = load_model(make_settings(model="~/models/x"))
+    assert loaded.tokenizer("Hello").input_ids and loaded.model.config.model_type == "gpt2"

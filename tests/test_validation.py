@@ -158,6 +158,7 @@ BAD_FIELDS = [
     ("logit_bias-superscript-key", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),   # "²".isdigit() is True
     ("logit_bias-outside-vocab", {"logit_bias": {str(FAR): 1}}, "logit_bias"),
     ("logit_bias-negative-id", {"logit_bias": {"-1": 5}}, "logit_bias"),
+    ("logit_bias-5000-digit-key", {"logit_bias": {"7" * 5000: 1}}, "logit_bias"),      # int() refuses 4300+
     ("logit_bias-over-100", {"logit_bias": {"1": 101}}, "logit_bias"),
     ("logit_bias-under-minus-100", {"logit_bias": {"1": -100.5}}, "logit_bias"),
     ("logit_bias-string-value", {"logit_bias": {"1": "x"}}, "logit_bias"),

@@ -176,6 +176,8 @@ def load_model(settings: Settings) -> LoadedModel:
         gguf_file = None
     else:
         source = model_path if not gguf_file else f"{model_path} ({gguf_file})"
+        if _looks_local(model_path):            # "~/models/x" is a folder here, never a hub id
+            model_path = str(Path(model_path).expanduser())
     if settings.model and _looks_local(settings.model) and not Path(settings.model).expanduser().exists():
         raise ConfigError(f"model directory {settings.model} does not exist")
     device = resolve_device(settings)
@@ -188,7 +190,10 @@ def load_model(settings: Settings) -> LoadedModel:
         tokenizer_kwargs.pop("gguf_file", None)
         tokenizer_kwargs.pop("revision", None)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer or model_path, **tokenizer_kwargs)
+        tokenizer_path = settings.tokenizer or model_path
+        if _looks_local(tokenizer_path):
+            tokenizer_path = str(Path(tokenizer_path).expanduser())
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **tokenizer_kwargs)
     except Exception as exc:   # noqa: BLE001 - any failure becomes one start-up line
         raise ConfigError(f"cannot load tokenizer from {settings.tokenizer or model_path}: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
