@@ -114,6 +114,7 @@ class Plan:
     r_rounds: int = 3                   # R: measured rounds (after one warm-up round)
     e_levels: tuple[int, ...] = (32, 64)  # E: concurrent clients (the goal is read at 32)
     e_per_client: int = 3               # E: requests per client
+    e_rounds: int = 3                   # E: measured rounds per level and mode (the median counts)
     e_prompt_tokens: int = 48
     e_tokens: int = 128
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
@@ -128,7 +129,7 @@ class Plan:
         return cls(l_levels=(1, 2, 4, 8, 16), a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
                    c_rounds=3, c_per_round=10, t_tokens=8, t_reps=3, l_tokens=8, l_requests=4,
                    l_level_seconds=8.0, d_tokens=16, d_reps=2, r_context=96, r_questions=3, r_tokens=4,
-                   r_rounds=1, e_levels=(32,), e_per_client=1, e_tokens=32, a_budget=10.0, t_budget=5.0, b_budget=10.0,
+                   r_rounds=1, e_levels=(32,), e_per_client=1, e_rounds=1, e_tokens=32, a_budget=10.0, t_budget=5.0, b_budget=10.0,
                    c_budget=5.0, l_budget=0.0)
 
 
@@ -1205,15 +1206,21 @@ class Bench:
                 level: dict[str, Any] = {"clients": clients}
                 for mode in E_MODES:
                     closed_loop(client, make_body(mode), clients, 1)          # warm-up
-                    snap = self.cpu.snapshot() if self.cpu else None
-                    replies, wall = closed_loop(client, make_body(mode), clients, plan.e_per_client)
-                    share = self.cpu.since(snap).get("foreign_cpu_share") if snap is not None else None
-                    tokens = sum(r.tokens for r in replies)
-                    if tokens != len(replies) * plan.e_tokens:
-                        raise RuntimeError(f"E {mode}: {tokens} tokens for {len(replies)} requests of {plan.e_tokens}")
-                    level[mode] = {"tokens_per_s": round(tokens / wall, 1), "requests": len(replies),
-                                   "foreign_cpu_share": share,
-                                   "latency_ms": latency_summary([r.e2e_s * 1000 for r in replies])}
+                    rates, shares, latencies, requests = [], [], [], 0
+                    for _ in range(plan.e_rounds):
+                        snap = self.cpu.snapshot() if self.cpu else None
+                        replies, wall = closed_loop(client, make_body(mode), clients, plan.e_per_client)
+                        shares.append(self.cpu.since(snap).get("foreign_cpu_share") if snap is not None else None)
+                        tokens = sum(r.tokens for r in replies)
+                        if tokens != len(replies) * plan.e_tokens:
+                            raise RuntimeError(f"E {mode}: {tokens} tokens for {len(replies)} requests of "
+                                               f"{plan.e_tokens}")
+                        rates.append(tokens / wall)
+                        latencies += [r.e2e_s * 1000 for r in replies]
+                        requests += len(replies)
+                    level[mode] = {"tokens_per_s": round(statistics.median(rates), 1),
+                                   "rounds_tokens_per_s": [round(r, 1) for r in rates], "requests": requests,
+                                   "foreign_cpu_share": shares, "latency_ms": latency_summary(latencies)}
                 levels.append(level)
         finally:
             client.close()

@@ -120,6 +120,11 @@ class Settings(BaseSettings):
     prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt tokens whose KV cache is kept for reuse "
                                      "(least recently used first out): a prompt that starts with 16 or more "
                                      "tokens of a recent one prefills only the rest. 0 = off.")
+    engine_process: bool = Field(False, description="Run the model loop (scheduler, forwards, sampler) in a "
+                                 "process of its own, as vLLM's engine core: the serving process keeps HTTP, "
+                                 "tokenizing and the output side (text, stop strings, logprob keys), so neither can "
+                                 "hold the model thread for the interpreter lock. The prefix-cache counters are not "
+                                 "in /metrics then.")
     compile: bool | None = Field(None, description="Compile the continuous batch's decode step (torch.compile, "
                                  "one graph per batch bucket: 1, 2, 4, 8, 16, 24, 32, then multiples of 8; CUDA "
                                  "graphs on CUDA), at start-up so that no request pays for it. Unset: on with "

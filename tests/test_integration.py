@@ -96,3 +96,35 @@ def test_bad_model_path_fails_at_start_with_one_line(tmp_path):
     out = srv.output()
     assert srv.proc.returncode != 0
     assert "does not exist" in out and "missing-model" in out and "Traceback" not in out
+
+
+def test_engine_process_under_gunicorn(gpt2_dir, reference):
+    """SAKER_ENGINE_PROCESS=1 under gunicorn: the openai client's completion, plain and streamed, is
+    generate()'s text; stopping gunicorn stops the engine process too."""
+    import os
+    model, tok = reference(gpt2_dir)
+    prompt = "The capital of France is"
+    ids = tok(prompt).input_ids
+    out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=tok.eos_token_id)
+    expected = tok.decode(out[0], skip_special_tokens=True)[len(tok.decode(ids)):]
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "4",
+                    "SAKER_ENGINE_PROCESS": "1"})
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        plain = client.completions.create(model="tiny-gpt2", prompt=prompt, max_tokens=10, temperature=0)
+        assert plain.choices[0].text == expected
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny-gpt2", prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
+        assert streamed == expected
+        workers = [int(p) for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()]
+        engines = [int(p) for w in workers for p in open(f"/proc/{w}/task/{w}/children").read().split()]
+        assert engines                                   # the engine process under the gunicorn worker
+    finally:
+        srv.stop()
+    import time
+    deadline = time.time() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in engines) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()
+                   for p in engines)

@@ -111,13 +111,15 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.max_rows_seen = 0                  # the largest batch a step has served (stats and tests)
+        self.after_iteration = None             # called after each iteration (the engine process sends its events)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="saker-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, groups: list[RequestGroup], eager: bool = True) -> Ticket:
-        ticket = Ticket(groups, eager)
+    def submit(self, groups: list[RequestGroup], eager: bool = True, ticket: Ticket | None = None) -> Ticket:
+        """Queue the groups of one request; their events go to ``ticket`` (a new one by default)."""
+        ticket = ticket if ticket is not None else Ticket(groups, eager)
         with self._cond:
             for group in groups:
                 group.submitted = ticket.submitted
@@ -136,6 +138,8 @@ class Scheduler:
                 self._iteration()
             except Exception:   # noqa: BLE001 - the loop must survive anything; groups were failed already
                 log.exception("scheduler iteration failed")
+            if self.after_iteration is not None:
+                self.after_iteration()
 
     def _take_admissible(self) -> list[tuple[RequestGroup, Ticket]]:
         with self._cond:

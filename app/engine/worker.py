@@ -81,6 +81,12 @@ class Worker:
 
     @classmethod
     def from_settings(cls, settings) -> "Worker":
+        if settings.engine_process:
+            worker = cls(tuple(settings.model_names), None,
+                         Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
+                                   capacity=settings.max_batch_size), max_batch_size=settings.max_batch_size)
+            worker._engine_settings = settings
+            return worker
         return cls(tuple(settings.model_names), lambda: load_model(settings),
                    Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
                              capacity=settings.max_batch_size),
@@ -100,6 +106,9 @@ class Worker:
 
     # -- loading ----------------------------------------------------------------------------------------
     def load(self) -> None:
+        if getattr(self, "_engine_settings", None) is not None:
+            self._load_engine_process(self._engine_settings)
+            return
         try:
             loaded = self._loader()
         except ConfigError as exc:
@@ -124,6 +133,30 @@ class Worker:
         log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
                  ", ".join(self.names + self.info.adapters), loaded.source, loaded.load_seconds,
                  self.info.context_length)
+        self._ready.set()
+
+    def _load_engine_process(self, settings) -> None:
+        """SAKER_ENGINE_PROCESS: the model loads and runs in the engine process; this one keeps its tokenizer and
+        an ``EngineClient`` in the scheduler's place."""
+        from app.engine.engine_process import EngineClient, FrontRunner
+        client = EngineClient(settings)
+        try:
+            facts = client.start()
+        except ConfigError as exc:
+            self.error = str(exc)
+            raise
+        self.runner = FrontRunner(facts.tokenizer, facts.eos_token_ids, facts.byte_level, facts.adapters)
+        self.info = facts.info
+        self.kv_cache_tokens = facts.kv_cache_tokens
+        self.scheduler = client
+        self.load_seconds = facts.load_seconds
+
+        def engine_exited(reason: str) -> None:
+            self.error = reason
+            self._ready.clear()
+        client.on_exit = engine_exited
+        log.info("serving %s from %s in an engine process (pid %d)", self.names[0], self.info.source,
+                 client.process.pid)
         self._ready.set()
 
     def warm_up(self) -> None:
