@@ -59,7 +59,7 @@ class SamplingRequest(BaseModel):
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     logit_bias: dict[StrictStr, Number] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     user: StrictStr | None = None
     # extensions (vLLM names)
     top_k: StrictInt | None = Field(None, ge=-1)
@@ -70,6 +70,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    allowed_token_ids: list[StrictInt] | None = None
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @model_validator(mode="before")
     @classmethod
@@ -146,6 +148,12 @@ class SamplingRequest(BaseModel):
             if not 0 <= token < vocab_size:
                 raise InvalidRequestError(f"stop_token_ids holds {token}, outside the vocabulary "
                                           f"(0..{vocab_size - 1})", param="stop_token_ids")
+        if self.allowed_token_ids is not None:
+            outside = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
+            if outside or not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids must be a non-empty list of ids in the vocabulary "
+                                          f"(0..{vocab_size - 1})" + (f"; outside: {outside[:8]}" if outside else ""),
+                                          param="allowed_token_ids")
         return SamplingParams(
             n=self.n,
             best_of=best_of,
@@ -169,6 +177,8 @@ class SamplingRequest(BaseModel):
             echo=echo,
             skip_special_tokens=self.skip_special_tokens,
             adapter=adapter,
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids))) if self.allowed_token_ids else None,
+            processed_logprobs=self.logprobs_mode == "processed_logprobs",
         )
 
 

@@ -246,6 +246,38 @@ def test_bias_and_penalties_shape_sampling_but_not_logprobs(tiny, reference):
     assert body["choices"][0]["text"] == continuation(tok, ids, all_ids)
 
 
+def test_allowed_token_ids_and_processed_logprobs_against_a_plain_forward(tiny, reference):
+    """allowed_token_ids: greedy picks the argmax among the allowed ids of a plain forward's logits, and the
+    reported logprobs stay the plain forward's (raw, the default). logprobs_mode processed_logprobs: they are
+    log-softmax of what the row chose from (here the logits within the allowed ids)."""
+    client, path, name = tiny
+    model, tok = reference(path)
+    ids = tok("Hello").input_ids
+    allowed = [5, 17, 42, 99, 123]
+    body = post(client, model=name, prompt=ids, max_tokens=5, temperature=0, logprobs=1, allowed_token_ids=allowed,
+                ignore_eos=True)
+    got = body["choices"][0]["logprobs"]
+    seq = list(ids)
+    for step in range(5):
+        logits = model(torch.tensor([seq])).logits[0, -1].float().detach()
+        token = allowed[int(logits[allowed].argmax())]
+        assert got["token_logprobs"][step] == pytest.approx(torch.log_softmax(logits, -1)[token].item(), abs=TOL)
+        seq.append(token)
+    assert body["choices"][0]["text"] == continuation(tok, ids, seq)
+    processed = post(client, model=name, prompt=ids, max_tokens=5, temperature=0, logprobs=1,
+                     allowed_token_ids=allowed, logprobs_mode="processed_logprobs", ignore_eos=True)
+    assert processed["choices"][0]["text"] == body["choices"][0]["text"]      # the same tokens
+    mask = torch.full((model.config.vocab_size,), float("-inf"))
+    mask[allowed] = 0.0
+    got = processed["choices"][0]["logprobs"]
+    for step in range(5):
+        logits = model(torch.tensor([seq[:len(ids) + step]])).logits[0, -1].float().detach()
+        within = torch.log_softmax(logits + mask, -1)                # greedy: no temperature, only the mask
+        assert got["token_logprobs"][step] == pytest.approx(within[seq[len(ids) + step]].item(), abs=TOL)
+        assert sorted(got["top_logprobs"][step].values(), reverse=True) == pytest.approx(
+            sorted({within[seq[len(ids) + step]].item(), within.max().item()}, reverse=True), abs=TOL)
+
+
 def test_max_tokens_null_runs_to_the_context(tiny, reference):
     client, path, name = tiny
     _, tok = reference(path)

@@ -452,3 +452,36 @@ class TestUniforms:
         assert len(set(seeds)) == 100 and all(0 <= s < 2 ** 63 for s in seeds)
         assert sequence_seed(8, 0) != sequence_seed(7, 0)
         assert sequence_seed(None, 0) != sequence_seed(None, 0)          # unseeded: a random base each time
+
+
+class TestAllowedTokensAndProcessedLogprobs:
+    def test_only_allowed_tokens_are_chosen_greedy_and_sampled(self):
+        logits = torch.tensor([[5.0, 1.0, 0.5, 3.0, 2.0]] * 2)
+        greedy = rows_for(2, 5, temperature=0.0, allowed_token_ids=(1, 4))
+        assert kept(shape_scores(logits, greedy)) == [[1, 4], [1, 4]]
+        assert sample(logits, greedy)[0].tolist() == [4, 4]          # the argmax among the allowed
+        sampled = rows_for(2, 5, temperature=1.0, seed=3, allowed_token_ids=(0, 2))
+        picks = {t for step in draws(sampled, logits, 200) for t in step}
+        assert picks == {0, 2}
+
+    def test_a_row_without_the_restriction_is_unaffected(self):
+        logits = torch.tensor([[5.0, 1.0, 0.5, 3.0, 2.0]])
+        free = rows_for(1, 5, temperature=0.0)
+        limited = rows_for(1, 5, temperature=0.0, allowed_token_ids=(1,))
+        both = SamplingRows.cat([free, limited])
+        assert sample(logits.repeat(2, 1), both)[0].tolist() == [0, 1]
+
+    def test_processed_logprobs_are_those_of_the_sampled_distribution(self):
+        logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
+        raw = rows_for(1, 5, wants_logprob=True, temperature=0.5, top_k=2, seed=1, logprobs=2)
+        processed = rows_for(1, 5, wants_logprob=True, temperature=0.5, top_k=2, seed=1, logprobs=2,
+                             processed_logprobs=True)
+        (token,), numbers = sample(logits, processed)
+        expected = torch.log_softmax(torch.tensor([4.0, -math.inf, -math.inf, -math.inf, 6.0]), dim=-1)
+        assert numbers.logprobs[0] == pytest.approx(expected[int(token)].item(), abs=1e-6)
+        assert numbers.top_ids[0] == [4, 0]
+        assert numbers.top_values[0] == pytest.approx([expected[4].item(), expected[0].item()], abs=1e-6)
+        (token_raw,), raw_numbers = sample(logits, raw)
+        assert token_raw == token                                   # the same draw; only the report differs
+        assert raw_numbers.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[int(token)].item(),
+                                                        abs=1e-6)

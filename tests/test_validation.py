@@ -166,6 +166,13 @@ BAD_FIELDS = [
     ("logit_bias-null-value", {"logit_bias": {"1": None}}, "logit_bias"),
     ("logit_bias-list", {"logit_bias": [1, 2]}, "logit_bias"),
     ("logit_bias-string", {"logit_bias": "1:5"}, "logit_bias"),
+    # -- allowed_token_ids, logprobs_mode, seed ---------------------------------------------------------
+    ("allowed_token_ids-outside-vocab", {"allowed_token_ids": [1, FAR]}, "allowed_token_ids"),
+    ("allowed_token_ids-empty", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("allowed_token_ids-strings", {"allowed_token_ids": ["1"]}, "allowed_token_ids"),
+    ("logprobs_mode-unknown", {"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+    ("seed-above-int64", {"seed": 2 ** 63}, "seed"),
+    ("seed-below-int64", {"seed": -(2 ** 63) - 1}, "seed"),
     # -- stop_token_ids ---------------------------------------------------------------------------------
     ("stop_token_ids-outside-vocab", {"stop_token_ids": [FAR]}, "stop_token_ids"),
     ("stop_token_ids-negative", {"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -337,7 +344,8 @@ ACCEPTED = [
     ("suffix-empty", {"suffix": ""}),
     ("suffix-null", {"suffix": None}),
     ("stream-false", {"stream": False}),
-    ("seed-negative-and-big", {"seed": -(2 ** 70), "temperature": 1}),
+    ("seed-int64-extremes", {"seed": -(2 ** 63), "temperature": 1}),
+    ("seed-int64-max", {"seed": 2 ** 63 - 1, "temperature": 1}),
     ("user", {"user": "someone"}),
     ("token-id-prompt", {"prompt": [1, 2, 3]}),
     ("token-id-prompts", {"prompt": [[1, 2], [3]]}),

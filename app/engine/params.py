@@ -27,6 +27,8 @@ class SamplingParams:
     echo: bool = False
     skip_special_tokens: bool = True
     adapter: str | None = None          # named PEFT adapter, None: the base model
+    allowed_token_ids: tuple[int, ...] | None = None   # only these may be chosen (None: any)
+    processed_logprobs: bool = False    # report logprobs of the processed distribution, not the raw one
 
     @property
     def num_candidates(self) -> int:

@@ -1,10 +1,12 @@
 """The batch-wide sampler: one pass over every row of a step, whatever each row asked for.
 
 Each row's parameters live in per-row tensors (``SamplingRows``), so a step is a few tensor operations over the
-whole batch, each skipped when no row needs it: logit bias, EOS/stop-token suppression before ``min_tokens``,
+whole batch, each skipped when no row needs it: ``allowed_token_ids``, logit bias, EOS/stop-token suppression
+before ``min_tokens``,
 repetition and presence/frequency penalties, temperature, top-k, top-p, min-p; then argmax for greedy rows and
-an inverse-CDF draw for sampled rows. Raw logprobs (the model's own distribution, before any of this), the
-chosen token's logprob and the top k come from the same pass, packed into one tensor: one transfer to the host.
+an inverse-CDF draw for sampled rows. Raw logprobs (the model's own distribution, before any of this; the
+processed one for rows with ``logprobs_mode: processed_logprobs``), the chosen token's logprob and the top k come
+from the same pass, packed into one tensor: one transfer to the host.
 
 Draws are counter-based: row ``i`` at its ``t``-th token uses the uniform number ``hash(seed_i, t)``, computed
 in the step itself (no generator objects, nothing that depends on the other rows). So a request's samples do not
@@ -79,6 +81,8 @@ class RowSpec:
     suppress: tuple[int, ...]               # ids kept out before min_tokens (EOS, stop tokens)
     logprobs: int                           # top-k of the raw logprobs this row reports (0: none)
     wants_logprob: bool                     # the chosen token's logprob (logprobs or best_of ranking)
+    allowed: tuple[int, ...] | None = None  # only these may be chosen (allowed_token_ids)
+    processed: bool = False                 # report the processed distribution's logprobs, not the raw one
 
     @classmethod
     def of(cls, params: SamplingParams, suppress: tuple[int, ...], wants_logprob: bool) -> "RowSpec":
@@ -89,7 +93,8 @@ class RowSpec:
                    repetition=params.repetition_penalty, presence=params.presence_penalty,
                    frequency=params.frequency_penalty, min_tokens=params.min_tokens,
                    bias=params.logit_bias, suppress=suppress if params.min_tokens > 0 else (),
-                   logprobs=params.logprobs or 0, wants_logprob=wants_logprob)
+                   logprobs=params.logprobs or 0, wants_logprob=wants_logprob,
+                   allowed=params.allowed_token_ids, processed=params.processed_logprobs)
 
 
 class SamplingRows:
@@ -131,6 +136,16 @@ class SamplingRows:
             for row, spec in enumerate(specs):
                 for token, value in spec.bias:
                     self.bias[row, token] += value
+        self.allowed = None
+        if any(s.allowed is not None for s in specs):
+            self.allowed = torch.ones(rows, vocab, dtype=torch.bool, device=device)
+            for row, spec in enumerate(specs):
+                if spec.allowed is not None:
+                    self.allowed[row] = False
+                    self.allowed[row, list(spec.allowed)] = True
+        self.processed = None
+        if any(s.processed for s in specs):
+            self.processed = column("processed", torch.bool)
         self.suppress = self.min_tokens = None
         if any(s.suppress for s in specs):
             self.suppress = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
@@ -202,6 +217,8 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Logits after every row's processing, in vocabulary order: -inf where a token may not be chosen. Greedy
     rows get bias, suppression and penalties only (their argmax is taken over these)."""
     scores = logits
+    if rows.allowed is not None:
+        scores = scores.masked_fill(~rows.allowed, NEG_INF)
     if rows.bias is not None:
         scores = scores + rows.bias
     if rows.suppress is not None:
@@ -264,11 +281,14 @@ class StepNumbers:
 def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, StepNumbers]:
     """One step for every row of ``logits`` (B, V) float32: tokens (on the device, to feed the next forward) and
     the numbers the output side needs, brought to the host in one transfer."""
-    tokens = choose(shape_scores(logits, rows), rows)
+    scores = shape_scores(logits, rows)
+    tokens = choose(scores, rows)
     rows.record(tokens)
     if not rows.wants_logprob:
         return tokens, StepNumbers(tokens.tolist())
     lp = torch.log_softmax(logits, dim=-1)
+    if rows.processed is not None:              # logprobs_mode processed_logprobs: what the row sampled from
+        lp = torch.where(rows.processed, torch.log_softmax(scores, dim=-1), lp)
     column = tokens.view(-1, 1)
     parts = [column.double(), lp.gather(-1, column).double()]
     k = rows.k
