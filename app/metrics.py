@@ -44,6 +44,9 @@ class _CudaMemory:
         yield reserved
 
 
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
 class _AdmissionCounters:
     """The admission's own counts (429s for a full queue, 503s for a queue timeout) as counters."""
 
@@ -127,7 +130,8 @@ class Metrics:
     def observe(self, record: RequestRecord) -> None:
         self.in_flight.dec()
         route = record.route
-        self.requests.labels(route, record.method, str(record.status)).inc()
+        method = record.method if record.method in _METHODS else "other"      # a label's values stay bounded
+        self.requests.labels(route, method, str(record.status)).inc()
         if record.error_code:
             self.errors.labels(route, record.error_code).inc()
         if record.duration_s is not None:

@@ -137,13 +137,16 @@ class SamplingRequest(BaseModel):
         if len(self.stop_list) > limits.max_stop_sequences:
             raise InvalidRequestError(f"stop may hold at most {limits.max_stop_sequences} sequences, "
                                       f"got {len(self.stop_list)}", param="stop")
-        bias = []
+        bias, outside = [], []
         for key, value in (self.logit_bias or {}).items():
             token = int(key)
             if not 0 <= token < vocab_size:
-                raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary "
-                                          f"(0..{vocab_size - 1})", param="logit_bias")
+                outside.append(token)
             bias.append((token, float(value)))
+        if outside:
+            shown = ", ".join(str(t) for t in outside[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "")
+            raise InvalidRequestError(f"logit_bias token ids outside the vocabulary (0..{vocab_size - 1}): {shown}",
+                                      param="logit_bias")
         for token in self.stop_token_ids or []:
             if not 0 <= token < vocab_size:
                 raise InvalidRequestError(f"stop_token_ids holds {token}, outside the vocabulary "

@@ -101,8 +101,31 @@ class CompletionService:
                                           param="prompt")
             ids = list(prompt)
         if not ids:
-            raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)", param="prompt")
+            # as OpenAI does: an empty prompt is conditioned on the start token (BOS, or the end-of-text token of
+            # tokenizers without one, GPT-2's <|endoftext|>)
+            tok = self.worker.tokenizer
+            start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+            if start is None:
+                raise InvalidRequestError("prompt must not be empty (it encodes to no tokens, and this "
+                                          "tokenizer has no start token to begin from)", param="prompt")
+            ids = [start]
         return ids
+
+    def _check_kv_budget(self, ids: list[int], params) -> None:
+        """A request whose candidates could never fit the KV budget together is a 400 now, not a wait forever or
+        an out-of-memory later: each candidate may grow to prompt + max_tokens positions."""
+        budget = getattr(self.worker, "kv_cache_tokens", None)
+        if not budget:
+            return
+        reach = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_total_tokens - len(ids))
+        need = params.num_candidates * reach
+        if need > budget:
+            param = "best_of" if params.best_of and params.best_of > params.n else "n" \
+                if params.num_candidates > 1 else "max_tokens"
+            raise InvalidRequestError(
+                f"This request needs {need} KV-cache positions ({params.num_candidates} candidates x {reach} "
+                f"positions: prompt + max_tokens), more than the server's KV budget of {budget} "
+                f"(SAKER_KV_CACHE_TOKENS); ask for fewer candidates or tokens", param=param)
 
     def _check_lengths(self, ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
         if len(ids) > self.max_input_tokens:
@@ -164,6 +187,7 @@ class CompletionService:
             param = "prompt"
         for ids in prompts:
             self._check_lengths(ids, params.max_tokens, param)
+            self._check_kv_budget(ids, params)
         chat = isinstance(request, ChatCompletionRequest)
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)

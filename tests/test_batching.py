@@ -221,6 +221,25 @@ def test_kv_budget_holds_back_what_would_not_fit(gpt2_dir, reference):
     assert worker.scheduler.kv_usage == 0.0                  # everything left: nothing held
 
 
+def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
+    """n x (prompt + max_tokens) beyond the KV budget: a 400 naming n before anything runs; within it: served."""
+    from app import create_app
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+    settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
+    worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_size=8, kv_cache_tokens=100)
+    client = create_app(settings, engine=worker).test_client()
+    body = {"model": "tiny-gpt2", "prompt": [5, 6, 7, 8], "max_tokens": 30, "temperature": 0.5, "seed": 1}
+    too_many = client.post("/v1/completions", json={**body, "n": 4})
+    assert too_many.status_code == 400
+    error = too_many.get_json()["error"]
+    assert error["param"] == "n" and "KV" in error["message"] and "136" in error["message"]
+    long = client.post("/v1/completions", json={**body, "max_tokens": 120})
+    assert long.status_code == 400 and long.get_json()["error"]["param"] == "max_tokens"
+    ok = client.post("/v1/completions", json={**body, "n": 2})              # 2 x 34 = 68 positions
+    assert ok.status_code == 200 and len(ok.get_json()["choices"]) == 2
+
+
 class InjectedOOM:
     """A pre-hook on the model's second block that raises CUDA's out-of-memory error in decode steps of at least
     ``rows`` rows, ``times`` times (None: always), after the first block has already appended to its cache."""

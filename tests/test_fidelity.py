@@ -278,6 +278,18 @@ def test_allowed_token_ids_and_processed_logprobs_against_a_plain_forward(tiny, 
             sorted({within[seq[len(ids) + step]].item(), within.max().item()}, reverse=True), abs=TOL)
 
 
+def test_empty_prompt_is_conditioned_on_the_start_token(tiny, reference):
+    """prompt "" continues from BOS (the tiny Llama) or <|endoftext|> (the tiny GPT-2, which has no BOS): the text
+    is generate()'s from that one token, and usage counts it as the prompt."""
+    client, path, name = tiny
+    model, tok = reference(path)
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    full = ref_greedy(model, tok, [start], 6)
+    body = post(client, model=name, prompt="", max_tokens=6, temperature=0, ignore_eos=True)
+    assert body["choices"][0]["text"] == continuation(tok, [start], full)
+    assert body["usage"]["prompt_tokens"] == 1
+
+
 def test_max_tokens_null_runs_to_the_context(tiny, reference):
     client, path, name = tiny
     _, tok = reference(path)

@@ -307,6 +307,17 @@ def test_metrics_count_requests_tokens_and_timings(gpt2_worker):
     assert value(after, "saker_kv_cache_usage") == 0.0                   # nothing running
 
 
+def test_made_up_methods_do_not_grow_the_metrics(gpt2_worker):
+    """The method label takes the standard methods and "other": 300 made-up ones add one series, not 300."""
+    client = make_app(gpt2_worker, access_log="off").test_client()
+    for i in range(300):
+        client.open("/health", method=f"X{i}")
+    samples = metric_samples(client)
+    methods = {dict(labels).get("method") for (name, labels) in samples if name == "saker_requests_total"}
+    assert "other" in methods and not any(m and m.startswith("X") for m in methods)
+    assert value(samples, "saker_requests_total", route="unmatched", method="other", status="405") == 300
+
+
 def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
     """The gauge reads the running batch: a request's rows hold their prompt + tokens so far."""
     from app.engine.generate import RequestGroup

@@ -81,7 +81,6 @@ BAD_FIELDS = [
     ("prompt-id-outside-vocab", {"prompt": [1, FAR]}, "prompt"),
     ("prompt-id-huge", {"prompt": [10 ** 30]}, "prompt"),
     ("prompt-ids-second-bad", {"prompt": [[1, 2], [FAR]]}, "prompt"),
-    ("prompt-empty-string", {"prompt": ""}, "prompt"),
     ("prompt-list-empty-string", {"prompt": [""]}, "prompt"),
     ("prompt-list-second-empty", {"prompt": ["ok", ""]}, "prompt"),
     # -- model ----------------------------------------------------------------------------------------
@@ -344,6 +343,7 @@ ACCEPTED = [
     ("suffix-empty", {"suffix": ""}),
     ("suffix-null", {"suffix": None}),
     ("stream-false", {"stream": False}),
+    ("prompt-empty-string", {"prompt": ""}),         # conditioned on the start token, as OpenAI does
     ("seed-int64-extremes", {"seed": -(2 ** 63), "temperature": 1}),
     ("seed-int64-max", {"seed": 2 ** 63 - 1, "temperature": 1}),
     ("user", {"user": "someone"}),
@@ -374,3 +374,11 @@ def test_null_means_default(gpt2_client, field):
     body = resp.get_json()
     assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
     assert body["usage"]["completion_tokens"] == 1
+
+
+def test_every_logit_bias_key_outside_the_vocabulary_is_named(gpt2_client):
+    keys = [str(FAR + i) for i in range(10)]
+    body = assert_error(gpt2_client.post(URL, json=request_with(logit_bias={**{k: 1 for k in keys}, "5": 1})),
+                        400, "logit_bias")
+    message = body if isinstance(body, str) else body.get("message", "")
+    assert all(k in message for k in keys[:8]) and "and 2 more" in message and " 5," not in message
