@@ -81,8 +81,6 @@ BAD_FIELDS = [
     ("prompt-id-outside-vocab", {"prompt": [1, FAR]}, "prompt"),
     ("prompt-id-huge", {"prompt": [10 ** 30]}, "prompt"),
     ("prompt-ids-second-bad", {"prompt": [[1, 2], [FAR]]}, "prompt"),
-    ("prompt-list-empty-string", {"prompt": [""]}, "prompt"),
-    ("prompt-list-second-empty", {"prompt": ["ok", ""]}, "prompt"),
     # -- model ----------------------------------------------------------------------------------------
     ("model-number", {"model": 5}, "model"),
     ("model-list", {"model": ["tiny-gpt2"]}, "model"),
@@ -344,6 +342,8 @@ ACCEPTED = [
     ("suffix-null", {"suffix": None}),
     ("stream-false", {"stream": False}),
     ("prompt-empty-string", {"prompt": ""}),         # conditioned on the start token, as OpenAI does
+    ("prompt-list-empty-string", {"prompt": [""]}),
+    ("prompt-list-second-empty", {"prompt": ["ok", ""]}),
     ("seed-int64-extremes", {"seed": -(2 ** 63), "temperature": 1}),
     ("seed-int64-max", {"seed": 2 ** 63 - 1, "temperature": 1}),
     ("user", {"user": "someone"}),
