@@ -70,6 +70,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    response_format: dict | None = None
     allowed_token_ids: list[StrictInt] | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
@@ -90,6 +91,21 @@ class SamplingRequest(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got a {len(key)}-digit number")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {bias} for {key}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value):
+        """OpenAI's shapes; only plain text is served until output is constrained: a request for JSON gets a clear
+        400 rather than free text that does not parse."""
+        if value is None:
+            return value
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type must be one of text, json_object, json_schema, not {kind!r}")
+        if kind != "text":
+            raise ValueError(f"response_format {kind} is not supported yet: this server does not constrain output "
+                             "to JSON; send type text (or leave response_format out)")
         return value
 
     @field_validator("stop")
@@ -435,11 +451,13 @@ class ChatTokenLogprob(ChatTopLogprob):
 
 class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None       # OpenAI's schema requires it; a local model never refuses
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None                          # required by OpenAI's schema; always null here
 
 
 class ChatChoice(BaseModel):

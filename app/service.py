@@ -48,6 +48,24 @@ class CompletionService:
                              max_best_of=settings.max_best_of, max_stop_sequences=settings.max_stop_sequences)
         self.created = int(time.time())
         self._chat_template = None
+        self._fingerprint: str | None = None
+
+    @property
+    def system_fingerprint(self) -> str:
+        """A stable id of what answers (as vLLM sends one): the weights' source and adapters, and the settings
+        that change numbers (dtype, device, quantization, compiled step). It changes when any of them does."""
+        if self._fingerprint is None:
+            import hashlib
+            import json as _json
+            info = self.worker.require_ready()
+            s = self.settings
+            facts = [info.source, list(info.adapters), info.vocab_size, info.context_length,
+                     *(str(getattr(s, name, None)) for name in ("dtype", "device", "quantize", "compile",
+                                                               "peft_weights", "peft_merge", "chat_template",
+                                                               "tokenizer", "revision"))]
+            digest = hashlib.sha256(_json.dumps(facts, default=str).encode()).hexdigest()
+            self._fingerprint = "fp_" + digest[:12]
+        return self._fingerprint
 
     # -- models -----------------------------------------------------------------------------------------
     @property
@@ -208,13 +226,14 @@ class CompletionService:
                                        finish_reason=c.finish_reason)
                             for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
             body = ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=chat_choices,
-                                          usage=usage, timing=timing_of(timings))
+                                          usage=usage, timing=timing_of(timings),
+                                          system_fingerprint=self.system_fingerprint)
         else:
             choices = [CompletionChoice(text=c.text, index=p * n + j, logprobs=completion_logprobs(c.logprobs),
                                         finish_reason=c.finish_reason)
                        for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
             body = CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage,
-                                      timing=timing_of(timings))
+                                      timing=timing_of(timings), system_fingerprint=self.system_fingerprint)
         return ServedResponse(body.model_dump(), timings)
 
     def stream(self, job: Job) -> Iterator[dict]:
@@ -256,10 +275,10 @@ class CompletionService:
                           "finish_reason": release.finish_reason}
             yield self._chunk(job, [choice])
 
-    @staticmethod
-    def _chunk(job: Job, choices: list[dict]) -> dict:
+    def _chunk(self, job: Job, choices: list[dict]) -> dict:
         return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                "created": job.created, "model": job.model, "choices": choices}
+                "created": job.created, "model": job.model, "system_fingerprint": self.system_fingerprint,
+                "choices": choices}
 
     # -- tokenizer endpoints ----------------------------------------------------------------------------
     def tokenize(self, request: TokenizeRequest) -> dict:

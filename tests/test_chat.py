@@ -32,9 +32,15 @@ def test_chat_matches_template_and_generate(llama_client, reference, llama_dir):
                                                            "max_tokens": 10, "temperature": 0}).get_json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["message"] == {"role": "assistant", "content": text, "refusal": None}
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["usage"]["completion_tokens"] == len(gen)
+    assert body["system_fingerprint"].startswith("fp_")
+    again = llama_client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES,
+                                                            "max_tokens": 1, "stream": True})
+    chunks = [json.loads(line[6:]) for line in again.get_data(as_text=True).splitlines()
+              if line.startswith("data: {")]
+    assert {c["system_fingerprint"] for c in chunks} == {body["system_fingerprint"]}   # stable across answers
     tokenized = llama_client.post("/tokenize", json={"messages": MESSAGES}).get_json()
     assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
 

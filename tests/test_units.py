@@ -394,3 +394,21 @@ def test_raw_logprobs_is_float32_log_softmax():
     assert out.dtype == torch.float32
     denom = math.log(math.exp(1) + math.exp(2) + math.exp(3))
     assert torch.allclose(out, torch.tensor([[1 - denom, 2 - denom, 3 - denom]]), atol=1e-6)
+
+
+def test_system_fingerprint_is_stable_and_follows_weights_and_settings():
+    from types import SimpleNamespace
+
+    from app.service import CompletionService
+    from app.settings import Settings
+    info = SimpleNamespace(source="/models/a", adapters=(), vocab_size=400, context_length=256)
+    worker = SimpleNamespace(require_ready=lambda: info)
+
+    def fingerprint(settings, source="/models/a"):
+        info.source = source
+        return CompletionService(settings, worker).system_fingerprint
+
+    base = fingerprint(Settings(dtype="float32"))
+    assert base.startswith("fp_") and base == fingerprint(Settings(dtype="float32"))
+    assert fingerprint(Settings(dtype="bfloat16")) != base
+    assert fingerprint(Settings(dtype="float32"), source="/models/b") != base

@@ -163,6 +163,12 @@ BAD_FIELDS = [
     ("logit_bias-null-value", {"logit_bias": {"1": None}}, "logit_bias"),
     ("logit_bias-list", {"logit_bias": [1, 2]}, "logit_bias"),
     ("logit_bias-string", {"logit_bias": "1:5"}, "logit_bias"),
+    # -- response_format: only text until output is constrained -----------------------------------------
+    ("response_format-unknown-type", {"response_format": {"type": "sound"}}, "response_format"),
+    ("response_format-json-object", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("response_format-json-schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ("response_format-not-an-object", {"response_format": "json"}, "response_format"),
     # -- allowed_token_ids, logprobs_mode, seed ---------------------------------------------------------
     ("allowed_token_ids-outside-vocab", {"allowed_token_ids": [1, FAR]}, "allowed_token_ids"),
     ("allowed_token_ids-empty", {"allowed_token_ids": []}, "allowed_token_ids"),
@@ -321,7 +327,8 @@ def test_max_tokens_null_runs_to_the_context(gpt2_client):
 
 # -- what is accepted -----------------------------------------------------------------------------------
 ACCEPTED = [
-    ("unknown-fields", {"foo": 1, "response_format": {"type": "json"}, "metadata": [1, 2], "service_tier": None}),
+    ("unknown-fields", {"foo": 1, "metadata": [1, 2], "service_tier": None}),
+    ("response_format-text", {"response_format": {"type": "text"}}),
     ("temperature-int", {"temperature": 1, "seed": 1}),
     ("temperature-2", {"temperature": 2, "seed": 1}),
     ("top_p-0", {"top_p": 0, "temperature": 1, "seed": 1}),
