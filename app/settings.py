@@ -97,8 +97,9 @@ class Settings(BaseSettings):
     max_total_tokens: int | None = Field(None, gt=0, description="Most prompt + completion tokens. Default: the "
                                          "model's context (max_position_embeddings).")
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` (completions) / `top_logprobs` (chat).")
-    max_n: int = Field(20, ge=1, description="Largest `n`.")
-    max_best_of: int = Field(20, ge=1, description="Largest `best_of`.")
+    max_n: int = Field(128, ge=1, description="Largest `n` (OpenAI's own limit); a request whose candidates "
+                       "could never fit the KV budget together is refused whatever this says.")
+    max_best_of: int = Field(128, ge=1, description="Largest `best_of` (as `max_n`).")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings in `stop`.")
     max_batch_size: int = Field(8, ge=1, description="Most sequences decoded together (continuous batching: "
                                 "requests join the running batch at step boundaries). 1 = one request at a time.")

@@ -141,7 +141,7 @@ def test_env_vars_are_read(monkeypatch):
 def test_env_defaults():
     settings = load_settings()
     assert settings.model is None and settings.trust_remote_code is False
-    assert (settings.max_logprobs, settings.max_best_of, settings.max_stop_sequences) == (20, 20, 4)
+    assert (settings.max_logprobs, settings.max_best_of, settings.max_stop_sequences) == (20, 128, 4)
     assert settings.dtype == "auto" and settings.device == "auto"
 
 

@@ -3,7 +3,7 @@ and the server keeps serving afterwards.
 
 The tiny GPT-2 (``gpt2_client``) has a ~400-token vocabulary, 256 positions, no BOS token (an empty string
 encodes to nothing) and is served as ``tiny-gpt2`` with the alias ``gpt2-alias``. Server limits are the
-defaults: max_n = max_best_of = max_logprobs = 20, max_stop_sequences = 4.
+defaults: max_n = max_best_of = 128, max_logprobs = 20, max_stop_sequences = 4.
 """
 from __future__ import annotations
 
@@ -117,12 +117,12 @@ BAD_FIELDS = [
     # -- n / best_of ------------------------------------------------------------------------------------
     ("n-zero", {"n": 0}, "n"),
     ("n-negative", {"n": -1}, "n"),
-    ("n-over-max", {"n": 21}, "n"),
+    ("n-over-max", {"n": 129}, "n"),
     ("n-float", {"n": 1.5}, "n"),
     ("n-string", {"n": "2"}, "n"),
     ("n-bool", {"n": True}, "n"),
     ("best_of-zero", {"best_of": 0}, "best_of"),
-    ("best_of-over-max", {"best_of": 21}, "best_of"),
+    ("best_of-over-max", {"best_of": 129}, "best_of"),
     ("best_of-below-n", {"n": 3, "best_of": 2}, "best_of"),
     ("best_of-string", {"best_of": "2"}, "best_of"),
     ("best_of-bool", {"best_of": True}, "best_of"),
@@ -341,6 +341,7 @@ ACCEPTED = [
     ("stop-string", {"stop": "\n"}),
     ("stop-empty-list", {"stop": []}),
     ("n-and-best_of-max", {"n": 20, "best_of": 20, "temperature": 1, "seed": 3}),
+    ("n-128-openai-max", {"n": 128, "max_tokens": 2, "temperature": 1, "seed": 3}),
     ("logprobs-0-and-max", {"logprobs": 20}),
     ("logprobs-0", {"logprobs": 0}),
     ("max_tokens-0", {"max_tokens": 0}),
