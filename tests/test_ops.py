@@ -509,7 +509,7 @@ def test_413_names_the_limit(gpt2_worker):
     assert "500" in err["message"] and "SAKER_MAX_REQUEST_BYTES" in err["message"]
 
 
-@pytest.mark.parametrize("field,value,limit", [("n", 21, "20"), ("best_of", 21, "20"), ("logprobs", 21, "20"),
+@pytest.mark.parametrize("field,value,limit", [("n", 129, "128"), ("best_of", 129, "128"), ("logprobs", 21, "20"),
                                                ("stop", ["a", "b", "c", "d", "e"], "4")])
 def test_request_limits_name_the_limit(gpt2_client, field, value, limit):
     body = {**GOOD, field: value}
