@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import select
+import socket
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -95,7 +97,7 @@ def _answer(body):
     record.request_body(body)
     if body.stream:
         return _event_stream(service, service.prepare(body), record)
-    served = service.complete(body)
+    served = service.complete(body, alive=_client_alive(request.environ))
     record.answered(served.body, served.timings)
     response = jsonify(served.body)
     t = served.timings
@@ -105,6 +107,22 @@ def _answer(body):
     response.headers["X-Saker-Tokens-Per-Second"] = f"{t.tokens_per_second:.3f}"
     response.headers["X-Saker-Cached-Prompt-Tokens"] = str(t.cached_tokens)
     return response
+
+
+def _client_alive(environ):
+    """A check that the client of a plain request is still connected (gunicorn hands the socket over): readable
+    with nothing to read means it closed. None where there is no socket (the test client)."""
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def alive() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return not readable or bool(sock.recv(1, socket.MSG_PEEK))
+        except (OSError, ValueError):
+            return False
+    return alive
 
 
 def _event_stream(service, job, record: RequestRecord) -> Response:

@@ -105,6 +105,14 @@ class OutOfMemoryError(ServiceUnavailableError):
         super().__init__(message, **kwargs)
 
 
+class ClientClosedError(APIError):
+    """499 (nginx's "client closed request"): the client of a plain request went away while it was generated;
+    generation stopped at the next step. Nobody reads the answer; the access log records it."""
+    status = 499
+    type = "client_closed_request"
+    code = "client_closed_request"
+
+
 class InternalServerError(APIError):
     status = 500
     type = "server_error"

@@ -210,11 +210,11 @@ class CompletionService:
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
 
-    def complete(self, request: SamplingRequest, job: Job | None = None) -> ServedResponse:
+    def complete(self, request: SamplingRequest, job: Job | None = None, alive=None) -> ServedResponse:
         """A whole (non-streamed) completion or chat completion; ``job``: this request already prepared (batch
-        mode validates every line before it runs)."""
+        mode validates every line before it runs); ``alive``: whether the client is still connected."""
         job = job or self.prepare(request)
-        outputs, timings = self.worker.complete(job.prompts, job.params, self.max_total_tokens)
+        outputs, timings = self.worker.complete(job.prompts, job.params, self.max_total_tokens, alive=alive)
         n = job.params.n
         prompt_tokens = sum(o.prompt_tokens for o in outputs)
         completion_tokens = sum(o.completion_tokens for o in outputs)

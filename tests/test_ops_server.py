@@ -254,3 +254,45 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
         if gate.exists():
             gate.unlink()
         srv.stop()
+
+
+def test_a_plain_request_whose_client_left_stops_generating(gpt2_dir, tmp_path):
+    """A non-streamed request's client closes its connection while the answer is generated: the server notices
+    while it waits (the socket reads as closed), cancels the request (its rows leave at the next step, far
+    before max_tokens) and logs status 499; the next request is served as usual."""
+    gate, count, access_log = tmp_path / "gate", tmp_path / "steps", tmp_path / "access.log"
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "8",
+                    "TEST_DECODE_GATE": str(gate), "TEST_DECODE_COUNT": str(count),
+                    "SAKER_ACCESS_LOG": str(access_log)}, args=("--pythonpath", "tests"), app="gated_wsgi:app")
+    try:
+        srv.wait_ready()
+        gate.touch()                                    # decode steps wait from now on
+        count.write_text("")
+        body = json.dumps({"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 200,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        host, port = srv.url.split("//")[1].split(":")
+        client = socket.create_connection((host, int(port)), timeout=10)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.time() + 30
+        while sample(metrics(srv), "saker_requests_in_flight") < 2 and time.time() < deadline:
+            time.sleep(0.05)                             # it is in the server, its first step held at the gate
+        client.close()                                   # the client goes away
+        time.sleep(1.0)                                  # the request thread polls every 0.25 s
+        gate.unlink()
+        deadline = time.time() + 30
+        while "499" not in (access_log.read_text() if access_log.exists() else "") and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        steps = count.read_text().count("step")
+        assert 1 <= steps < 20, steps                    # stopped long before 200 tokens
+        line = json.loads([x for x in access_log.read_text().splitlines() if '"/v1/completions"' in x][0])
+        assert line["status"] == 499 and line["error_code"] == "client_closed_request"
+        after = requests.post(srv.url + "/v1/completions", json={"model": "tiny-gpt2", "prompt": "Hello",
+                                                                  "max_tokens": 3, "temperature": 0}, timeout=30)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+    finally:
+        if gate.exists():
+            gate.unlink()
+        srv.stop()
+    assert "Traceback" not in srv.output()

@@ -76,11 +76,27 @@ class Ticket:
         for group in self.groups:
             group.cancelled = True
 
+    alive = None                # a callable: False once the reader's client is gone (checked while waiting)
+    POLL_S = 0.25
+
+    def _next_batch(self) -> list:
+        """The next message; with ``alive`` set, a client that went away cancels the request while it waits."""
+        if self.alive is None:
+            return self._events.get()
+        while True:
+            try:
+                return self._events.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if not self.alive():
+                    self.cancel()
+                    from app.errors import ClientClosedError
+                    raise ClientClosedError("the client closed the connection; generation stopped") from None
+
     def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
         while self._ready:          # decoded before an earlier iteration stopped (events come a step at a time)
             yield self._ready.popleft()
         while self._open:
-            for tag, item in self._events.get():
+            for tag, item in self._next_batch():
                 if item is _DONE:
                     self._open -= 1
                 elif isinstance(item, BaseException):

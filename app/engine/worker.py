@@ -225,7 +225,8 @@ class Worker:
 
     # -- serving ----------------------------------------------------------------------------------------
     def events(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings,
-               eager: bool = True) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
+               eager: bool = True, alive: Callable[[], bool] | None = None
+               ) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
         """Run the prompts (as groups of the scheduler's batch, side by side with other requests), yielding
         ``(prompt index, event)``. Closing the iterator (a dropped client) cancels the request: the
         scheduler drops it at the next step. Not ``eager``: events come when each prompt is done (stop strings
@@ -237,6 +238,7 @@ class Worker:
             groups = [RequestGroup(self.runner, ids, params, max_length=max_length, tag=p)
                       for p, ids in enumerate(prompts)]
             ticket = self.scheduler.submit(groups, eager=eager or bool(params.stop))
+            ticket.alive = alive
             try:
                 yield from ticket
             finally:
@@ -260,11 +262,12 @@ class Worker:
             for release in out.finish():
                 yield p, release
 
-    def complete(self, prompts: list[list[int]], params: SamplingParams, max_length: int
-                 ) -> tuple[list[CompletionOutput], Timings]:
-        """Every prompt to the end; the outputs in prompt order."""
+    def complete(self, prompts: list[list[int]], params: SamplingParams, max_length: int,
+                 alive: Callable[[], bool] | None = None) -> tuple[list[CompletionOutput], Timings]:
+        """Every prompt to the end; the outputs in prompt order. ``alive``: whether the client is still there
+        (asked while waiting; when it is gone the request is cancelled and ``ClientClosedError`` raised)."""
         timings = Timings()
         per_prompt: list[list[PromptEvent | TokenEvent]] = [[] for _ in prompts]
-        for p, event in self.events(prompts, params, max_length, timings, eager=False):
+        for p, event in self.events(prompts, params, max_length, timings, eager=False, alive=alive):
             per_prompt[p].append(event)
         return [collect(events, params) for events in per_prompt], timings
