@@ -32,6 +32,7 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False     # vLLM's extension: usage so far on every chunk
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def stop_list(self) -> tuple[str, ...]:

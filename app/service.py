@@ -35,6 +35,7 @@ class Job:
     params: SamplingParams
     prompts: list[list[int]]
     include_usage: bool = False
+    continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage so far on every chunk
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     timings: Timings = field(default_factory=Timings)
@@ -208,7 +209,7 @@ class CompletionService:
             self._check_kv_budget(ids, params)
         chat = isinstance(request, ChatCompletionRequest)
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
-                   include_usage=request.include_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+                   include_usage=request.include_usage, continuous_usage=request.continuous_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
 
     def complete(self, request: SamplingRequest, job: Job | None = None, alive=None) -> ServedResponse:
         """A whole (non-streamed) completion or chat completion; ``job``: this request already prepared (batch
@@ -253,13 +254,27 @@ class CompletionService:
             yield chunk
 
     def _stream_chunks(self, job: Job, releases, n: int, started: set[int]) -> Iterator[dict]:
+        chunks = self._chunks_of(job, releases, n, started)
+        if not job.continuous_usage:
+            yield from (chunk for chunk, _ in chunks)
+            return
+        prompt_tokens = sum(len(ids) for ids in job.prompts)
+        for chunk, generated in chunks:
+            chunk["usage"] = Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
+                                   total_tokens=prompt_tokens + generated).model_dump()
+            yield chunk
+
+    def _chunks_of(self, job: Job, releases, n: int, started: set[int]) -> Iterator:
+        """The stream's chunks; with continuous usage, each paired with the tokens generated so far."""
+        generated = 0
         for p, release in releases:
+            generated += len(release.token_ids)
             index = p * n + release.index
             if index not in started:
                 started.add(index)
                 if job.chat:                              # OpenAI's first chat chunk carries the role
                     yield self._chunk(job, [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}])
+                                             "logprobs": None, "finish_reason": None}]), generated
             if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens):
                 continue
             if job.chat:
@@ -273,7 +288,7 @@ class CompletionService:
                 choice = {"text": release.text, "index": index,
                           "logprobs": logprobs.model_dump() if logprobs else None,
                           "finish_reason": release.finish_reason}
-            yield self._chunk(job, [choice])
+            yield self._chunk(job, [choice]), generated
 
     def _chunk(self, job: Job, choices: list[dict]) -> dict:
         return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",

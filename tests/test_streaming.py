@@ -112,6 +112,26 @@ def test_usage_chunk_and_done(tiny):
     assert all("usage" not in c for c in without)
 
 
+@pytest.mark.parametrize("url,extra", [("/v1/completions", {"prompt": ["Hello", "Once"]}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_continuous_usage_stats_count_up_on_every_chunk(tiny, url, extra):
+    """stream_options.continuous_usage_stats (vLLM): every chunk carries usage so far; the counts never go down,
+    and the last content chunk's completion_tokens equal the plain answer's."""
+    client, _, name = tiny
+    if "messages" in extra and name == "tiny-gpt2":
+        pytest.skip("the tiny GPT-2 has no chat template (the tiny Llama's case covers chat)")
+    body = {"model": name, "max_tokens": 5, "n": 2, "temperature": 0, "ignore_eos": True, **extra,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    plain = client.post(url, json={**body, "stream_options": None}).get_json()
+    chunks, _ = stream(client, url, body)
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == plain["usage"]["completion_tokens"]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {plain["usage"]["prompt_tokens"]}
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in chunks)
+
+
 def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkeypatch):
     runner = llama_app.extensions["saker.service"].worker.runner
     calls = {"n": 0}
