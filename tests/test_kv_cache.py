@@ -38,7 +38,7 @@ def test_slot_store_joins_and_leaves_move_no_other_rows_data():
 
     from app.engine.kv_cache import SlotStore
     torch.manual_seed(0)
-    store = SlotStore(config=None)
+    store = SlotStore()
 
     def prompt(rows, length):
         return [SimpleNamespace(keys=torch.randn(rows, 2, length, 4), values=torch.randn(rows, 2, length, 4))

@@ -23,13 +23,28 @@ class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def tokenizer_memo(tokenizer, name: str, make: Callable[[], object]):
+    """``make()``, kept on the tokenizer as ``_saker_<name>`` so that it is worked out once per tokenizer (made
+    again each time for a tokenizer that takes no attributes)."""
+    attribute = f"_saker_{name}"
+    value = getattr(tokenizer, attribute, None)
+    if value is None:
+        value = make()
+        try:
+            setattr(tokenizer, attribute, value)
+        except AttributeError:
+            pass
+    return value
+
+
 def fast_decode(tokenizer: Decoder) -> Callable[..., str]:
     """``decode(ids, skip_special_tokens=...)`` with the same result as ``tokenizer.decode``, straight from the
     Rust tokenizer when transformers' wrapper would add nothing to it (no clean-up of tokenization spaces, which
     transformers skips for BPE models anyway); the wrapper otherwise. Looked up once per tokenizer."""
-    cached = getattr(tokenizer, "_saker_fast_decode", None)
-    if cached is not None:
-        return cached
+    return tokenizer_memo(tokenizer, "fast_decode", lambda: _fast_decode(tokenizer))
+
+
+def _fast_decode(tokenizer: Decoder) -> Callable[..., str]:
     decode = tokenizer.decode
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "decode"):
@@ -39,10 +54,6 @@ def fast_decode(tokenizer: Decoder) -> Callable[..., str]:
         is_bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
         if not clean or (is_bpe and not forced):
             decode = backend.decode
-    try:
-        tokenizer._saker_fast_decode = decode
-    except AttributeError:                      # a tokenizer that takes no attributes: look it up each time
-        pass
     return decode
 
 
@@ -51,20 +62,15 @@ def piece_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[int, str]
     one and nothing else: there, after text that ends on a whole character, a token adds exactly its own text
     (its bytes appended to complete UTF-8). None for other tokenizers (sentencepiece decoders strip or add
     spaces by position; decoder chains may rewrite text)."""
-    tables = getattr(tokenizer, "_saker_pieces", None)
-    if tables is None:
-        tables = {}
+    def make() -> dict:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             import json
             decoder = json.loads(backend.to_str()).get("decoder") or {}
             if decoder.get("type") == "ByteLevel":
-                tables = {True: {}, False: {}}
-        try:
-            tokenizer._saker_pieces = tables
-        except AttributeError:
-            return None
-    return tables.get(skip_special_tokens)
+                return {True: {}, False: {}}
+        return {}
+    return tokenizer_memo(tokenizer, "pieces", make).get(skip_special_tokens)
 
 
 class IncrementalDetokenizer:

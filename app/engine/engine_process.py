@@ -157,6 +157,7 @@ class _RemoteTicket(Ticket):
     def __init__(self, groups, eager, client: "EngineClient", rid: int):
         super().__init__(groups, eager)
         self.client, self.rid = client, rid
+        self.remaining = len(groups)             # prompts the engine has not ended yet
 
     def cancel(self) -> None:
         super().cancel()
@@ -246,8 +247,8 @@ class EngineClient:
                             t = group.timings
                             t.queue_s, t.prefill_s, t.decode_s, t.cached_tokens = payload
                 ticket._events.put([(tag, _DONE if kind == "done" else payload)])
-                ticket._open_remote = getattr(ticket, "_open_remote", len(ticket.groups)) - 1
-                if ticket._open_remote == 0:
+                ticket.remaining -= 1
+                if ticket.remaining == 0:
                     self._tickets.pop(rid, None)
                     self.send(("forget", rid))
 

@@ -47,7 +47,6 @@ class RequestGroup:
         self.needs_prompt_logits = params.echo and self.want_logprobs
         self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
         self.seqs: list[Candidate] = []
-        self.rows_state: SamplingRows | None = None
         self.stopping = StoppingCriteria(eos_token_ids=frozenset(runner.eos_token_ids),
                                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                                          min_tokens=params.min_tokens, max_tokens=self.max_new, max_length=max_length)
@@ -76,7 +75,7 @@ class RequestGroup:
     @property
     def budget_tokens(self) -> int:
         """KV tokens this group may hold at most: what the batch token budget counts."""
-        return (len(self.prompt_ids) + max(self.max_new, 0)) * self.params.num_candidates
+        return self.reach * self.params.num_candidates
 
     def finish_candidate(self, index: int) -> None:
         """The output side ended candidate ``index`` (a stop string): its row leaves at the next step. Called
@@ -124,11 +123,11 @@ class RequestGroup:
         seeds = [sequence_seed(params.seed, i) for i in range(count)]
         return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device)
 
-    def settle(self, tokens: list[int], numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:
+    def settle(self, numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:
         """Host side of a step for this group's rows (``offset`` is where they start in the step): token-level
         stop rules and the numbers to hand out. Returns the events and the rows (indices into this group's
         rows) that go on."""
-        events, keep = [], []
+        events, keep, tokens = [], [], numbers.tokens
         k, prompt_len, stopping = self.k, len(self.prompt_ids), self.stopping
         want_lp = numbers.logprobs is not None and self.want_candidate_logprob
         for row, seq in enumerate(self.seqs):
@@ -157,7 +156,7 @@ def sample_step(groups: list[RequestGroup], logits: torch.Tensor, rows: Sampling
     tokens, numbers = sample(logits, rows)
     out, offset = [], 0
     for group in groups:
-        out.append(group.settle(numbers.tokens, numbers, offset))
+        out.append(group.settle(numbers, offset))
         offset += group.rows
     return out, tokens
 
@@ -217,10 +216,11 @@ class SlotBatch(BatchBase):
     def __init__(self, runner: ModelRunner, kv_cache_tokens: int | None = None):
         self.runner = runner
         self.groups: list[RequestGroup] = []
-        self.store = SlotStore(runner.model.config, kv_cache_tokens)
+        self.store = SlotStore(kv_cache_tokens)
         self.slot_of: list[int] = []                # slot of each row, in row order
         self.lengths_host: list[int] = []           # tokens each row has in its slot (row order)
         self._slot_index: torch.Tensor | None = None
+        self._in_order = False                      # rows sit in slots 0..n-1 in order (logits need no gather)
         self.lengths: torch.Tensor | None = None    # per slot: tokens in the slot (= position fed next)
         self.next_tokens: torch.Tensor | None = None  # per slot: the token fed next
         self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
@@ -262,6 +262,7 @@ class SlotBatch(BatchBase):
     def slot_index(self) -> torch.Tensor:
         if self._slot_index is None:
             self._slot_index = torch.tensor(self.slot_of, dtype=torch.long, device=self.lengths.device)
+            self._in_order = self.slot_of == list(range(len(self.slot_of)))
         return self._slot_index
 
     def keep(self, keep_rows: list[int], tokens: torch.Tensor | None) -> None:
@@ -321,7 +322,7 @@ class SlotBatch(BatchBase):
         index = self.slot_index
         self.lengths[index] += 1
         self.lengths_host = [n + 1 for n in self.lengths_host]
-        if rows == len(self.slot_of) and self.slot_of == list(range(rows)):
+        if rows == len(self.slot_of) and self._in_order:
             return logits
         return logits.index_select(0, index)
 

@@ -161,8 +161,7 @@ class SlotStore:
     Storage is allocated at the first join (each layer's on that layer's device, in its dtype) and grows, in
     place of a reallocation per join, when more slots or a longer row are needed (``ensure``)."""
 
-    def __init__(self, config, budget: int | None = None):
-        self.config = config
+    def __init__(self, budget: int | None = None):
         self.budget = budget           # token positions the storage should stay within (None: no bound)
         self.layers: list[SlotLayer] = []
         self.cache = None

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from app.engine.detokenize import IncrementalDetokenizer
+from app.engine.detokenize import IncrementalDetokenizer, tokenizer_memo
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -44,13 +44,7 @@ def is_byte_level(tokenizer) -> bool:
 def token_bytes(tokenizer, token_id: int, byte_level: bool = False) -> bytes:
     """The raw bytes a token stands for (byte-fallback ``<0xNN>``, byte-level BPE, or sentencepiece); kept per
     tokenizer once looked up."""
-    known = getattr(tokenizer, "_saker_bytes", None)
-    if known is None:
-        known = {}
-        try:
-            tokenizer._saker_bytes = known
-        except AttributeError:
-            return _token_bytes(tokenizer, token_id, byte_level)
+    known = tokenizer_memo(tokenizer, "bytes", dict)
     key = (int(token_id), byte_level)
     raw = known.get(key)
     if raw is None:

@@ -155,15 +155,20 @@ class ModelRunner:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
         return out.logits[:, -1, :].float()
 
-    def default_kv_budget(self) -> int:
-        """The decode batch's KV budget in token positions when none is set (see ``kv_cache.default_kv_budget``),
-        from the bytes one position of this model's cache takes."""
+    def probe_cache(self):
+        """The cache of a one-token forward: what one position of this model's keys and values looks like
+        (layers, heads, dtype, device)."""
         from transformers import DynamicCache
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.input_device),
                        past_key_values=cache, use_cache=True)
-        return default_kv_budget(kv_bytes_per_token(cache), self.input_device)
+        return cache
+
+    def default_kv_budget(self) -> int:
+        """The decode batch's KV budget in token positions when none is set (see ``kv_cache.default_kv_budget``),
+        from the bytes one position of this model's cache takes."""
+        return default_kv_budget(kv_bytes_per_token(self.probe_cache()), self.input_device)
 
     def slot_step(self, tokens: torch.Tensor, lengths: torch.Tensor, store, view: int,
                   adapter_names: list[str] | None = None) -> torch.Tensor:

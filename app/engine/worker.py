@@ -179,12 +179,8 @@ class Worker:
         slots = min(self.max_batch_size, max(1, self.kv_cache_tokens // self.info.context_length))
         length = min(self.info.context_length, max(1, self.kv_cache_tokens // max(1, slots)))
         import torch
-        from transformers import DynamicCache
-        probe = DynamicCache(config=self.runner.model.config)
         with torch.inference_mode():
-            self.runner.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.runner.input_device),
-                              past_key_values=probe, use_cache=True)
-            batch.warm_up(probe, self.max_batch_size, length)
+            batch.warm_up(self.runner.probe_cache(), self.max_batch_size, length)
         log.info("compiled the decode step for batches up to %d rows, %d positions per slot (%.1f s)",
                  self.max_batch_size, length, time.perf_counter() - start)
 
