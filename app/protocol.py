@@ -5,6 +5,7 @@ Limits that depend on the server's settings are checked in ``to_sampling_params`
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
@@ -12,13 +13,14 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, \
     ValidationError, field_validator, model_validator
 
-from app.engine.params import SamplingParams
+from app.engine.params import Constraint, SamplingParams
 from app.errors import InvalidRequestError
 
 Number = Annotated[StrictFloat, AllowInfNan(False)]     # ints are taken; NaN and +-inf are not
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[TokenIds]]
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # An explicit null means the default for these fields (OpenAI documents them as nullable). Not for
 # max_tokens (null = up to the context) nor prompt (required).
 _NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
@@ -27,6 +29,17 @@ _NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # repetition_penalty divides (or multiplies) logits; outside this range float32 logits overflow to +-inf.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """A JSON schema is an object (llguidance says later whether it can compile it)."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON schema object, not {type(schema).__name__}")
+
+
+def json_constraint(schema: dict) -> Constraint:
+    """A JSON schema as a constraint (canonical text, so that equal schemas share a compiled grammar)."""
+    return Constraint("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
 
 
 class StreamOptions(BaseModel):
@@ -72,6 +85,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     response_format: dict | None = None
+    structured_outputs: dict | None = None                # vLLM's: json, regex, choice, grammar, json_object
     allowed_token_ids: list[StrictInt] | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
@@ -97,17 +111,75 @@ class SamplingRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, value):
-        """OpenAI's shapes; only plain text is served until output is constrained: a request for JSON gets a clear
-        400 rather than free text that does not parse."""
+        """OpenAI's shapes: ``text``, ``json_object``, ``json_schema`` with ``json_schema: {name, description,
+        schema, strict}``; also llama.cpp's ``schema`` next to ``type`` (json_object or json_schema)."""
         if value is None:
             return value
         kind = value.get("type")
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"response_format type must be one of text, json_object, json_schema, not {kind!r}")
-        if kind != "text":
-            raise ValueError(f"response_format {kind} is not supported yet: this server does not constrain output "
-                             "to JSON; send type text (or leave response_format out)")
+        if kind == "json_schema":
+            spec = value.get("json_schema", {"schema": value["schema"]} if "schema" in value else None)
+            if not isinstance(spec, dict):
+                raise ValueError("response_format json_schema needs a json_schema object: {name, schema, strict}")
+            name = spec.get("name")
+            if name is not None and not (isinstance(name, str) and _SCHEMA_NAME.fullmatch(name)):
+                raise ValueError("response_format json_schema.name must be 1-64 letters, digits, _ or -")
+            _check_schema(spec.get("schema", {}), "response_format json_schema.schema")
+        elif kind == "json_object" and "schema" in value:
+            _check_schema(value["schema"], "response_format schema")
         return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs(cls, value):
+        """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+        if value is None:
+            return value
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) not in (None, False)]
+        if "structural_tag" in value:
+            raise ValueError("structured_outputs structural_tag is not supported; use json, regex, choice or grammar")
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        kind, spec = given[0], value[given[0]]
+        if kind == "json":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except ValueError:
+                    raise ValueError("structured_outputs json must be a JSON schema (an object, or its JSON "
+                                     "text)") from None
+            _check_schema(spec, "structured_outputs json")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"structured_outputs {kind} must be a non-empty string")
+        elif kind == "choice":
+            if not (isinstance(spec, list) and spec and all(isinstance(c, str) and c for c in spec)):
+                raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+        elif spec is not True:
+            raise ValueError("structured_outputs json_object must be true")
+        return {kind: spec}
+
+    def constraint(self) -> tuple[Constraint | None, str | None]:
+        """What the output must match (``response_format`` or ``structured_outputs``) and the field that asked."""
+        fmt, outputs = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.get("type") != "text" and outputs is not None:
+            raise InvalidRequestError("send either response_format or structured_outputs, not both",
+                                      param="structured_outputs")
+        if outputs is not None:
+            (kind, spec), = outputs.items()
+            if kind == "json":
+                return json_constraint(spec), "structured_outputs"
+            if kind == "json_object":
+                return json_constraint({"type": "object"}), "structured_outputs"
+            return Constraint(kind, json.dumps(spec) if kind == "choice" else spec), "structured_outputs"
+        if fmt is None or fmt["type"] == "text":
+            return None, None
+        if fmt["type"] == "json_object":
+            return json_constraint(fmt.get("schema", {"type": "object"})), "response_format"
+        spec = fmt.get("json_schema", {"schema": fmt.get("schema")})
+        return json_constraint(spec.get("schema") or {"type": "object"}), "response_format"
 
     @field_validator("stop")
     @classmethod
@@ -178,6 +250,10 @@ class SamplingRequest(BaseModel):
                 raise InvalidRequestError("allowed_token_ids must be a non-empty list of ids in the vocabulary "
                                           f"(0..{vocab_size - 1})" + (f"; outside: {outside[:8]}" if outside else ""),
                                           param="allowed_token_ids")
+        constraint, asked_by = self.constraint()
+        if constraint is not None and self.allowed_token_ids is not None:
+            raise InvalidRequestError(f"allowed_token_ids cannot be combined with {asked_by}: the grammar decides "
+                                      "which tokens may come", param="allowed_token_ids")
         return SamplingParams(
             n=self.n,
             best_of=best_of,
@@ -203,6 +279,7 @@ class SamplingRequest(BaseModel):
             adapter=adapter,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids))) if self.allowed_token_ids else None,
             processed_logprobs=self.logprobs_mode == "processed_logprobs",
+            constraint=constraint,
         )
 
 

@@ -207,6 +207,8 @@ class CompletionService:
         for ids in prompts:
             self._check_lengths(ids, params.max_tokens, param)
             self._check_kv_budget(ids, params)
+        if params.constraint is not None:
+            self.worker.compile_constraint(params.constraint, request.constraint()[1])
         chat = isinstance(request, ChatCompletionRequest)
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, continuous_usage=request.continuous_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)

@@ -163,12 +163,34 @@ BAD_FIELDS = [
     ("logit_bias-null-value", {"logit_bias": {"1": None}}, "logit_bias"),
     ("logit_bias-list", {"logit_bias": [1, 2]}, "logit_bias"),
     ("logit_bias-string", {"logit_bias": "1:5"}, "logit_bias"),
-    # -- response_format: only text until output is constrained -----------------------------------------
+    # -- response_format and structured_outputs (tests/test_structured_outputs.py has the grammar's own) -------
     ("response_format-unknown-type", {"response_format": {"type": "sound"}}, "response_format"),
-    ("response_format-json-object", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("response_format-json-schema", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
     ("response_format-not-an-object", {"response_format": "json"}, "response_format"),
+    ("response_format-json_schema-missing", {"response_format": {"type": "json_schema"}}, "response_format"),
+    ("response_format-schema-not-object", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}}, "response_format"),
+    ("response_format-bad-name", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a b", "schema": {"type": "object"}}}}, "response_format"),
+    ("response_format-llama.cpp-schema-123", {"response_format": {"type": "json_object", "schema": 123}},
+     "response_format"),
+    ("response_format-bad-schema-type", {"response_format": {"type": "json_object", "schema": {"type": 123}}},
+     "response_format"),
+    ("response_format-schema-hiccup", {"response_format": {"type": "json_object", "schema": {"type": "hiccup"}}},
+     "response_format"),
+    ("structured_outputs-two-kinds", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs"),
+    ("structured_outputs-none", {"structured_outputs": {}}, "structured_outputs"),
+    ("structured_outputs-bad-regex", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ("structured_outputs-empty-choice", {"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("structured_outputs-choice-empty-string", {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs"),
+    ("structured_outputs-json-text-not-json", {"structured_outputs": {"json": "{oops"}}, "structured_outputs"),
+    ("structured_outputs-bad-grammar", {"structured_outputs": {"grammar": "start: undefined_rule"}},
+     "structured_outputs"),
+    ("structured_outputs-structural_tag", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ("structured_outputs-and-response_format", {"structured_outputs": {"regex": "a"},
+                                                "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ("structured_outputs-with-allowed_token_ids", {"structured_outputs": {"regex": "a"},
+                                                   "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     # -- allowed_token_ids, logprobs_mode, seed ---------------------------------------------------------
     ("allowed_token_ids-outside-vocab", {"allowed_token_ids": [1, FAR]}, "allowed_token_ids"),
     ("allowed_token_ids-empty", {"allowed_token_ids": []}, "allowed_token_ids"),
@@ -329,6 +351,10 @@ def test_max_tokens_null_runs_to_the_context(gpt2_client):
 ACCEPTED = [
     ("unknown-fields", {"foo": 1, "metadata": [1, 2], "service_tier": None}),
     ("response_format-text", {"response_format": {"type": "text"}}),
+    ("response_format-json_object", {"response_format": {"type": "json_object"}}),
+    ("response_format-json_schema-no-name", {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"const": "42"}}}}),
+    ("structured_outputs-json-as-text", {"structured_outputs": {"json": '{"type": "integer"}'}}),
     ("temperature-int", {"temperature": 1, "seed": 1}),
     ("temperature-2", {"temperature": 2, "seed": 1}),
     ("top_p-0", {"top_p": 0, "temperature": 1, "seed": 1}),

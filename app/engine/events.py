@@ -25,13 +25,15 @@ class PromptNumbers:
 @dataclass
 class TokenNumbers:
     """One generated token of candidate ``index``: its raw logprob and top k when asked, and ``ends`` when a
-    token-level rule (EOS, a stop token, max_tokens, the context) ended the candidate's row with it."""
+    token-level rule (EOS, a stop token, max_tokens, the context) ended the candidate's row with it;
+    ``complete`` when the token completed a constrained output (structured outputs: the row ends, reason stop)."""
     index: int
     token_id: int
     logprob: float | None
     top_ids: list[int] | None
     top_values: list[float] | None
     ends: bool = False
+    complete: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers  # noqa: F401 - re-exported
+from app.engine.grammar import grammars_for
 from app.engine.kv_cache import SlotStore, mergeable
 from app.engine.logprobs import raw_logprobs
 from app.engine.params import SamplingParams, Timings
@@ -121,7 +122,11 @@ class RequestGroup:
         suppress = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         spec = RowSpec.of(params, suppress, self.want_candidate_logprob)
         seeds = [sequence_seed(params.seed, i) for i in range(count)]
-        return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device)
+        grammars = None
+        if params.constraint is not None:
+            compiled = grammars_for(self.runner.tokenizer, vocab, tuple(self.runner.eos_token_ids))
+            grammars = [compiled.row(params.constraint) for _ in range(count)]
+        return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device, grammars)
 
     def settle(self, numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:
         """Host side of a step for this group's rows (``offset`` is where they start in the step): token-level
@@ -130,14 +135,17 @@ class RequestGroup:
         events, keep, tokens = [], [], numbers.tokens
         k, prompt_len, stopping = self.k, len(self.prompt_ids), self.stopping
         want_lp = numbers.logprobs is not None and self.want_candidate_logprob
+        complete = numbers.complete
         for row, seq in enumerate(self.seqs):
             at = offset + row
             token_id = tokens[at]
             seq.generated += 1
-            ends = stopping.ends(token_id, seq.generated, prompt_len + seq.generated)
+            done = at in complete
+            ends = done or stopping.ends(token_id, seq.generated, prompt_len + seq.generated)
             events.append(TokenNumbers(seq.index, token_id, numbers.logprobs[at] if want_lp else None,
                                        numbers.top_ids[at][:k] if k and self.want_logprobs else None,
-                                       numbers.top_values[at][:k] if k and self.want_logprobs else None, ends))
+                                       numbers.top_values[at][:k] if k and self.want_logprobs else None, ends,
+                                       done))
             if not ends:
                 keep.append(row)
         self.tokens_made += len(events)

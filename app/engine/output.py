@@ -67,6 +67,8 @@ class ChoiceDecoder:
         piece += added
         self.text += added
         decision = self.stopping(token_id, self.text, before, self.generated, self.prompt_len + self.generated)
+        if raw.complete and not decision.stop:      # the constrained output is whole (structured outputs)
+            decision = StopDecision(True, "stop")
         if decision.stop and decision.text_end in (None, len(self.text)):
             tail = detok.flush()
             piece += tail

@@ -5,6 +5,13 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What a row's output must match (structured outputs), compiled by ``app/engine/grammar.py``."""
+    kind: str               # "json_schema", "regex", "choice" or "grammar"
+    source: str             # the schema as JSON text, the regex, the choices as a JSON list, the Lark/GBNF text
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     best_of: int | None = None          # candidates sampled per prompt; the n best by mean logprob are kept
@@ -29,6 +36,7 @@ class SamplingParams:
     adapter: str | None = None          # named PEFT adapter, None: the base model
     allowed_token_ids: tuple[int, ...] | None = None   # only these may be chosen (None: any)
     processed_logprobs: bool = False    # report logprobs of the processed distribution, not the raw one
+    constraint: Constraint | None = None  # structured outputs: only tokens that keep the output matching it
 
     @property
     def num_candidates(self) -> int:

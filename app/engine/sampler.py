@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.params import SamplingParams
+from app.engine.grammar import RowGrammar, allowed_tokens, prefetch
+from app.engine.params import Constraint, SamplingParams
 
 NEG_INF = float("-inf")
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)     # splitmix64 constants as signed int64
@@ -83,6 +84,7 @@ class RowSpec:
     wants_logprob: bool                     # the chosen token's logprob (logprobs or best_of ranking)
     allowed: tuple[int, ...] | None = None  # only these may be chosen (allowed_token_ids)
     processed: bool = False                 # report the processed distribution's logprobs, not the raw one
+    constraint: Constraint | None = None    # structured outputs: each row's own matcher masks its scores
 
     @classmethod
     def of(cls, params: SamplingParams, suppress: tuple[int, ...], wants_logprob: bool) -> "RowSpec":
@@ -94,19 +96,23 @@ class RowSpec:
                    frequency=params.frequency_penalty, min_tokens=params.min_tokens,
                    bias=params.logit_bias, suppress=suppress if params.min_tokens > 0 else (),
                    logprobs=params.logprobs or 0, wants_logprob=wants_logprob,
-                   allowed=params.allowed_token_ids, processed=params.processed_logprobs)
+                   allowed=params.allowed_token_ids, processed=params.processed_logprobs,
+                   constraint=params.constraint)
 
 
 class SamplingRows:
     """Per-row sampling parameters and history of a batch, in row order.
 
     Parameters are built once per membership change from the rows' ``RowSpec``s; the history (tokens generated
-    so far, and the counts/seen masks penalties need) follows its rows through ``select`` and ``cat``."""
+    so far, the counts/seen masks penalties need, constrained rows' matchers) follows its rows through
+    ``select`` and ``cat``."""
 
     def __init__(self, specs: list[RowSpec], seeds: list[int], vocab: int, device, *,
                  steps: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                 seen: torch.Tensor | None = None):
+                 seen: torch.Tensor | None = None, grammars: list[RowGrammar | None] | None = None):
         self.specs, self.seed_list, self.vocab, self.device = specs, seeds, vocab, device
+        self.grammars = grammars if grammars and any(g is not None for g in grammars) else None
+        self.constrained = [i for i, g in enumerate(grammars) if g is not None] if self.grammars else []
         rows = len(specs)
         self.greedy_all = all(s.greedy for s in specs)
         self.sampled_any = not self.greedy_all
@@ -163,10 +169,10 @@ class SamplingRows:
             self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
 
     @classmethod
-    def for_prompt(cls, spec: RowSpec, seeds: list[int], prompt_ids: list[int], vocab: int, device
-                   ) -> "SamplingRows":
+    def for_prompt(cls, spec: RowSpec, seeds: list[int], prompt_ids: list[int], vocab: int, device,
+                   grammars: list[RowGrammar] | None = None) -> "SamplingRows":
         """The rows of one prompt's candidates (all with the same spec), before their first token."""
-        rows = cls([spec] * len(seeds), seeds, vocab, device)
+        rows = cls([spec] * len(seeds), seeds, vocab, device, grammars=grammars)
         if rows.seen is not None and prompt_ids:
             rows.seen[:, torch.tensor(prompt_ids, device=device)] = True
         return rows
@@ -182,7 +188,8 @@ class SamplingRows:
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         pick = (lambda t: t.index_select(0, index) if t is not None else None)
         return SamplingRows([self.specs[i] for i in keep], [self.seed_list[i] for i in keep], self.vocab,
-                            self.device, steps=pick(self.steps), counts=pick(self.counts), seen=pick(self.seen))
+                            self.device, steps=pick(self.steps), counts=pick(self.counts), seen=pick(self.seen),
+                            grammars=[self.grammars[i] for i in keep] if self.grammars else None)
 
     @staticmethod
     def cat(parts: list["SamplingRows"]) -> "SamplingRows":
@@ -200,7 +207,8 @@ class SamplingRows:
 
         return SamplingRows([s for p in parts for s in p.specs], [s for p in parts for s in p.seed_list],
                             first.vocab, first.device, steps=torch.cat([p.steps for p in parts]),
-                            counts=joined("counts", torch.float32), seen=joined("seen", torch.bool))
+                            counts=joined("counts", torch.float32), seen=joined("seen", torch.bool),
+                            grammars=[g for p in parts for g in (p.grammars or [None] * len(p))])
 
     def record(self, tokens: torch.Tensor) -> None:
         """After a step: every row has one more token (history for penalties, the counter for draws)."""
@@ -211,6 +219,21 @@ class SamplingRows:
         if self.seen is not None:
             self.seen.scatter_(1, column, True)
 
+    def advance_grammars(self, tokens: list[int]) -> set[int]:
+        """Constrained rows consume their tokens; the rows whose output is now complete. The others' next masks
+        start on the grammar thread."""
+        if self.grammars is None:
+            return set()
+        complete, going = set(), []
+        for row in self.constrained:
+            grammar = self.grammars[row]
+            if grammar.ended or grammar.advance(tokens[row]):
+                complete.add(row)
+            else:
+                going.append(grammar)
+        prefetch(going)
+        return complete
+
 
 # -- the pass ----------------------------------------------------------------------------------------------------
 def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -219,6 +242,8 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     scores = logits
     if rows.allowed is not None:
         scores = scores.masked_fill(~rows.allowed, NEG_INF)
+    if rows.grammars is not None:
+        scores = scores.masked_fill(~grammar_mask(rows, scores.shape[-1], scores.device), NEG_INF)
     if rows.bias is not None:
         scores = scores + rows.bias
     if rows.suppress is not None:
@@ -255,6 +280,16 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     return scores
 
 
+def grammar_mask(rows: SamplingRows, vocab: int, device) -> torch.Tensor:
+    """(B, V) bool: the tokens each constrained row's matcher allows (every token for the other rows)."""
+    allowed = allowed_tokens([rows.grammars[i].current_mask() for i in rows.constrained], vocab, device)
+    if len(rows.constrained) == len(rows):
+        return allowed
+    full = torch.ones(len(rows), vocab, dtype=torch.bool, device=device)
+    full[torch.tensor(rows.constrained, device=device)] = allowed
+    return full
+
+
 def choose(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Next token per row from shaped scores: argmax for greedy rows, an inverse-CDF draw for sampled rows."""
     if rows.greedy_all:
@@ -271,11 +306,13 @@ def choose(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 @dataclass
 class StepNumbers:
-    """A step's results on the host: per row the token, and (when any row asks) its raw logprob and the top k."""
+    """A step's results on the host: per row the token, and (when any row asks) its raw logprob and the top k;
+    ``complete``: the constrained rows whose output this token completed."""
     tokens: list[int]
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_values: list[list[float]] | None = None
+    complete: set[int] = frozenset()
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, StepNumbers]:
@@ -285,7 +322,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, Step
     tokens = choose(scores, rows)
     rows.record(tokens)
     if not rows.wants_logprob:
-        return tokens, StepNumbers(tokens.tolist())
+        numbers = StepNumbers(tokens.tolist())
+        numbers.complete = rows.advance_grammars(numbers.tokens)
+        return tokens, numbers
     lp = torch.log_softmax(logits, dim=-1)
     if rows.processed is not None:              # logprobs_mode processed_logprobs: what the row sampled from
         lp = torch.where(rows.processed, torch.log_softmax(scores, dim=-1), lp)
@@ -297,6 +336,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, Step
         parts += [top.values.double(), top.indices.double()]
     host = torch.cat(parts, dim=1).tolist()     # float64 holds float32 values and token ids exactly
     numbers = StepNumbers([int(r[0]) for r in host], [r[1] for r in host])
+    numbers.complete = rows.advance_grammars(numbers.tokens)
     if k:
         numbers.top_values = [r[2:2 + k] for r in host]
         numbers.top_ids = [[int(i) for i in r[2 + k:]] for r in host]

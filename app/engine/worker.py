@@ -19,7 +19,7 @@ from app.engine.prefix_cache import PrefixCache
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
-from app.errors import ConfigError, ModelNotReadyError
+from app.errors import ConfigError, InvalidRequestError, ModelNotReadyError
 
 log = logging.getLogger("saker.worker")
 
@@ -218,6 +218,16 @@ class Worker:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def compile_constraint(self, constraint, param: str | None) -> None:
+        """Compile a request's structured-output constraint before it is admitted (cached by constraint): one
+        that llguidance cannot take is a 400 naming ``param``."""
+        from app.engine.grammar import GrammarError, grammars_for
+        info = self.require_ready()
+        try:
+            grammars_for(self.runner.tokenizer, info.vocab_size, tuple(self.runner.eos_token_ids)).compile(constraint)
+        except GrammarError as exc:
+            raise InvalidRequestError(f"{param}: {exc}", param=param) from None
 
     # -- serving ----------------------------------------------------------------------------------------
     def events(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings,

@@ -1,0 +1,173 @@
+"""Structured outputs: a request's ``Constraint`` (JSON schema, regex, choice, Lark/GBNF grammar) compiled by
+llguidance into one matcher per row; the sampler masks each constrained row's scores to the tokens its matcher
+allows.
+
+- ``Grammars`` (one per tokenizer and vocabulary): the llguidance tokenizer, made once, and compiled grammars
+  cached by constraint. ``compile`` raises ``GrammarError`` with llguidance's message for a schema, regex or
+  grammar it cannot take (the serving side turns it into a 400 before the request is admitted).
+- ``RowGrammar``: one row's matcher and its next mask. After a step the row consumes its token and the mask for
+  the next step is computed on the grammar thread (llguidance drops the GIL), while the model thread runs the
+  next forward; the sampler waits for it only when it needs it.
+
+Why llguidance and not xgrammar (measured on this machine, SmolLM2's 49k vocabulary, a 6-field schema with a
+pattern, an enum array and a nested object): masks take 6 us (median; 1.4 ms at worst) against xgrammar's 2 us
+(4.8 ms at worst), both far below a decode step; a schema compiles in 1.4 ms against 93 ms (this is paid on the
+request's thread before admission, so it is latency every constrained request sees); it has no dependencies
+(xgrammar pulls triton, 1 GB, and a TVM runtime) and it takes Lark grammars, regexes and the widest JSON
+Schema coverage (JSONSchemaBench). The tokenizer is built once per model (0.3 s for 49k tokens).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from app.engine.detokenize import tokenizer_memo
+from app.engine.params import Constraint
+
+# JSON as models write it in prose and code (json.dumps' separators), and no free whitespace: a small model
+# that may add whitespace tends to add it forever
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+CACHE_SIZE = 256
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saker-grammar")
+
+
+class GrammarError(ValueError):
+    """A constraint llguidance cannot compile (its message says why)."""
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The constraint as an llguidance grammar (its JSON form)."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+    kind, source = constraint.kind, constraint.source
+    try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(source)
+        if kind == "choice":
+            choices = json.loads(source)
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+        if kind == "grammar":
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(source))
+    except (ValueError, TypeError) as exc:   # gbnf_to_lark and the JSON schema reader raise on bad input
+        raise GrammarError(str(exc)) from None
+    raise GrammarError(f"unknown constraint kind {kind!r}")
+
+
+class Grammars:
+    """Compiled constraints for one tokenizer and model vocabulary (thread-safe; compile on any thread)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
+        self.words = (vocab_size + 31) // 32          # int32 words of one row's bitmask
+        self._lltok = None
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+
+    @property
+    def lltok(self):
+        """llguidance's view of the tokenizer (every token's bytes), made once."""
+        if self._lltok is None:
+            with self._lock:
+                if self._lltok is None:
+                    import llguidance.hf
+                    try:
+                        self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                                   eos_token=list(self.eos_token_ids) or None)
+                    except Exception as exc:   # noqa: BLE001 - slow tokenizers, vocabularies it cannot read
+                        raise GrammarError(f"structured outputs are not available for this tokenizer "
+                                           f"({type(self.hf_tokenizer).__name__}): {exc}") from None
+        return self._lltok
+
+    def compile(self, constraint: Constraint):
+        """The constraint's matcher in its start state (cached; ``matcher`` hands out copies)."""
+        with self._lock:
+            if constraint in self._compiled:
+                self._compiled.move_to_end(constraint)
+                return self._compiled[constraint]
+        import llguidance
+        matcher = llguidance.LLMatcher(self.lltok, grammar_text(constraint), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        with self._lock:
+            self._compiled[constraint] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def matcher(self, constraint: Constraint):
+        """A fresh matcher for one row."""
+        return self.compile(constraint).deep_copy()
+
+    def row(self, constraint: Constraint) -> "RowGrammar":
+        return RowGrammar(self.matcher(constraint), self.words)
+
+
+def grammars_for(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammars:
+    """The ``Grammars`` of a tokenizer and model vocabulary (one per process)."""
+    return tokenizer_memo(tokenizer, f"grammars_{vocab_size}", lambda: Grammars(tokenizer, vocab_size, eos_token_ids))
+
+
+class RowGrammar:
+    """One row's matcher and the bitmask of the tokens it allows next (bit ``t % 32`` of word ``t // 32``)."""
+
+    def __init__(self, matcher, words: int):
+        self.matcher = matcher
+        self.mask = torch.empty(words, dtype=torch.int32)
+        self._next: Future | None = None         # the mask being computed on the grammar thread
+        self._fresh = False                      # ``mask`` is the current state's
+        self.ended = False                       # the output is complete (or the matcher failed)
+
+    def _fill(self) -> None:
+        self.matcher.unsafe_compute_mask_ptr(self.mask.data_ptr(), self.mask.numel() * 4)
+        self._fresh = True
+
+    def current_mask(self) -> torch.Tensor:
+        """The mask for the row's next token (waits for the grammar thread, or computes it here)."""
+        if self._next is not None:
+            self._next.result()
+            self._next = None
+        if not self._fresh:
+            self._fill()
+        return self.mask
+
+    def advance(self, token_id: int) -> bool:
+        """The row chose ``token_id``: whether its output is now complete (nothing but the end may follow), or
+        the matcher refused the token (it cannot: the token came from its mask)."""
+        self._fresh = False
+        ok = self.matcher.consume_token(token_id)
+        self.ended = not ok or self.matcher.is_stopped()
+        return self.ended
+
+
+def prefetch(rows: list[RowGrammar]) -> None:
+    """Compute these rows' next masks on the grammar thread (the model thread runs the next forward meanwhile)."""
+    if not rows:
+        return
+    future: Future = _POOL.submit(_fill_all, rows)
+    for row in rows:
+        row._next = future
+
+
+def _fill_all(rows: list[RowGrammar]) -> None:
+    for row in rows:
+        row._fill()
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed_tokens(masks: list[torch.Tensor], vocab: int, device) -> torch.Tensor:
+    """(rows, vocab) bool from per-row bitmasks."""
+    words = torch.stack(masks).to(device, non_blocking=True)
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.view(words.shape[0], -1)[:, :vocab].bool()
