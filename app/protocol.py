@@ -38,8 +38,9 @@ def _check_schema(schema: Any, where: str) -> None:
 
 
 def json_constraint(schema: dict) -> Constraint:
-    """A JSON schema as a constraint (canonical text, so that equal schemas share a compiled grammar)."""
-    return Constraint("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    """A JSON schema as a constraint (its JSON text: equal schemas share a compiled grammar). Keys keep their
+    order: properties are generated in the order the schema lists them."""
+    return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 class StreamOptions(BaseModel):

@@ -39,6 +39,24 @@ class GrammarError(ValueError):
     """A constraint llguidance cannot compile (its message says why)."""
 
 
+_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def closed_objects(node, is_map: bool = False):
+    """The schema with ``additionalProperties: false`` on every object schema that lists ``properties`` and says
+    nothing of others (as vLLM's default backend, xgrammar, reads schemas): a small model otherwise goes on
+    inventing keys. A schema that allows other keys says so."""
+    if isinstance(node, list):
+        return [closed_objects(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: closed_objects(value, key in _MAPS) for key, value in node.items()}
+    if not is_map and isinstance(node.get("properties"), dict) and "additionalProperties" not in node \
+            and "unevaluatedProperties" not in node:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(constraint: Constraint) -> str:
     """The constraint as an llguidance grammar (its JSON form)."""
     import llguidance
@@ -46,7 +64,8 @@ def grammar_text(constraint: Constraint) -> str:
     kind, source = constraint.kind, constraint.source
     try:
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(source)),
+                                                                 defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(source)
         if kind == "choice":
