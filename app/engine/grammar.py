@@ -50,7 +50,7 @@ def closed_objects(node, is_map: bool = False):
         return [closed_objects(item) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {key: closed_objects(value, key in _MAPS) for key, value in node.items()}
+    out = {key: closed_objects(value, not is_map and key in _MAPS) for key, value in node.items()}
     if not is_map and isinstance(node.get("properties"), dict) and "additionalProperties" not in node \
             and "unevaluatedProperties" not in node:
         out["additionalProperties"] = False
