@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, \
-    ValidationError, field_validator, model_validator
+    ValidationError, field_validator, model_serializer, model_validator
 
 from app.engine.params import Constraint, SamplingParams
 from app.errors import InvalidRequestError
@@ -339,21 +339,76 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None      # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None                # which call a tool message answers
 
     def as_template_message(self) -> dict:
-        """What the chat template sees: role and plain-text content (text parts joined)."""
+        """What the chat template sees: role and plain-text content (text parts joined); an assistant's tool
+        calls with their arguments as objects (as Hugging Face templates read them), a tool answer's call id."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -365,6 +420,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0)
     add_generation_prompt: StrictBool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = True
 
     @model_validator(mode="after")
     def _cross_field(self) -> "ChatCompletionRequest":
@@ -373,7 +431,48 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self._check_common()
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidRequestError(f"tools: function names must be unique; repeated: {', '.join(twice)}",
+                                      param="tools")
+        for tool in self.tools or []:
+            if tool.function.parameters is not None and tool.function.parameters.get("type", "object") != "object":
+                raise InvalidRequestError(f"tools: the parameters of {tool.function.name} must be a JSON schema "
+                                          "of an object", param="tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools"
+                                      + (f" ({', '.join(names)})" if names else ""), param="tool_choice")
+        if choice == "required" and not names:
+            raise InvalidRequestError("tool_choice required needs tools", param="tool_choice")
+        if self.calls_tools and self.constraint()[0] is not None:
+            raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
+                                      "response_format or structured_outputs", param="tool_choice")
+
+    @property
+    def tool_mode(self) -> str:
+        """none (tools are left out of the prompt), auto, required or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer must be tool calls (required or a named function: forced by a grammar)."""
+        return self.tool_mode in ("required", "named")
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (OpenAI's shape), unless tool_choice is none."""
+        if self.tool_mode == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def template_messages(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]
@@ -541,13 +640,22 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None                          # required by OpenAI's schema; always null here
+    tool_calls: list[dict] | None = None    # OpenAI's {id, type: function, function: {name, arguments}}; left out
+                                            # of the message when there are none, as OpenAI does
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterator
 
-from app.engine.params import SamplingParams, Timings, TokenLogprobs
+from app.engine.params import Constraint, SamplingParams, Timings, TokenLogprobs
 from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from app.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
                           ChatResponseMessage, ChatTokenLogprob, ChatTopLogprob, CompletionChoice,
@@ -16,6 +16,7 @@ from app.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                           DetokenizeResponse, Limits, ModelCard, ModelList, SamplingRequest, Timing, TokenizeRequest,
                           TokenizeResponse, TokenizerInfo, Usage)
 from app.settings import Settings
+from app.tool_calls import ToolCallStream, read_all, tool_format
 
 if TYPE_CHECKING:                      # the worker (and torch) stay out of this module's imports
     from app.engine.worker import Worker
@@ -36,6 +37,7 @@ class Job:
     prompts: list[list[int]]
     include_usage: bool = False
     continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage so far on every chunk
+    tools: bool = False                  # chat with tools: answers are read for tool calls
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     timings: Timings = field(default_factory=Timings)
@@ -49,7 +51,9 @@ class CompletionService:
                              max_best_of=settings.max_best_of, max_stop_sequences=settings.max_stop_sequences)
         self.created = int(time.time())
         self._chat_template = None
+        self._takes_tools: bool | None = None
         self._fingerprint: str | None = None
+        self.tool_format = tool_format(settings.tool_call_parser)
 
     @property
     def system_fingerprint(self) -> str:
@@ -170,7 +174,8 @@ class CompletionService:
                 getattr(self.worker.tokenizer, "chat_template", None) or ""
         return self._chat_template or None
 
-    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,
+                        tools: list[dict] | None = None):
         template = self.chat_template()
         if not template:
             raise InvalidRequestError(
@@ -179,17 +184,35 @@ class CompletionService:
         try:
             return self.worker.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=tokenize,
                                                              add_generation_prompt=add_generation_prompt,
-                                                             return_dict=False)
+                                                             return_dict=False, tools=tools)
         except Exception as exc:   # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation; the template carries BOS, none is added a second time."""
-        ids = self._apply_template(messages, add_generation_prompt, tokenize=True)
+        if tools and not self.template_takes_tools():
+            raise InvalidRequestError("This model's chat template does not render tools, so the model would never "
+                                      "see them. Use a template that does (SAKER_CHAT_TEMPLATE), or leave tools "
+                                      "out", param="tools")
+        ids = self._apply_template(messages, add_generation_prompt, tokenize=True, tools=tools)
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         return list(ids)
+
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (a probe conversation comes out different with one)."""
+        if self._takes_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = [{"type": "function", "function": {"name": "saker_probe_tool", "description": "probe",
+                                                      "parameters": {"type": "object", "properties": {}}}}]
+            try:
+                self._takes_tools = (self._apply_template(probe, True, tokenize=False, tools=tool)
+                                     != self._apply_template(probe, True, tokenize=False))
+            except InvalidRequestError:
+                self._takes_tools = False
+        return self._takes_tools
 
     # -- jobs -------------------------------------------------------------------------------------------
     def prepare(self, request: SamplingRequest) -> Job:
@@ -197,9 +220,18 @@ class CompletionService:
         model_name, adapter = self.resolve_model(request.model_name)
         info = self.worker.require_ready()
         params = request.to_sampling_params(self.limits, vocab_size=info.vocab_size, adapter=adapter)
+        tools = None
         if isinstance(request, ChatCompletionRequest):
-            prompts = [self.render_chat(request.template_messages(), request.add_generation_prompt)]
+            tools = request.template_tools()
+            prompts = [self.render_chat(request.template_messages(), request.add_generation_prompt, tools)]
             param = "messages"
+            if tools:                # the call tags must reach the parser, special tokens or not
+                params = replace(params, skip_special_tokens=False)
+            if request.calls_tools:
+                named = request.tool_choice.function.name if request.tool_mode == "named" else None
+                grammar = self.tool_format.grammar([t["function"] for t in tools], named,
+                                                   bool(request.parallel_tool_calls))
+                params = replace(params, constraint=Constraint("grammar", grammar))
         else:
             assert isinstance(request, CompletionRequest)
             prompts = [self._prompt_ids(p, info.vocab_size) for p in request.prompt_list()]
@@ -208,10 +240,12 @@ class CompletionService:
             self._check_lengths(ids, params.max_tokens, param)
             self._check_kv_budget(ids, params)
         if params.constraint is not None:
-            self.worker.compile_constraint(params.constraint, request.constraint()[1])
+            asked_by = "tools" if tools and request.calls_tools else request.constraint()[1]
+            self.worker.compile_constraint(params.constraint, asked_by)
         chat = isinstance(request, ChatCompletionRequest)
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
-                   include_usage=request.include_usage, continuous_usage=request.continuous_usage, id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+                   include_usage=request.include_usage, continuous_usage=request.continuous_usage,
+                   id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, tools=bool(tools))
 
     def complete(self, request: SamplingRequest, job: Job | None = None, alive=None) -> ServedResponse:
         """A whole (non-streamed) completion or chat completion; ``job``: this request already prepared (batch
@@ -224,9 +258,7 @@ class CompletionService:
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
         if job.chat:
-            chat_choices = [ChatChoice(index=p * n + j, message=ChatResponseMessage(content=c.text),
-                                       logprobs=chat_logprobs(c.logprobs, job.params.logprobs or 0),
-                                       finish_reason=c.finish_reason)
+            chat_choices = [self._chat_choice(job, p * n + j, c)
                             for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
             body = ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=chat_choices,
                                           usage=usage, timing=timing_of(timings),
@@ -238,6 +270,15 @@ class CompletionService:
             body = CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage,
                                       timing=timing_of(timings), system_fingerprint=self.system_fingerprint)
         return ServedResponse(body.model_dump(), timings)
+
+    def _chat_choice(self, job: Job, index: int, choice) -> ChatChoice:
+        """One chat choice; with tools, the calls are read out of the text and the rest is the content."""
+        message = ChatResponseMessage(content=choice.text)
+        if job.tools:
+            content, calls = read_all(self.tool_format, choice.text)
+            message = ChatResponseMessage(content=content, tool_calls=[call.as_openai() for call in calls] or None)
+        return ChatChoice(index=index, message=message, logprobs=chat_logprobs(choice.logprobs, job.params.logprobs or 0),
+                          finish_reason=_finish(choice.finish_reason, bool(message.tool_calls)))
 
     def stream(self, job: Job) -> Iterator[dict]:
         """Chunks of a streamed answer, each the response's shape; a usage chunk last when asked for."""
@@ -269,6 +310,7 @@ class CompletionService:
     def _chunks_of(self, job: Job, releases, n: int, started: set[int]) -> Iterator:
         """The stream's chunks; with continuous usage, each paired with the tokens generated so far."""
         generated = 0
+        readers: dict[int, ToolCallStream] = {}
         for p, release in releases:
             generated += len(release.token_ids)
             index = p * n + release.index
@@ -278,6 +320,10 @@ class CompletionService:
                     yield self._chunk(job, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]), generated
             if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens):
+                continue
+            if job.chat and job.tools:
+                reader = readers.setdefault(index, ToolCallStream(self.tool_format))
+                yield self._tool_chunk(job, index, reader, release), generated
                 continue
             if job.chat:
                 delta = {"content": release.text} if release.text or not release.finish_reason else {}
@@ -291,6 +337,24 @@ class CompletionService:
                           "logprobs": logprobs.model_dump() if logprobs else None,
                           "finish_reason": release.finish_reason}
             yield self._chunk(job, [choice]), generated
+
+    def _tool_chunk(self, job: Job, index: int, reader: ToolCallStream, release) -> dict:
+        """A chat chunk of an answer read for tool calls: content outside calls as it comes, each call as one
+        ``tool_calls`` delta (id, name and whole arguments) once its closing tag is in."""
+        content, calls = reader.feed(release.text)
+        if release.finish_reason:
+            tail, more = reader.finish()
+            content, calls = content + tail, calls + more
+        delta: dict = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            first = reader.calls - len(calls)
+            delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(calls)]
+        logprobs = chat_logprobs(release.logprobs, job.params.logprobs or 0)
+        return self._chunk(job, [{"index": index, "delta": delta,
+                                  "logprobs": logprobs.model_dump() if logprobs else None,
+                                  "finish_reason": _finish(release.finish_reason, reader.calls > 0)}])
 
     def _chunk(self, job: Job, choices: list[dict]) -> dict:
         return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
@@ -332,6 +396,11 @@ class CompletionService:
             pad_token_id=tok.pad_token_id, unk_token=tok.unk_token, model_max_length=self.max_total_tokens,
             vocab_size=info.vocab_size, chat_template=self.chat_template(),
             add_bos_token=adds_bos(tok)).model_dump()
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: tool_calls when an answer that ended on its own made calls."""
+    return "tool_calls" if reason == "stop" and called else reason
 
 
 def adds_bos(tok) -> bool:

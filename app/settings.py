@@ -75,6 +75,10 @@ class Settings(BaseSettings):
                              "(faster decode; the base model is then no longer served on its own).")
     chat_template: str | None = Field(None, description="Chat template for /v1/chat/completions: a Jinja "
                                       "file path or an inline Jinja string. Default: the tokenizer's own.")
+    tool_call_parser: Literal["hermes"] = Field("hermes", description="The model's tool-call format, for chat "
+                                                "`tools`: `hermes` is `<tool_call>{json}</tool_call>` (Hermes, Qwen "
+                                                "2.5/3, SmolLM3 templates). It forces calls for `tool_choice` "
+                                                "required/named and reads them out of answers.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint to run.")
     cache_dir: str | None = Field(None, description="Hugging Face download cache, and where the embedded "
                                   "default model is converted once. Default: ~/.cache/saker for the latter.")

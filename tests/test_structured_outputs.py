@@ -191,7 +191,7 @@ def test_gbnf_grammars_are_taken_too(gpt2_client):
 
 
 def test_objects_that_list_properties_take_no_others_unless_the_schema_says():
-    from app.engine.grammar import closed_objects
+    from app.engine.json_schemas import closed_objects
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
                                                "free": {"type": "object", "additionalProperties": True,
                                                         "properties": {"b": {}}}},

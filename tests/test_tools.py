@@ -1,0 +1,245 @@
+"""Tool calling in chat: the hermes reader (no model), tools through a template that renders them, tool_choice
+required/named forced by the grammar (arguments valid against the function's schema), auto read out of the
+answer, streamed tool-call deltas equal to the plain answer, history with calls, and every bad input a 400.
+
+The tiny GPT-2 gets a Hermes-style template (TOOL_TEMPLATE); the tiny llama's own template ignores tools."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from conftest import make_settings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {% for tool in tools %}{{ tool.function.name }} {% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                 "maximum": 12}},
+                                       "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# -- the reader (no model) -------------------------------------------------------------------------------------
+from app.tool_calls import HermesFormat, ToolCallStream, read_all  # noqa: E402
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+READS = [
+    ("Plain answer.", "Plain answer.", []),
+    (CALL, None, [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Rome"), "Let me check.",
+     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_weather", {"city": "Rome", "unit": "c"})]),
+    (CALL + "\nDone.", "Done.", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("A\n" + CALL + "\n\nB  ", "A\n\n\nB", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}', None, [("get_time", {"zone": 1})]),
+    ('<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": 2}"}\n</tool_call>', None,
+     [("get_time", {"zone": 2})]),
+    ("x <tool_ca", "x <tool_ca", []),
+    ("<tool_call>\n{\"name\": \"get_time\", \"argu", "<tool_call>\n{\"name\": \"get_time\", \"argu", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", READS)
+def test_reader(text, content, calls):
+    got_content, got_calls = read_all(HermesFormat(), text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert len({c.id for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize("text, content, calls", READS)
+def test_reader_fed_in_pieces_gives_the_same(text, content, calls):
+    for size in (1, 2, 3, 7):
+        stream = ToolCallStream(HermesFormat())
+        parts, got = [], []
+        for at in range(0, len(text), size):
+            piece, more = stream.feed(text[at:at + size])
+            parts.append(piece)
+            got += more
+        tail, more = stream.finish()
+        assert ("".join(parts) + tail or None) == content
+        assert [(c.name, json.loads(c.arguments)) for c in got + more] == calls
+
+
+# -- served ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_client(gpt2_dir, gpt2_worker):
+    from app import create_app
+    app = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
+                     engine=gpt2_worker)
+    app.config["TESTING"] = True
+    return app.test_client()
+
+
+def chat(client, **body):
+    resp = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0,
+                                                     "max_tokens": 120, **body})
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    return resp.get_json()
+
+
+def streamed(client, **body) -> tuple[str, list[dict], list[str]]:
+    """(content, tool calls assembled from their deltas as the openai client does, finish reasons)."""
+    resp = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0,
+                                                     "max_tokens": 120, "stream": True, **body})
+    content, calls, reasons = "", {}, []
+    for line in resp.get_data(as_text=True).splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = calls.setdefault(call["index"], {"id": "", "type": "function",
+                                                        "function": {"name": "", "arguments": ""}})
+                slot["id"] += call.get("id") or ""
+                slot["function"]["name"] += call.get("function", {}).get("name") or ""
+                slot["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
+            if choice["finish_reason"]:
+                reasons.append(choice["finish_reason"])
+    return content, [calls[i] for i in sorted(calls)], reasons
+
+
+def assert_valid_calls(calls, names=None):
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        name = call["function"]["name"]
+        assert name in (names or SCHEMAS)
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
+
+
+def test_tools_reach_the_template(tool_client):
+    plain = chat(tool_client, max_tokens=1)["usage"]["prompt_tokens"]
+    with_tools = chat(tool_client, max_tokens=1, tools=TOOLS)["usage"]["prompt_tokens"]
+    without = chat(tool_client, max_tokens=1, tools=TOOLS, tool_choice="none")["usage"]["prompt_tokens"]
+    assert with_tools > plain + 5 and without == plain
+
+
+def test_required_answers_with_valid_calls(tool_client):
+    body = chat(tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                seed=7, n=3)
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None
+        assert len(choice["message"]["tool_calls"]) == 1
+        assert_valid_calls(choice["message"]["tool_calls"])
+
+
+def test_parallel_calls_are_each_valid(tool_client):
+    """parallel_tool_calls (the default) lets the model add calls: the random tiny model adds them until
+    max_tokens, so the answer may end in a cut call; every whole call is valid."""
+    body = chat(tool_client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, n=3, max_tokens=150)
+    for choice in body["choices"]:
+        assert choice["finish_reason"] in ("tool_calls", "length"), choice
+        assert_valid_calls(choice["message"]["tool_calls"])
+
+
+def test_named_function_is_the_one_called(tool_client):
+    choice = chat(tool_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}
+                  )["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
+    assert_valid_calls(choice["message"]["tool_calls"], ["get_time"])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
+    plain = chat(tool_client, tools=TOOLS, tool_choice=choice)["choices"][0]
+    content, calls, reasons = streamed(tool_client, tools=TOOLS, tool_choice=choice)
+    assert reasons == [plain["finish_reason"]] and (content or None) == plain["message"]["content"]
+    strip = [{**c, "id": None} for c in calls]
+    assert strip == [{**c, "id": None} for c in plain["message"]["tool_calls"]]
+
+
+AUTO_CALL = r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "f"\}\}\n</tool_call>'
+
+
+def test_auto_reads_calls_out_of_the_answer_plain_and_streamed(tool_client):
+    """The tiny model never calls a tool by itself: a regex makes it write one, the reader finds it."""
+    fields = dict(tools=TOOLS, tool_choice="auto", structured_outputs={"regex": AUTO_CALL})
+    choice = chat(tool_client, **fields)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Sure."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "f"}'}
+    content, calls, reasons = streamed(tool_client, **fields)
+    assert content == "Sure." and reasons == ["tool_calls"]
+    assert [c["function"] for c in calls] == [call["function"]]
+
+
+def test_auto_without_a_call_is_plain_content(tool_client):
+    plain = chat(tool_client, max_tokens=12)["choices"][0]["message"]["content"]
+    choice = chat(tool_client, max_tokens=12, tools=TOOLS, structured_outputs={"regex": "[a-z ]{5,20}"})["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] in ("stop", "length")
+    assert choice["message"]["content"] and plain is not None
+
+
+def test_history_with_calls_and_tool_answers_renders(tool_client):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    short = chat(tool_client, tools=[TIME], max_tokens=1)["usage"]["prompt_tokens"]
+    body = chat(tool_client, tools=[TIME], messages=messages, max_tokens=1)
+    assert body["usage"]["prompt_tokens"] > short + 30
+
+
+def test_tools_on_a_template_without_tool_support_are_400(llama_client):
+    resp = llama_client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES,
+                                                           "tools": TOOLS})
+    assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "tools"
+    assert "template" in resp.get_json()["error"]["message"]
+    ok = llama_client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES,
+                                                         "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+BAD = [
+    ("tool-without-name", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+    ("tool-bad-name", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools"),
+    ("tool-unknown-type", {"tools": [{"type": "web_search", "function": {"name": "x"}}]}, "tools"),
+    ("tool-parameters-not-object", {"tools": [{"type": "function", "function": {
+        "name": "x", "parameters": {"type": "string"}}}]}, "tools"),
+    ("tool-names-twice", {"tools": [WEATHER, WEATHER]}, "tools"),
+    ("tool-bad-schema", {"tools": [{"type": "function", "function": {"name": "x", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools"),
+    ("choice-unknown-function", {"tools": TOOLS, "tool_choice": {"type": "function",
+                                                                 "function": {"name": "nope"}}}, "tool_choice"),
+    ("choice-unknown-string", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ("required-without-tools", {"tool_choice": "required"}, "tool_choice"),
+    ("required-with-response_format", {"tools": TOOLS, "tool_choice": "required",
+                                       "response_format": {"type": "json_object"}}, "tool_choice"),
+    ("call-without-function", {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages"),
+]
+
+
+@pytest.mark.parametrize("name, fields, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_tool_requests_are_400_and_the_server_keeps_serving(tool_client, name, fields, param):
+    resp = tool_client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": MESSAGES, **fields})
+    assert resp.status_code == 400, resp.get_data(as_text=True)
+    error = resp.get_json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert chat(tool_client, max_tokens=1)["choices"][0]["finish_reason"] == "length"
