@@ -103,3 +103,26 @@ def test_dropped_streams_free_the_worker(server):
         ended = [int(n) for n in re.findall(r"ended early after (\d+) generated tokens", server.output())]
         time.sleep(0.2)
     assert len(ended) == 2 and all(n < 4000 for n in ended), ended
+
+
+class City(__import__("pydantic").BaseModel):
+    city: str
+    country: str
+
+
+def test_openai_client_parses_a_pydantic_model(client):
+    """``chat.completions.parse`` sends the model's JSON schema (strict) and parses the answer into it."""
+    done = client.chat.completions.parse(model="SmolLM2-135M-Instruct", response_format=City, temperature=0,
+                                         messages=[{"role": "user", "content": "What is the capital of Italy?"}])
+    parsed = done.choices[0].message.parsed
+    assert isinstance(parsed, City) and parsed.city and parsed.country
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_langchain_with_structured_output(server):
+    """LangChain's ChatOpenAI(...).with_structured_output(City) (its json_schema method) gets a City."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct",
+                                      temperature=0, max_retries=0)
+    answer = llm.with_structured_output(City).invoke("What is the capital of Italy?")
+    assert isinstance(answer, City) and answer.city

@@ -243,3 +243,33 @@ def test_bad_tool_requests_are_400_and_the_server_keeps_serving(tool_client, nam
     error = resp.get_json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     assert chat(tool_client, max_tokens=1)["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_openai_client_tool_calls_under_gunicorn(gpt2_dir):
+    """The official client against a real gunicorn: required and named tool choices come back as parsed
+    ``tool_calls`` with valid arguments, plain and streamed (the client assembles the deltas)."""
+    import openai
+    from servers import Gunicorn
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+                    "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE})
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named):
+            done = client.chat.completions.create(model="tiny-gpt2", messages=MESSAGES, tools=TOOLS,
+                                                  tool_choice=choice, parallel_tool_calls=False, temperature=0,
+                                                  max_tokens=120)
+            message = done.choices[0].message
+            assert done.choices[0].finish_reason == "tool_calls" and message.content is None
+            assert_valid_calls([call.model_dump() for call in message.tool_calls])
+            with client.chat.completions.stream(model="tiny-gpt2", messages=MESSAGES, tools=TOOLS,
+                                                tool_choice=choice, parallel_tool_calls=False, temperature=0,
+                                                max_tokens=120) as stream:
+                final = stream.get_final_completion()
+            streamed = final.choices[0].message.tool_calls
+            assert [(c.function.name, c.function.arguments) for c in streamed] == \
+                [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    finally:
+        srv.stop()
