@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.params import SamplingParams
+from app.engine.params import Constraint, SamplingParams
 from conftest import make_settings
 
 TOL = 1e-5
@@ -27,10 +27,12 @@ REQUESTS = [
     SamplingParams(max_tokens=10, temperature=0.8, seed=5, n=3, stop=("e", "a"), logprobs=0),
     SamplingParams(max_tokens=6, temperature=0.0, echo=True, logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=8, temperature=0.7, seed=2, best_of=3, n=2, top_p=0.9),
+    SamplingParams(max_tokens=30, temperature=0.9, seed=4, n=2, logprobs=1,
+                   constraint=Constraint("regex", "[a-z]{2,8}@[a-z]{2,5}\\.com")),
 ]
 
 
-@pytest.mark.parametrize("params", REQUESTS, ids=["greedy-logprobs", "n-stop", "echo", "best_of"])
+@pytest.mark.parametrize("params", REQUESTS, ids=["greedy-logprobs", "n-stop", "echo", "best_of", "constrained"])
 def test_answers_equal_the_in_process_engine(workers, params):
     remote, local = workers
     assert remote.scheduler.process.is_alive() and remote.runner.prefix_cache is None

@@ -181,6 +181,9 @@ def test_bad_constraints_are_400_and_the_server_keeps_serving(gpt2_client):
         assert resp.status_code == 400, resp.get_data(as_text=True)
         error = resp.get_json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+        streamed = gpt2_client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "x", "stream": True,
+                                                             **fields})
+        assert streamed.status_code == 400 and streamed.mimetype == "application/json"   # before any stream
     assert complete(gpt2_client, "tiny-gpt2", prompt="x", max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
