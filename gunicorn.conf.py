@@ -13,6 +13,7 @@ import os
 import sys
 
 from app.errors import ConfigError
+from app.gunicorn_errors import install as _json_protocol_errors
 from app.settings import load_settings
 
 try:
@@ -63,6 +64,10 @@ limit_request_field_size = 8190
 # X-Forwarded-* from a reverse proxy are honoured by the app (werkzeug ProxyFix, SAKER_PROXY_HOPS), which
 # also fixes the client address in the access log. gunicorn itself only trusts X-Forwarded-Proto from these.
 forwarded_allow_ips = "127.0.0.1,::1"
+
+# Errors gunicorn answers itself (malformed request line or headers, 414, 431, bad Content-Length...) are written in
+# the OpenAI error shape, as JSON, like every error the app answers (app/gunicorn_errors.py).
+_json_protocol_errors()
 
 # -- logs ------------------------------------------------------------------------------------------------
 # gunicorn's access log stays off: saker writes one JSON line per request itself (SAKER_ACCESS_LOG), with

@@ -25,16 +25,28 @@ def _service():
 
 
 def json_body() -> object:
-    """The request body as JSON; clear 4xx errors for a wrong content type or malformed JSON."""
+    """The request body as JSON; clear 4xx errors for a wrong content type, a body that is not valid chunked
+    encoding, an encoding we do not take, or malformed JSON."""
     mimetype = request.mimetype or ""
     if mimetype and mimetype != "application/json" and not mimetype.endswith("+json"):
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {mimetype}")
-    raw = request.get_data(cache=False)
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity", "gzip", "x-gzip", "deflate"):
+        raise UnsupportedMediaTypeError(f"Content-Encoding {encoding} is not supported; send the body plain "
+                                        "(identity), gzip or deflate")
+    try:
+        raw = request.get_data(cache=False)
+    except Exception as exc:              # noqa: BLE001 - gunicorn's chunked-body errors are the client's
+        if not _is_protocol_error(exc):
+            raise
+        raise InvalidRequestError(f"the request body is not valid chunked encoding: {exc}") from None
     limit = request.max_content_length
     if limit is not None and request.content_length is None and len(raw) >= limit:
         # A chunked body is read up to the limit and no further; one byte more means it is too large.
         if request.environ["wsgi.input"].read(1):
             raise RequestEntityTooLarge()
+    if encoding not in ("", "identity"):
+        raw = _decoded(raw, encoding, limit)
     if not raw.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
@@ -43,6 +55,31 @@ def json_body() -> object:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequestError("the request body is nested too deeply to be a request") from None
+
+
+def _is_protocol_error(exc: BaseException) -> bool:
+    try:
+        from gunicorn.http.errors import ParseException
+    except ImportError:                   # another WSGI server
+        return False
+    return isinstance(exc, ParseException)
+
+
+def _decoded(raw: bytes, encoding: str, limit: int | None) -> bytes:
+    """A gzip or deflate body, decompressed; the decoded size counts against the body limit (a small bomb
+    cannot expand past it)."""
+    import zlib
+    wbits = zlib.MAX_WBITS | 16 if "gzip" in encoding else zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(raw, (limit + 1) if limit else 0)
+        if limit and len(out) > limit:
+            raise RequestEntityTooLarge()
+        if not inflater.eof:
+            raise InvalidRequestError(f"the request body is a truncated {encoding} stream")
+    except zlib.error as exc:
+        raise InvalidRequestError(f"the request body is not valid {encoding}: {exc}") from None
+    return out
 
 
 def _reject_constant(name: str):

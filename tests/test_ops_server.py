@@ -179,6 +179,54 @@ def test_small_chunked_body_is_served(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("parts", [
+    [b"ZZ\r\nabc\r\n0\r\n\r\n"],                     # not a hex size
+    [b"-1\r\nabc\r\n0\r\n\r\n"],                     # a negative size
+    [b"10\r\nabc\r\n0\r\n\r\n"],                     # a chunk shorter than its size
+], ids=["ZZ", "minus-one", "short-chunk"])
+def test_malformed_chunked_bodies_are_400(server, parts):
+    raw = raw_request(server, head("/v1/completions", "Transfer-Encoding: chunked"), parts, shut=True)
+    status, body = parse(raw)
+    assert status == 400 and is_error_object(body)
+
+
+def test_content_encoding(server):
+    """gzip and deflate bodies are decoded (their decoded size counts against the body limit); others are 415."""
+    import gzip
+    import zlib
+    payload = json.dumps({"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2}).encode()
+
+    def post(body: bytes, encoding: str):
+        return requests.post(server.url + "/v1/completions", data=body, timeout=60,
+                             headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": encoding})
+    assert post(gzip.compress(payload), "gzip").json()["usage"]["completion_tokens"] == 2
+    assert post(zlib.compress(payload), "deflate").status_code == 200
+    bomb = post(gzip.compress(b" " * (LIMIT * 4) + payload), "gzip")      # 256 KB of spaces in ~300 bytes
+    assert bomb.status_code == 413 and bomb.json()["error"]["code"] == "request_too_large"
+    assert post(b"\x1f\x8b not gzip", "gzip").status_code == 400
+    assert post(gzip.compress(payload)[:-12], "gzip").status_code == 400       # truncated stream
+    br = post(payload, "br")
+    assert br.status_code == 415 and is_error_object(br.json()) and "br" in br.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GET /health\r\n\r\n", 400),                                                  # HTTP/0.9
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"0\r\n\r\n", 400),
+    (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431),
+], ids=["http-0.9", "bad-content-length", "two-content-lengths", "cl-and-te", "long-request-line",
+        "too-many-headers"])
+def test_protocol_errors_are_json(server, request_bytes, status):
+    """What gunicorn answers itself, before the app: the OpenAI error shape too (app/gunicorn_errors.py)."""
+    raw = raw_request(server, request_bytes, [], shut=True)
+    got, body = parse(raw)
+    assert got == status and is_error_object(body), raw[:300]
+    assert b"Content-Type: application/json" in raw.split(b"\r\n\r\n")[0]
+
+
 def test_401_comes_before_the_body_is_read(server):
     raw = raw_request(server, head("/v1/completions", "Content-Length: 100000000", auth=False), [b"{"])
     status, body = parse(raw)
