@@ -34,6 +34,50 @@ def test_embedded_smollm2_says_paris(saker_cache):
     assert models[0]["id"] == "SmolLM2-135M-Instruct" and models[0]["max_model_len"] == 8192
 
 
+@pytest.mark.slow
+def test_a_damaged_default_model_cache_is_converted_again(saker_cache, tmp_path, monkeypatch, caplog):
+    """16 MB of garbage inside the converted weights (header intact), or a truncated file: the checksums written
+    at conversion no longer match, so the folder is converted again (one warning line) instead of served."""
+    import shutil
+
+    from app.engine import loader
+    source = loader.ensure_default_model(make_settings(cache_dir=str(saker_cache)))
+    settings = make_settings(cache_dir=str(tmp_path))
+    target = loader.default_model_dir(settings)
+    shutil.copytree(source, target)
+    assert loader.damage(target) is None
+    converted = []
+    monkeypatch.setattr(loader, "_convert_default_model", lambda folder: converted.append(folder) or folder)
+    assert loader.ensure_default_model(settings) == target and not converted
+    weights = target / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(64 * 1024 * 1024)
+        f.write(b"\x7f" * (16 * 1024 * 1024))
+    assert "model.safetensors does not match its checksum" in loader.damage(target)
+    with caplog.at_level("WARNING", logger="saker.loader"):
+        loader.ensure_default_model(settings)
+    assert converted == [target]
+    assert any("damaged" in r.message and "converting it again" in r.message for r in caplog.records)
+    with open(weights, "r+b") as f:
+        f.truncate(1000)
+    assert "does not match" in loader.damage(target)
+    (target / loader.CHECKSUMS).unlink()
+    assert "no readable" in loader.damage(target)
+
+
+def test_an_unwritable_cache_folder_is_one_line(tmp_path):
+    """The cache folder cannot be made (here its parent is a file; a full or read-only disk reads the same):
+    a ConfigError naming the folder and what to do, not a traceback."""
+    from app.engine.loader import ensure_default_model
+    from app.errors import ConfigError
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError) as caught:
+        ensure_default_model(make_settings(cache_dir=str(blocker)))
+    message = str(caught.value)
+    assert "\n" not in message and str(blocker) in message and "SAKER_CACHE_DIR" in message
+
+
 # -- PEFT ------------------------------------------------------------------------------------------------
 def make_lora(base_dir, out_dir, seed):
     from peft import LoraConfig, get_peft_model

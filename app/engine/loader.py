@@ -51,13 +51,55 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+CHECKSUMS = "saker-checksums.json"
+
+
+def folder_checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a converted folder (the manifest itself aside)."""
+    import hashlib
+    sums = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != CHECKSUMS:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+            sums[path.name] = digest.hexdigest()
+    return sums
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a converted folder (None: every file matches the checksums written at conversion)."""
+    import json
+    try:
+        want = json.loads((folder / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return f"it has no readable {CHECKSUMS}"
+    have = folder_checksums(folder)
+    bad = sorted(name for name in want if have.get(name) != want[name])
+    return f"{', '.join(bad)} does not match its checksum" if bad else None
+
+
 def ensure_default_model(settings: Settings) -> Path:
-    """Convert the GGUF once (about 20 s); later loads read the saved folder in under a second."""
+    """Convert the GGUF once (about 20 s) into a folder with the checksums of its files; later loads check them
+    (under a second) and convert again when the folder is damaged."""
     target = default_model_dir(settings)
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    if target.exists():                         # an incomplete folder from an interrupted conversion
+    if (target / "config.json").is_file():
+        problem = damage(target)
+        if problem is None:
+            return target
+        log.warning("the converted default model in %s is damaged (%s); converting it again", target, problem)
+    try:
+        return _convert_default_model(target)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the converted default model into {target}: {exc.strerror or exc}; free "
+                          f"space or make it writable, or set SAKER_CACHE_DIR to another folder") from None
+
+
+def _convert_default_model(target: Path) -> Path:
+    if target.exists():                         # a damaged folder, or one from an interrupted conversion
         shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     gguf = embedded_gguf_path()
     log.info("converting the embedded default model %s into %s (once)", gguf, target)
@@ -74,6 +116,8 @@ def ensure_default_model(settings: Settings) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        import json
+        (tmp / CHECKSUMS).write_text(json.dumps(folder_checksums(tmp), indent=1))
         if not target.exists():                 # another worker may have finished first
             tmp.rename(target)
     finally:
