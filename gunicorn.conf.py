@@ -31,7 +31,10 @@ workers = _settings.workers
 # gthread: a pool of threads per worker. A request holds a thread while it waits for the model and while it
 # runs (streams too), so /health, /metrics and 429 answers need threads beyond the requests the model serves
 # and queues: keep SAKER_THREADS > SAKER_MAX_BATCH_SIZE + SAKER_MAX_QUEUE (see the check at the end).
-worker_class = "gthread"
+# saker's gthread (app/gunicorn_worker.py): a request's head and announced body are read by the worker's main loop
+# before a thread takes it, so slow clients hold no thread (408 after 10 s); a stopping worker refuses new
+# connections at once.
+worker_class = "app.gunicorn_worker.BufferingThreadWorker"
 threads = _settings.threads
 # Most open connections per worker (idle keep-alive ones included); gunicorn's default.
 worker_connections = 1000

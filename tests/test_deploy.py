@@ -97,7 +97,7 @@ def test_gunicorn_config_follows_the_settings():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["127.0.0.1:9123", "2", "gthread", "12", "33", "False", "None", "0"]
+    assert out.stdout.split() == ["127.0.0.1:9123", "2", "app.gunicorn_worker.BufferingThreadWorker", "12", "33", "False", "None", "0"]
     assert "warning" not in out.stderr
     env["SAKER_THREADS"] = "8"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

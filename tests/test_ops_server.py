@@ -255,8 +255,9 @@ def test_keys_and_prompts_never_reach_the_logs(server):
 
 # -- graceful shutdown ----------------------------------------------------------------------------------------
 def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
-    """Requests are held mid-generation by a gate (tests/gated_wsgi.py), SIGTERM is sent to the master, the
-    gate opens: every request completes whole, and gunicorn then exits 0."""
+    """Requests are held mid-generation by a gate (tests/gated_wsgi.py), SIGTERM is sent to the master: new
+    connections are refused at once (not left hanging), the gate opens, every request in flight completes whole,
+    and gunicorn then exits 0."""
     gate = tmp_path / "gate"
     srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "8",
                     "SAKER_GRACEFUL_TIMEOUT": "60", "TEST_DECODE_GATE": str(gate)},
@@ -287,6 +288,17 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
                 time.sleep(0.05)
             assert "Handling signal: term" in srv.output()
             assert srv.proc.poll() is None, "gunicorn exited with requests in flight"
+            refused_by = time.time() + 10               # a new connection is refused at once, not left hanging
+            while time.time() < refused_by:
+                started = time.time()
+                try:
+                    requests.get(srv.url + "/health", timeout=3)
+                except requests.ConnectionError as exc:
+                    assert "refused" in str(exc).lower() and time.time() - started < 1.0, exc
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("new connections were still answered 10 s into the drain")
             gate.unlink()                               # let them finish
             answers = [f.result() for f in plains]
             streamed = [f.result() for f in streams]

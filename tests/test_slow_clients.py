@@ -1,0 +1,129 @@
+"""Slow clients under a real gunicorn (app/gunicorn_worker.py): 200 connections that send their request head one
+line every 2 s (reconnecting when answered 408) for 30 s hold no thread, while a normal client's requests keep
+being answered; a request that trickles in within the time limit is served; keep-alive, pipelining and
+``Expect: 100-continue`` still work."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+
+from servers import Gunicorn
+
+pytestmark = pytest.mark.slow
+SLOW_CLIENTS, SECONDS = 200, 30
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_dir):
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "32"})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def read_response(sock) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), b"0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(head.split(b" ", 2)[1]), body[:length]
+
+
+def test_slow_clients_do_not_starve_the_server(server):
+    stop = time.time() + SECONDS
+    timeouts, held = [], []
+
+    def slow(i: int) -> None:
+        while time.time() < stop:
+            try:
+                with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                    held.append(i)
+                    line = 0
+                    while time.time() < stop:
+                        time.sleep(2)
+                        line += 1
+                        sock.sendall(b"X-Slow-%d: 1\r\n" % line)
+            except OSError:            # answered 408 and closed: come back, as an attacker would
+                timeouts.append(i)
+
+    threads = [threading.Thread(target=slow, args=(i,), daemon=True) for i in range(SLOW_CLIENTS)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    answered = []
+    while time.time() < stop - 2:
+        started = time.time()
+        resp = requests.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=20)
+        answered.append((resp.status_code, time.time() - started))
+        assert requests.get(server.url + "/health", timeout=20).status_code == 200
+        time.sleep(0.5)
+    for t in threads:
+        t.join(timeout=40)
+    assert len(set(held)) == SLOW_CLIENTS
+    assert answered and all(status == 200 for status, _ in answered)
+    assert max(seconds for _, seconds in answered) < 10, answered   # not one request waited for the slow ones
+    assert timeouts, "slow heads are cut after the time limit"
+
+
+def test_a_slow_head_is_answered_408_in_json(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        started = time.time()
+        status, body = read_response(sock)
+    assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+    assert 8 < time.time() - started < 20
+
+
+def test_a_request_that_trickles_in_in_time_is_served(server):
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        for at in range(0, len(raw), len(raw) // 6 + 1):
+            sock.sendall(raw[at:at + len(raw) // 6 + 1])
+            time.sleep(0.4)
+        status, answer = read_response(sock)
+    assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
+
+
+def test_keep_alive_pipelining_and_expect_continue(server):
+    one = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(one)) + one
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request + request)                 # two requests in one write
+        assert read_response(sock)[0] == 200
+        assert read_response(sock)[0] == 200
+        sock.sendall(request)                           # and a third on the same connection later
+        assert read_response(sock)[0] == 200
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1).split(b"\r\n\r\n")[0]
+                     + b"\r\n\r\n")
+        started = time.time()
+        head = sock.recv(65536)                         # the head alone reaches a thread, which says continue
+        assert head.startswith(b"HTTP/1.1 100") and time.time() - started < 2
+        sock.sendall(one)
+        status, _ = read_response(sock)
+        assert status == 200
+    with requests.Session() as session:
+        for _ in range(3):
+            assert session.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                timeout=30).status_code == 200
