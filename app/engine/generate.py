@@ -51,6 +51,9 @@ class RequestGroup:
         self.stopping = StoppingCriteria(eos_token_ids=frozenset(runner.eos_token_ids),
                                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
                                          min_tokens=params.min_tokens, max_tokens=self.max_new, max_length=max_length)
+        self._prompt_lp: list[float] = []           # echo + logprobs: the prompt's numbers so far (score_prompt)
+        self._prompt_top_ids: list[list[int]] = []
+        self._prompt_top_values: list[list[float]] = []
         self.cancelled = False
         self.tokens_made = 0                         # tokens the engine sampled for this group (all rows)
         self._finish: list[int] = []                 # candidates the output side ended (stop strings)
@@ -91,26 +94,34 @@ class RequestGroup:
         return set(taken)
 
     # -- prompt -----------------------------------------------------------------------------------------
-    def prompt_numbers(self, logits: torch.Tensor | None) -> PromptNumbers:
-        """The prompt's numbers: with echo + logprobs, each prompt token's raw logprob and the top k from the
-        prefill logits (L, V), brought to the host in one transfer."""
-        count = len(self.prompt_ids)
-        if not self.needs_prompt_logits or count < 2:
-            return PromptNumbers(count, [] if self.needs_prompt_logits else None,
-                                 [] if self.needs_prompt_logits and self.k else None,
-                                 [] if self.needs_prompt_logits and self.k else None)
-        lp = raw_logprobs(logits[:-1])                                # row i predicts token i + 1
-        ids = torch.tensor(self.prompt_ids[1:], device=lp.device).view(-1, 1)
+    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
+        """Echo + logprobs: the numbers of the prompt tokens that rows ``start..`` of the prefill's logits
+        (n, V) predict (row ``i`` predicts token ``i + 1``), kept on the host; the logits can go. A long prompt
+        is scored chunk by chunk as it is prefilled, so no more than a chunk's logits are ever held."""
+        count = min(logits.shape[0], len(self.prompt_ids) - 1 - start)
+        if count <= 0:
+            return
+        lp = raw_logprobs(logits[:count])
+        ids = torch.tensor(self.prompt_ids[start + 1:start + 1 + count], device=lp.device).view(-1, 1)
         parts = [lp.gather(-1, ids).double()]
         if self.k:
             top = torch.topk(lp, self.k, dim=-1)
             parts += [top.values.double(), top.indices.double()]
-        host = torch.cat(parts, dim=1).tolist()
-        out = PromptNumbers(count, [r[0] for r in host])
-        if self.k:
-            out.top_values = [r[1:1 + self.k] for r in host]
-            out.top_ids = [[int(i) for i in r[1 + self.k:]] for r in host]
-        return out
+        for row in torch.cat(parts, dim=1).tolist():
+            self._prompt_lp.append(row[0])
+            if self.k:
+                self._prompt_top_values.append(row[1:1 + self.k])
+                self._prompt_top_ids.append([int(i) for i in row[1 + self.k:]])
+
+    def prompt_numbers(self) -> PromptNumbers:
+        """The prompt's numbers: with echo + logprobs, each prompt token's raw logprob and the top k (from
+        ``score_prompt``)."""
+        count = len(self.prompt_ids)
+        if not self.needs_prompt_logits:
+            return PromptNumbers(count)
+        top = self.k > 0
+        return PromptNumbers(count, self._prompt_lp, self._prompt_top_ids if top else None,
+                             self._prompt_top_values if top else None)
 
     # -- decoding ---------------------------------------------------------------------------------------
     def begin(self, device, vocab: int) -> SamplingRows:
@@ -494,7 +505,7 @@ def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
     batch. Returns its events so far: the prompt's, then its first tokens'."""
     start = time.perf_counter()
     if not group.prefills:
-        return [group.prompt_numbers(None)]
+        return [group.prompt_numbers()]
     logits, cache, reused = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
     group.timings.cached_tokens += reused
     return _join(batch, group, logits, cache, start)
@@ -530,7 +541,7 @@ class ChunkedPrefill:
         self.group, self.chunk = group, max(1, chunk)
         self.cache = None
         self.done = 0                       # prompt tokens in the cache
-        self.parts: list[torch.Tensor] = []  # logits: every chunk's (echo scoring) or the last one's
+        self.last: torch.Tensor | None = None  # the last prompt position's logits (1, 1, V)
         self.spent = 0.0                    # seconds of forwards so far
 
     def advance(self) -> bool:
@@ -543,10 +554,9 @@ class ChunkedPrefill:
             group.timings.cached_tokens += self.done
         end = min(self.done + self.chunk, len(prompt))
         logits = runner.extend(self.cache, prompt[self.done:end], all_logits)
-        if all_logits:
-            self.parts.append(logits)
-        else:
-            self.parts = [logits]
+        if all_logits:                      # scored now; only the last position's logits are kept
+            group.score_prompt(logits[0], self.done)
+        self.last = logits[:, -1:, :]
         self.done = end
         self.spent += time.perf_counter() - start
         return end == len(prompt)
@@ -554,15 +564,16 @@ class ChunkedPrefill:
     def finish(self, batch: SlotBatch | PaddedBatch) -> list[Event]:
         group = self.group
         group.runner.remember(group.prompt_ids, self.cache)
-        logits = torch.cat(self.parts, dim=1) if len(self.parts) > 1 else self.parts[0]
-        return _join(batch, group, logits, self.cache, time.perf_counter() - self.spent)
+        return _join(batch, group, self.last, self.cache, time.perf_counter() - self.spent)
 
 
 def _join(batch: SlotBatch | PaddedBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
           ) -> list[Event]:
     """After a group's prefill (logits (1, L or 1, V), its cache): the prompt's numbers, the first tokens, and
     the group in the batch if it goes on."""
-    events: list[Event] = [group.prompt_numbers(logits[0] if group.needs_prompt_logits else None)]
+    if group.needs_prompt_logits and logits.shape[1] > 1:
+        group.score_prompt(logits[0], 0)
+    events: list[Event] = [group.prompt_numbers()]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
         return events

@@ -268,11 +268,17 @@ class Scheduler:
         if self.prefill_tokens <= 0 or not self._shares_prefill(first):
             return taken[i:i + 1]
         chunk, longest, total = taken[i:i + 1], len(first.prompt_ids), len(first.prompt_ids)
+        scoring = first.needs_prompt_logits
         for group, ticket in taken[i + 1:]:
             length = len(group.prompt_ids)
             padded = (len(chunk) + 1) * max(longest, length)
+            scoring = scoring or group.needs_prompt_logits
+            # a forward that keeps every position's logits holds padded x vocabulary floats: no more than a
+            # prefill chunk's worth (the bound a long prompt's scoring has)
+            limit = min(self.prefill_tokens, self.prefill_chunk) if scoring and self.prefill_chunk > 0 \
+                else self.prefill_tokens
             if not self._shares_prefill(group) or group.params.adapter != first.params.adapter \
-                    or padded > self.prefill_tokens \
+                    or padded > limit \
                     or 2 * padded > 3 * (total + length):
                 break
             chunk.append((group, ticket))
