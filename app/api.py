@@ -11,7 +11,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.access_log import RequestRecord, current_record
-from app.errors import APIError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
+from app.errors import APIError, ClientClosedError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
 from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                           parse_request)
 
@@ -134,7 +134,15 @@ def _answer(body):
     record.request_body(body)
     if body.stream:
         return _event_stream(service, service.prepare(body), record)
-    served = service.complete(body, alive=_client_alive(request.environ))
+    try:
+        served = service.complete(body, alive=_client_alive(request.environ))
+    except ClientClosedError as exc:
+        timings = getattr(exc, "timings", None)
+        if timings is not None:
+            record.timings(timings)
+            log.info("request %s ended early after %d generated tokens: its client closed the connection",
+                     g.request_id, timings.generated_tokens)
+        raise
     record.answered(served.body, served.timings)
     response = jsonify(served.body)
     t = served.timings

@@ -277,7 +277,8 @@ class CompletionService:
         if job.tools:
             content, calls = read_all(self.tool_format, choice.text)
             message = ChatResponseMessage(content=content, tool_calls=[call.as_openai() for call in calls] or None)
-        return ChatChoice(index=index, message=message, logprobs=chat_logprobs(choice.logprobs, job.params.logprobs or 0),
+        return ChatChoice(index=index, message=message,
+                          logprobs=chat_logprobs(choice.logprobs, job.params.logprobs or 0),
                           finish_reason=_finish(choice.finish_reason, bool(message.tool_calls)))
 
     def stream(self, job: Job) -> Iterator[dict]:

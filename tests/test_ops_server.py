@@ -4,6 +4,7 @@ and graceful SIGTERM with requests in flight."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import threading
@@ -348,6 +349,8 @@ def test_a_plain_request_whose_client_left_stops_generating(gpt2_dir, tmp_path):
         assert 1 <= steps < 20, steps                    # stopped long before 200 tokens
         line = json.loads([x for x in access_log.read_text().splitlines() if '"/v1/completions"' in x][0])
         assert line["status"] == 499 and line["error_code"] == "client_closed_request"
+        assert 1 <= line["completion_tokens"] <= steps + 1            # what it generated before it stopped
+        assert re.search(r"ended early after \d+ generated tokens: its client closed", srv.output())
         after = requests.post(srv.url + "/v1/completions", json={"model": "tiny-gpt2", "prompt": "Hello",
                                                                   "max_tokens": 3, "temperature": 0}, timeout=30)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3

@@ -19,7 +19,7 @@ from app.engine.prefix_cache import PrefixCache
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
-from app.errors import ConfigError, InvalidRequestError, ModelNotReadyError
+from app.errors import ClientClosedError, ConfigError, InvalidRequestError, ModelNotReadyError
 
 log = logging.getLogger("saker.worker")
 
@@ -274,6 +274,10 @@ class Worker:
         (asked while waiting; when it is gone the request is cancelled and ``ClientClosedError`` raised)."""
         timings = Timings()
         per_prompt: list[list[PromptEvent | TokenEvent]] = [[] for _ in prompts]
-        for p, event in self.events(prompts, params, max_length, timings, eager=False, alive=alive):
-            per_prompt[p].append(event)
+        try:
+            for p, event in self.events(prompts, params, max_length, timings, eager=False, alive=alive):
+                per_prompt[p].append(event)
+        except ClientClosedError as exc:
+            exc.timings = timings                   # what was done before it stopped, for the access log
+            raise
         return [collect(events, params) for events in per_prompt], timings
