@@ -245,14 +245,18 @@ class Worker:
                       for p, ids in enumerate(prompts)]
             ticket = self.scheduler.submit(groups, eager=eager or bool(params.stop))
             ticket.alive = alive
+            ended_early = True
             try:
                 yield from ticket
+                ended_early = False
             finally:
                 ticket.cancel()
                 timings.queue_s = admitted - queued + max(g.timings.queue_s for g in groups)
                 timings.prefill_s += sum(g.timings.prefill_s for g in groups)
                 timings.decode_s += max(g.timings.decode_s for g in groups)
-                timings.generated_tokens += ticket.generated_tokens
+                # a request cut short (its client left) counts what the engine made, handed over or not
+                timings.generated_tokens += max(ticket.generated_tokens, sum(g.tokens_made for g in groups)) \
+                    if ended_early else ticket.generated_tokens
                 timings.cached_tokens += sum(g.timings.cached_tokens for g in groups)
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
