@@ -21,6 +21,7 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[TokenIds]]
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # An explicit null means the default for these fields (OpenAI documents them as nullable). Not for
 # max_tokens (null = up to the context) nor prompt (required).
 _NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
@@ -95,6 +96,14 @@ class SamplingRequest(BaseModel):
     def _nulls_are_defaults(cls, data):
         if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
             data = {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        if isinstance(data, dict) and any(data.get(k) is not None for k in _GUIDED):
+            # vLLM's names before 0.12 (guided_json, ...), still sent by many clients: the same as
+            # structured_outputs, so that a request for JSON never gets free text
+            given = {_GUIDED[k]: data[k] for k in _GUIDED if data.get(k) is not None}
+            if data.get("structured_outputs") is not None:
+                raise InvalidRequestError("send structured_outputs or the older guided_* fields, not both",
+                                          param="structured_outputs")
+            data = {**data, "structured_outputs": given}
         return data
 
     @field_validator("logit_bias")
@@ -490,6 +499,7 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None              # with messages: rendered by the template as chat does
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False

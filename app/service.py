@@ -324,7 +324,9 @@ class CompletionService:
                 continue
             if job.chat and job.tools:
                 reader = readers.setdefault(index, ToolCallStream(self.tool_format))
-                yield self._tool_chunk(job, index, reader, release), generated
+                chunk = self._tool_chunk(job, index, reader, release)
+                if chunk is not None:
+                    yield chunk, generated
                 continue
             if job.chat:
                 delta = {"content": release.text} if release.text or not release.finish_reason else {}
@@ -339,7 +341,7 @@ class CompletionService:
                           "finish_reason": release.finish_reason}
             yield self._chunk(job, [choice]), generated
 
-    def _tool_chunk(self, job: Job, index: int, reader: ToolCallStream, release) -> dict:
+    def _tool_chunk(self, job: Job, index: int, reader: ToolCallStream, release) -> dict | None:
         """A chat chunk of an answer read for tool calls: content outside calls as it comes, each call as one
         ``tool_calls`` delta (id, name and whole arguments) once its closing tag is in."""
         content, calls = reader.feed(release.text)
@@ -353,6 +355,8 @@ class CompletionService:
             first = reader.calls - len(calls)
             delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(calls)]
         logprobs = chat_logprobs(release.logprobs, job.params.logprobs or 0)
+        if not delta and not release.finish_reason and logprobs is None:
+            return None                          # inside a call: nothing to say until it closes
         return self._chunk(job, [{"index": index, "delta": delta,
                                   "logprobs": logprobs.model_dump() if logprobs else None,
                                   "finish_reason": _finish(release.finish_reason, reader.calls > 0)}])
@@ -368,11 +372,12 @@ class CompletionService:
         tok = self.worker.tokenizer
         if request.messages is not None:
             messages = [m.as_template_message() for m in request.messages]
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
             if request.add_special_tokens:
-                text = self._apply_template(messages, request.add_generation_prompt, tokenize=False)
+                text = self._apply_template(messages, request.add_generation_prompt, tokenize=False, tools=tools)
                 ids = list(tok(text, add_special_tokens=True)["input_ids"])
             else:
-                ids = self.render_chat(messages, request.add_generation_prompt)
+                ids = self.render_chat(messages, request.add_generation_prompt, tools)
         else:
             add = True if request.add_special_tokens is None else request.add_special_tokens
             ids = list(tok(request.prompt, add_special_tokens=add)["input_ids"])

@@ -213,3 +213,38 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_400(gpt2_client):
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}})
     assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "response_format"
     assert "uniqueItems" in resp.get_json()["error"]["message"]
+
+
+def test_an_output_completed_on_its_last_allowed_token_is_stop(gpt2_client):
+    fields = dict(prompt="Pick:", structured_outputs={"choice": ["red apple", "green pear"]})
+    whole = complete(gpt2_client, "tiny-gpt2", max_tokens=20, **fields)
+    tokens = whole["usage"]["completion_tokens"]
+    exact = complete(gpt2_client, "tiny-gpt2", max_tokens=tokens, **fields)
+    assert exact["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert exact["choices"][0]["finish_reason"] == "stop"
+    cut = complete(gpt2_client, "tiny-gpt2", max_tokens=tokens - 1, **fields)
+    assert cut["choices"][0]["finish_reason"] == "length"
+
+
+def test_processed_logprobs_list_no_ruled_out_tokens(gpt2_client):
+    """With the mask in the processed distribution, tokens it rules out (-inf) are not alternatives: the body
+    stays valid JSON (no -Infinity) and every listed alternative was allowed."""
+    resp = gpt2_client.post("/v1/completions", json={
+        "model": "tiny-gpt2", "prompt": "Pick:", "max_tokens": 6, "temperature": 0, "logprobs": 5,
+        "logprobs_mode": "processed_logprobs", "structured_outputs": {"choice": ["red", "green"]}})
+    text = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and "Infinity" not in text
+    body = json.loads(text)
+    for top in body["choices"][0]["logprobs"]["top_logprobs"]:
+        assert top and all(value > float("-inf") for value in top.values())
+
+
+def test_vllm_guided_fields_are_taken_as_structured_outputs(gpt2_client):
+    """vLLM's names before 0.12 (guided_json, guided_regex, guided_choice, guided_grammar) still constrain."""
+    body = complete(gpt2_client, "tiny-gpt2", prompt="x", max_tokens=20, guided_choice=["yes", "no"])
+    assert body["choices"][0]["text"] in ("yes", "no")
+    body = complete(gpt2_client, "tiny-gpt2", prompt="x", max_tokens=30, guided_regex="[0-9]{3}")
+    assert re.fullmatch("[0-9]{3}", body["choices"][0]["text"])
+    both = gpt2_client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "x", "guided_regex": "a",
+                                                     "structured_outputs": {"regex": "b"}})
+    assert both.status_code == 400 and both.get_json()["error"]["param"] == "structured_outputs"

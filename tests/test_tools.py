@@ -169,6 +169,11 @@ def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
     plain = chat(tool_client, tools=TOOLS, tool_choice=choice)["choices"][0]
     content, calls, reasons = streamed(tool_client, tools=TOOLS, tool_choice=choice)
     assert reasons == [plain["finish_reason"]] and (content or None) == plain["message"]["content"]
+    frames = tool_client.post("/v1/chat/completions", json={
+        "model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0, "max_tokens": 120, "stream": True,
+        "tools": TOOLS, "tool_choice": choice}).get_data(as_text=True).split("\n\n")
+    deltas = [json.loads(f[6:])["choices"] for f in frames if f.startswith("data: {")]
+    assert all(c[0]["delta"] or c[0]["finish_reason"] for c in deltas[1:]), "no empty chunks inside a call"
     strip = [{**c, "id": None} for c in calls]
     assert strip == [{**c, "id": None} for c in plain["message"]["tool_calls"]]
 
@@ -194,6 +199,15 @@ def test_auto_without_a_call_is_plain_content(tool_client):
     choice = chat(tool_client, max_tokens=12, tools=TOOLS, structured_outputs={"regex": "[a-z ]{5,20}"})["choices"][0]
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] in ("stop", "length")
     assert choice["message"]["content"] and plain is not None
+
+
+def test_tokenize_renders_tools_as_chat_does(tool_client):
+    def count(**extra):
+        resp = tool_client.post("/tokenize", json={"model": "tiny-gpt2", "messages": MESSAGES, **extra})
+        assert resp.status_code == 200, resp.get_data(as_text=True)
+        return resp.get_json()["count"]
+    assert count(tools=TOOLS) == chat(tool_client, max_tokens=1, tools=TOOLS)["usage"]["prompt_tokens"]
+    assert count(tools=TOOLS) > count()
 
 
 def test_history_with_calls_and_tool_answers_renders(tool_client):

@@ -26,8 +26,10 @@ from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
 def _top_dict(tokenizer, byte_level: bool, detok: IncrementalDetokenizer, chosen_id: int, chosen_lp: float,
               ids: list[int], vals: list[float]) -> dict[str, float]:
     """``top_logprobs`` of one position: the top k plus the chosen token, keyed by their text in context."""
-    cand_ids = [chosen_id] + [i for i in ids if i != chosen_id]
-    cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id]
+    # tokens a processed distribution ruled out (-inf: a constraint's mask, allowed_token_ids, top-k) are no
+    # alternatives (and -Infinity is not JSON)
+    cand_ids = [chosen_id] + [i for i, v in zip(ids, vals) if i != chosen_id and v != float("-inf")]
+    cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id and v != float("-inf")]
     keys = candidate_keys(tokenizer, detok, cand_ids, byte_level)
     return dict(sorted(zip(keys, cand_vals), key=lambda kv: -kv[1]))
 
@@ -67,8 +69,8 @@ class ChoiceDecoder:
         piece += added
         self.text += added
         decision = self.stopping(token_id, self.text, before, self.generated, self.prompt_len + self.generated)
-        if raw.complete and not decision.stop:      # the constrained output is whole (structured outputs)
-            decision = StopDecision(True, "stop")
+        if raw.complete and decision.reason != "stop":   # the constrained output is whole (structured outputs),
+            decision = StopDecision(True, "stop")          # even on its max_tokens-th token
         if decision.stop and decision.text_end in (None, len(self.text)):
             tail = detok.flush()
             piece += tail
