@@ -207,9 +207,9 @@ class CompletionService:
             probe = [{"role": "user", "content": "hi"}]
             tool = [{"type": "function", "function": {"name": "saker_probe_tool", "description": "probe",
                                                       "parameters": {"type": "object", "properties": {}}}}]
+            plain = self._apply_template(probe, True, tokenize=False)     # a template that fails says so itself
             try:
-                self._takes_tools = (self._apply_template(probe, True, tokenize=False, tools=tool)
-                                     != self._apply_template(probe, True, tokenize=False))
+                self._takes_tools = self._apply_template(probe, True, tokenize=False, tools=tool) != plain
             except InvalidRequestError:
                 self._takes_tools = False
         return self._takes_tools

@@ -287,3 +287,19 @@ def test_openai_client_tool_calls_under_gunicorn(gpt2_dir):
                 [(c.function.name, c.function.arguments) for c in message.tool_calls]
     finally:
         srv.stop()
+
+
+def test_the_shipped_hermes_template_renders_tools_and_a_broken_one_says_so(gpt2_dir, gpt2_worker):
+    from pathlib import Path
+
+    from app import create_app
+    shipped = Path(__file__).resolve().parent.parent / "deploy" / "chat-templates" / "smollm2-hermes-tools.jinja"
+    for template, status, param in ((str(shipped), 200, None), ("{% if tools %}unclosed", 400, "messages")):
+        app = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=template),
+                         engine=gpt2_worker)
+        resp = app.test_client().post("/tokenize", json={"model": "tiny-gpt2", "messages": MESSAGES,
+                                                          "tools": [TIME]})
+        assert resp.status_code == status, resp.get_data(as_text=True)
+        if param:
+            assert resp.get_json()["error"]["param"] == param
+            assert "could not render" in resp.get_json()["error"]["message"]
