@@ -25,6 +25,8 @@ def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_er
     from ``settings`` and /health answers 503 until it is ready."""
     from app.api import bp
     from app.engine.worker import Worker
+    from app.response_store import ResponseStore
+    from app.responses import ResponsesService
     from app.service import CompletionService
 
     settings = settings or load_settings()
@@ -44,7 +46,9 @@ def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_er
                 os._exit(3)
         worker.load_in_background(on_error=fail)
     app.extensions["saker.settings"] = settings
-    app.extensions["saker.service"] = CompletionService(settings, worker)
+    app.extensions["saker.service"] = service = CompletionService(settings, worker)
+    app.extensions["saker.responses"] = ResponsesService(service, ResponseStore(settings.responses_store_items,
+                                                                                settings.responses_store_bytes))
     app.register_blueprint(bp)
     _register_errors(app)
 

@@ -14,6 +14,7 @@ from app.access_log import RequestRecord, current_record
 from app.errors import APIError, ClientClosedError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
 from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                           parse_request)
+from app.responses import ResponsesRequest
 
 log = logging.getLogger("saker.api")
 
@@ -171,11 +172,23 @@ def _client_alive(environ):
 
 
 def _event_stream(service, job, record: RequestRecord) -> Response:
-    """``data: {chunk}`` frames as tokens become final, then ``data: [DONE]``. An error after the first byte
-    is sent as a ``data: {"error": ...}`` frame. A client that goes away closes this generator: the worker
-    stops at the current step and takes the next request."""
+    """``data: {chunk}`` frames as tokens become final, then ``data: [DONE]``."""
+    return _server_sent(service.stream(job), job, record, _data_frame, done=True)
+
+
+def _data_frame(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def _typed_frame(event: dict) -> str:
+    """A Responses event: its type as the SSE event name."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def _server_sent(chunks, job, record: RequestRecord, frame, done: bool, headers: dict | None = None) -> Response:
+    """A stream of frames. An error after the first byte is sent as a ``data: {"error": ...}`` frame. A client
+    that goes away closes this generator: the worker stops at the current step and takes the next request."""
     request_id = g.request_id
-    chunks = service.stream(job)
     # The first chunk is awaited here, before the 200 goes out: a full queue (429), a queue timeout or an
     # error before the first token (503 out of memory, ...) is an HTTP error the client can act on.
     try:
@@ -190,24 +203,66 @@ def _event_stream(service, job, record: RequestRecord) -> Response:
         try:
             for chunk in itertools.chain([first] if first is not None else [], chunks):
                 record.stream_chunk(chunk)
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield frame(chunk)
             finished = True
         except APIError as err:
             record.error_code = err.code or err.type
-            yield f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\n"
+            yield _data_frame(err.body())
         except Exception:   # noqa: BLE001 - reported in the stream, logged here
             log.exception("stream %s failed", request_id)
             record.error_code = InternalServerError.code
             err = InternalServerError(f"The server had an error while streaming (request id {request_id})")
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield _data_frame(err.body())
         finally:
             chunks.close()              # a dropped client lands here: the worker is freed at once
             record.stream_ended(job.prompts, job.timings)
             if not finished:
                 log.info("stream %s ended early after %d generated tokens", request_id,
                          job.timings.generated_tokens)
-        yield "data: [DONE]\n\n"
+        if done:
+            yield "data: [DONE]\n\n"
         record.finish()
 
     return Response(frames(), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+
+# -- the Responses API ----------------------------------------------------------------------------------------
+def _responses():
+    return current_app.extensions["saker.responses"]
+
+
+def _ignored_tools(ignored: list[str]) -> dict:
+    """Tool types a local server cannot run were left out of the prompt: named here."""
+    return {"X-Saker-Ignored-Tools": ", ".join(dict.fromkeys(ignored))} if ignored else {}
+
+
+@bp.post("/v1/responses")
+def create_response():
+    body = json_body()
+    req = parse_request(ResponsesRequest, body)
+    service = _responses()
+    record = current_record() or RequestRecord("", "", "")
+    record.model = req.model
+    if req.stream:
+        state, ignored = service.prepare_stream(req, body)
+        return _server_sent(service.events(state), state.job, record, _typed_frame, done=False,
+                            headers=_ignored_tools(ignored))
+    response, timings, ignored = service.create(req, body, alive=_client_alive(request.environ))
+    record.timings(timings)
+    record.model = response["model"]
+    record.prompt_tokens = response["usage"]["input_tokens"]
+    record.completion_tokens = response["usage"]["output_tokens"]
+    answer = jsonify(response)
+    answer.headers.update(_ignored_tools(ignored))
+    return answer
+
+
+@bp.get("/v1/responses/<response_id>")
+def get_response(response_id: str):
+    return jsonify(_responses().get(response_id))
+
+
+@bp.delete("/v1/responses/<response_id>")
+def delete_response(response_id: str):
+    return jsonify(_responses().delete(response_id))

@@ -105,6 +105,11 @@ class Settings(BaseSettings):
                        "could never fit the KV budget together is refused whatever this says.")
     max_best_of: int = Field(128, ge=1, description="Largest `best_of` (as `max_n`).")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings in `stop`.")
+    responses_store_items: int = Field(1000, ge=0, description="Most responses the Responses API keeps for "
+                                       "`previous_response_id` and `GET /v1/responses/{id}` (per worker process, "
+                                       "least recently used out first; 0: none are kept).")
+    responses_store_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Most bytes of JSON the Responses "
+                                       "API's store keeps (per worker process).")
     max_batch_size: int = Field(8, ge=1, description="Most sequences decoded together (continuous batching: "
                                 "requests join the running batch at step boundaries). 1 = one request at a time.")
     max_batch_tokens: int | None = Field(None, gt=0, description="Most KV-cache tokens (prompt + max_tokens per "
