@@ -652,12 +652,17 @@ class ChatResponseMessage(BaseModel):
     refusal: str | None = None                          # required by OpenAI's schema; always null here
     tool_calls: list[dict] | None = None    # OpenAI's {id, type: function, function: {name, arguments}}; left out
                                             # of the message when there are none, as OpenAI does
+    reasoning: str | None = None            # a reasoning parser's thoughts (vLLM's current name)
+    reasoning_content: str | None = None    # the same, under the older name clients still read
 
     @model_serializer(mode="wrap")
-    def _without_empty_calls(self, handler):
+    def _without_empty_fields(self, handler):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        for key in ("reasoning", "reasoning_content"):
+            if data.get(key) is None and key not in self.model_fields_set:
+                data.pop(key, None)
         return data
 
 

@@ -236,6 +236,8 @@ class ResponsesService:
         choice = served.body["choices"][0]
         message = choice["message"]
         builder = ResponseBuilder(request, served.body["model"])
+        if message.get("reasoning"):
+            builder.add_reasoning(message["reasoning"])
         if message.get("content") or not message.get("tool_calls"):
             logprobs = (choice.get("logprobs") or {}).get("content")
             builder.add_message(message.get("content") or "", logprobs if request.wants_logprobs else None)
@@ -243,7 +245,7 @@ class ResponsesService:
             builder.add_call(call)
         usage = served.body["usage"]
         response = builder.finish(choice["finish_reason"], usage["prompt_tokens"], usage["completion_tokens"],
-                                  served.timings.cached_tokens)
+                                  served.timings.cached_tokens, self._tokens(message.get("reasoning")))
         self._keep(request, response, conversation, message)
         return response, served.timings, ignored
 
@@ -278,6 +280,8 @@ class ResponsesService:
                         continue
                     for choice in chunk["choices"]:
                         delta = choice.get("delta") or {}
+                        if delta.get("reasoning"):
+                            yield from state.thought(delta["reasoning"])
                         if delta.get("content"):
                             logprobs = (choice.get("logprobs") or {}).get("content") or []
                             yield from state.text_delta(delta["content"], logprobs)
@@ -290,10 +294,13 @@ class ResponsesService:
                             finish = choice["finish_reason"]
                 if not calls and not state.message_open and not text:
                     yield from state.text_delta("", [])        # an empty answer is still a message
+                yield from state.close_reasoning()
                 yield from state.close_message()
                 prompt_tokens = (usage or {}).get("prompt_tokens", sum(len(ids) for ids in job.prompts))
                 output_tokens = (usage or {}).get("completion_tokens", job.timings.generated_tokens)
-                response = builder.finish(finish, prompt_tokens, output_tokens, job.timings.cached_tokens)
+                thoughts = state.reasoning["content"][0]["text"] if state.reasoning else None
+                response = builder.finish(finish, prompt_tokens, output_tokens, job.timings.cached_tokens,
+                                          self._tokens(thoughts))
                 said = {"role": "assistant", "content": "".join(text) or None}
                 if calls:
                     said["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
@@ -307,6 +314,12 @@ class ResponsesService:
                 yield state.event("response.failed", response=builder.failed(InternalServerError(
                     "The server had an error while streaming this response")))
                 raise
+
+    def _tokens(self, text: str | None) -> int:
+        """Tokens of a reasoning parser's thoughts (re-encoded: the answer's tokens are not split by tag)."""
+        if not text:
+            return 0
+        return len(self.completions.worker.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- the store -------------------------------------------------------------------------------------------
     def get(self, response_id: str) -> dict:
@@ -339,6 +352,12 @@ class ResponseBuilder:
         self.output.append(item)
         return item
 
+    def add_reasoning(self, text: str) -> dict:
+        item = {"type": "reasoning", "id": new_id("rs_"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+        self.output.append(item)
+        return item
+
     def add_call(self, call: dict) -> dict:
         item = {"type": "function_call", "id": new_id("fc_"), "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
@@ -360,12 +379,14 @@ class ResponseBuilder:
             "truncation": "disabled", "usage": None, "user": getattr(r, "user", None), "metadata": r.metadata or {},
         }
 
-    def finish(self, finish_reason: str | None, input_tokens: int, output_tokens: int, cached: int) -> dict:
+    def finish(self, finish_reason: str | None, input_tokens: int, output_tokens: int, cached: int,
+               reasoning_tokens: int = 0) -> dict:
         response = self.snapshot("incomplete" if finish_reason == "length" else "completed")
         if finish_reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         response["usage"] = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
-                             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": output_tokens,
+                             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                              "total_tokens": input_tokens + output_tokens}
         return response
 
@@ -383,6 +404,7 @@ class StreamState:
         self.builder = ResponseBuilder(request, job.model)
         self.sequence = 0
         self.message: dict | None = None       # the message item being written
+        self.reasoning: dict | None = None     # the reasoning item (a reasoning parser's thoughts)
         self.logprobs: list = []
 
     @property
@@ -394,7 +416,30 @@ class StreamState:
         self.sequence += 1
         return out
 
+    def thought(self, text: str) -> Iterator[dict]:
+        """Thoughts (a reasoning parser): a ``reasoning`` item before the message, its text in deltas."""
+        if self.reasoning is None:
+            self.reasoning = self.builder.add_reasoning("")
+            self.reasoning["status"] = "in_progress"
+            index = len(self.builder.output) - 1
+            yield self.event("response.output_item.added", output_index=index,
+                             item={**self.reasoning, "content": []})
+        self.reasoning["content"][0]["text"] += text
+        yield self.event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                         output_index=self.builder.output.index(self.reasoning), content_index=0, delta=text)
+
+    def close_reasoning(self) -> Iterator[dict]:
+        if self.reasoning is None or self.reasoning["status"] == "completed":
+            return
+        item = self.reasoning
+        index = self.builder.output.index(item)
+        yield self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                         text=item["content"][0]["text"])
+        item["status"] = "completed"
+        yield self.event("response.output_item.done", output_index=index, item=item)
+
     def text_delta(self, text: str, logprobs: list) -> Iterator[dict]:
+        yield from self.close_reasoning()
         if self.message is None:
             self.message = self.builder.add_message("", [] if self.request.wants_logprobs else None)
             self.message["status"] = "in_progress"
@@ -426,6 +471,7 @@ class StreamState:
         yield self.event("response.output_item.done", output_index=index, item=item)
 
     def call(self, call: dict) -> Iterator[dict]:
+        yield from self.close_reasoning()
         item = self.builder.add_call(call)
         index = len(self.builder.output) - 1
         arguments = item["arguments"]

@@ -16,7 +16,8 @@ from app.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                           DetokenizeResponse, Limits, ModelCard, ModelList, SamplingRequest, Timing, TokenizeRequest,
                           TokenizeResponse, TokenizerInfo, Usage)
 from app.settings import Settings
-from app.tool_calls import ToolCallStream, read_all, tool_format
+from app.reasoning import ThinkStream, starts_inside
+from app.tool_calls import ToolCallStream, tool_format
 
 if TYPE_CHECKING:                      # the worker (and torch) stay out of this module's imports
     from app.engine.worker import Worker
@@ -38,6 +39,7 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage so far on every chunk
     tools: bool = False                  # chat with tools: answers are read for tool calls
+    thinks: bool | None = None           # reasoning parser on: whether answers start inside the thoughts
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     timings: Timings = field(default_factory=Timings)
@@ -243,9 +245,12 @@ class CompletionService:
             asked_by = "tools" if tools and request.calls_tools else request.constraint()[1]
             self.worker.compile_constraint(params.constraint, asked_by)
         chat = isinstance(request, ChatCompletionRequest)
+        thinks = None
+        if chat and self.settings.reasoning_parser != "none":
+            thinks = starts_inside(self.worker.tokenizer.decode(prompts[0][-16:]))
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, continuous_usage=request.continuous_usage,
-                   id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, tools=bool(tools))
+                   id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, tools=bool(tools), thinks=thinks)
 
     def complete(self, request: SamplingRequest, job: Job | None = None, alive=None) -> ServedResponse:
         """A whole (non-streamed) completion or chat completion; ``job``: this request already prepared (batch
@@ -271,12 +276,24 @@ class CompletionService:
                                       timing=timing_of(timings), system_fingerprint=self.system_fingerprint)
         return ServedResponse(body.model_dump(), timings)
 
+    def _reader(self, job: Job) -> "AnswerReader | None":
+        """What reads a chat choice's text: thoughts (reasoning parser) and tool calls apart from the content."""
+        if not job.chat or (not job.tools and job.thinks is None):
+            return None
+        return AnswerReader(ThinkStream(job.thinks) if job.thinks is not None else None,
+                            ToolCallStream(self.tool_format) if job.tools else None)
+
     def _chat_choice(self, job: Job, index: int, choice) -> ChatChoice:
-        """One chat choice; with tools, the calls are read out of the text and the rest is the content."""
+        """One chat choice; with tools, the calls are read out of the text and the rest is the content; with a
+        reasoning parser, the thoughts too."""
         message = ChatResponseMessage(content=choice.text)
-        if job.tools:
-            content, calls = read_all(self.tool_format, choice.text)
-            message = ChatResponseMessage(content=content, tool_calls=[call.as_openai() for call in calls] or None)
+        reader = self._reader(job)
+        if reader is not None:
+            thoughts, content, calls = reader.feed(choice.text, final=True)
+            message = ChatResponseMessage(content=content or (None if calls or job.tools else content),
+                                          tool_calls=[call.as_openai() for call in calls] or None)
+            if job.thinks is not None:
+                message.reasoning = message.reasoning_content = thoughts or None
         return ChatChoice(index=index, message=message,
                           logprobs=chat_logprobs(choice.logprobs, job.params.logprobs or 0),
                           finish_reason=_finish(choice.finish_reason, bool(message.tool_calls)))
@@ -311,7 +328,7 @@ class CompletionService:
     def _chunks_of(self, job: Job, releases, n: int, started: set[int]) -> Iterator:
         """The stream's chunks; with continuous usage, each paired with the tokens generated so far."""
         generated = 0
-        readers: dict[int, ToolCallStream] = {}
+        readers: dict[int, AnswerReader | None] = {}
         for p, release in releases:
             generated += len(release.token_ids)
             index = p * n + release.index
@@ -322,9 +339,9 @@ class CompletionService:
                                              "logprobs": None, "finish_reason": None}]), generated
             if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens):
                 continue
-            if job.chat and job.tools:
-                reader = readers.setdefault(index, ToolCallStream(self.tool_format))
-                chunk = self._tool_chunk(job, index, reader, release)
+            reader = readers[index] if index in readers else readers.setdefault(index, self._reader(job))
+            if reader is not None:
+                chunk = self._read_chunk(job, index, reader, release)
                 if chunk is not None:
                     yield chunk, generated
                 continue
@@ -341,14 +358,14 @@ class CompletionService:
                           "finish_reason": release.finish_reason}
             yield self._chunk(job, [choice]), generated
 
-    def _tool_chunk(self, job: Job, index: int, reader: ToolCallStream, release) -> dict | None:
-        """A chat chunk of an answer read for tool calls: content outside calls as it comes, each call as one
-        ``tool_calls`` delta (id, name and whole arguments) once its closing tag is in."""
-        content, calls = reader.feed(release.text)
-        if release.finish_reason:
-            tail, more = reader.finish()
-            content, calls = content + tail, calls + more
+    def _read_chunk(self, job: Job, index: int, reader: "AnswerReader", release) -> dict | None:
+        """A chat chunk of an answer read for thoughts and tool calls: thoughts as ``reasoning`` (and
+        ``reasoning_content``) deltas, content outside calls as it comes, each call as one ``tool_calls`` delta
+        (id, name and whole arguments) once its closing tag is in."""
+        thoughts, content, calls = reader.feed(release.text, final=bool(release.finish_reason))
         delta: dict = {}
+        if thoughts:
+            delta["reasoning"] = delta["reasoning_content"] = thoughts
         if content:
             delta["content"] = content
         if calls:
@@ -356,7 +373,7 @@ class CompletionService:
             delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(calls)]
         logprobs = chat_logprobs(release.logprobs, job.params.logprobs or 0)
         if not delta and not release.finish_reason and logprobs is None:
-            return None                          # inside a call: nothing to say until it closes
+            return None                          # inside a call or a tag: nothing to say yet
         return self._chunk(job, [{"index": index, "delta": delta,
                                   "logprobs": logprobs.model_dump() if logprobs else None,
                                   "finish_reason": _finish(release.finish_reason, reader.calls > 0)}])
@@ -402,6 +419,31 @@ class CompletionService:
             pad_token_id=tok.pad_token_id, unk_token=tok.unk_token, model_max_length=self.max_total_tokens,
             vocab_size=info.vocab_size, chat_template=self.chat_template(),
             add_bos_token=adds_bos(tok)).model_dump()
+
+
+class AnswerReader:
+    """One chat choice's text as the client sees it: thoughts (a reasoning parser), then content and tool calls
+    (tools). The same reader serves whole answers (fed at once) and streams, so both say the same."""
+
+    def __init__(self, think: ThinkStream | None, tools: ToolCallStream | None):
+        self.think, self.tools = think, tools
+
+    @property
+    def calls(self) -> int:
+        return self.tools.calls if self.tools is not None else 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list]:
+        thoughts, content = self.think.feed(text) if self.think is not None else ("", text)
+        if final and self.think is not None:
+            more_thoughts, more_content = self.think.finish()
+            thoughts, content = thoughts + more_thoughts, content + more_content
+        calls: list = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if final:
+                tail, more = self.tools.finish()
+                content, calls = content + tail, calls + more
+        return thoughts, content, calls
 
 
 def _finish(reason: str | None, called: bool) -> str | None:

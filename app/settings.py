@@ -79,6 +79,10 @@ class Settings(BaseSettings):
                                                 "`tools`: `hermes` is `<tool_call>{json}</tool_call>` (Hermes, Qwen "
                                                 "2.5/3, SmolLM3 templates). It forces calls for `tool_choice` "
                                                 "required/named and reads them out of answers.")
+    reasoning_parser: Literal["none", "think"] = Field("none", description="Reasoning parser for models that "
+                                                      "think in tags: `think` reads `<think>...</think>` (Qwen3, "
+                                                      "DeepSeek-R1 distills) into chat's `message.reasoning` and a "
+                                                      "Responses `reasoning` item. `none`: answers are left whole.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint to run.")
     cache_dir: str | None = Field(None, description="Hugging Face download cache, and where the embedded "
                                   "default model is converted once. Default: ~/.cache/saker for the latter.")

@@ -109,7 +109,7 @@ class ToolCallStream:
             if not self.in_call:
                 at = self.buffer.find(start)
                 if at < 0:
-                    keep = _partial_suffix(self.buffer, start)
+                    keep = partial_suffix(self.buffer, start)
                     content += self._content(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
@@ -152,7 +152,7 @@ def read_all(fmt: HermesFormat, text: str) -> tuple[str | None, list[ToolCall]]:
     return (content + tail) or None, calls + more
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):
