@@ -84,6 +84,15 @@ def _install_operations(app: Flask, settings: Settings, worker) -> None:
     install_openapi(app)
     app.extensions["saker.metrics"] = metrics
     app.extensions["saker.access_log"] = access_log
+    if settings.cors_origins:
+        from flask_cors import CORS
+        origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        CORS(app, origins="*" if "*" in origins else origins, allow_headers=["Authorization", "Content-Type",
+                                                                               "X-Request-ID", "OpenAI-Organization",
+                                                                               "OpenAI-Project"],
+             expose_headers=["X-Request-ID", "X-Saker-Queue-Ms", "X-Saker-Prefill-Ms", "X-Saker-Decode-Ms",
+                             "X-Saker-Tokens-Per-Second", "X-Saker-Cached-Prompt-Tokens", "X-Saker-Ignored-Tools",
+                             "Retry-After"], max_age=600)
     if settings.proxy_hops:
         hops = settings.proxy_hops
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops, x_port=hops, x_prefix=hops)

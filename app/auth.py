@@ -53,6 +53,8 @@ def install_auth(app: Flask, settings: Settings) -> None:
     def _require_api_key():
         if not is_protected(request.path, metrics_too):
             return None
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return None             # a browser's CORS preflight never carries credentials (the request after it does)
         scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:

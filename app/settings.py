@@ -158,6 +158,9 @@ class Settings(BaseSettings):
                          "metrics and 429 answers need free threads).")
     graceful_timeout: int = Field(120, gt=0, description="Seconds gunicorn gives in-flight requests to "
                                   "finish after SIGTERM before it kills the worker.")
+    cors_origins: str | None = Field(None, description="Browser origins allowed to call the API (CORS), comma-"
+                                     "separated (`https://app.example.com,http://localhost:3000`), or `*` for any. "
+                                     "Unset: none (no Access-Control-* headers; browsers block cross-origin calls).")
     proxy_hops: int = Field(0, ge=0, description="Reverse proxies in front of saker whose X-Forwarded-For/"
                             "-Proto/-Host/-Port/-Prefix headers are trusted (werkzeug ProxyFix); 0 = none.")
 
@@ -317,7 +320,19 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=field.description)
         else:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=field.description)
+            choices = _choices(field.annotation)
+            help_text = field.description + (f" One of: {', '.join(choices)}." if choices else "")
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+
+
+def _choices(annotation) -> tuple[str, ...]:
+    """The allowed values of a Literal field (or an optional one), for --help."""
+    import typing
+    args = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    values = [v for a in args if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
+    return tuple(str(v) for v in values)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
