@@ -234,9 +234,10 @@ class SamplingRequest(BaseModel):
         if best_of is not None and best_of > limits.max_best_of:
             raise InvalidRequestError(f"best_of must be at most {limits.max_best_of}, got {best_of}",
                                       param="best_of")
-        if logprobs is not None and logprobs > limits.max_logprobs:
-            raise InvalidRequestError(f"{logprobs_param} must be at most {limits.max_logprobs}, got {logprobs}",
-                                      param=logprobs_param)
+        if logprobs is not None and logprobs > min(limits.max_logprobs, vocab_size):
+            raise InvalidRequestError(f"{logprobs_param} must be at most {min(limits.max_logprobs, vocab_size)} "
+                                      f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
+                                      f"{logprobs}", param=logprobs_param)
         if len(self.stop_list) > limits.max_stop_sequences:
             raise InvalidRequestError(f"stop may hold at most {limits.max_stop_sequences} sequences, "
                                       f"got {len(self.stop_list)}", param="stop")

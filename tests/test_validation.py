@@ -416,3 +416,20 @@ def test_every_logit_bias_key_outside_the_vocabulary_is_named(gpt2_client):
                         400, "logit_bias")
     message = body if isinstance(body, str) else body.get("message", "")
     assert all(k in message for k in keys[:8]) and "and 2 more" in message and " 5," not in message
+
+
+def test_logprobs_above_the_vocabulary_are_400_whatever_the_cap(gpt2_dir, gpt2_worker):
+    """SAKER_MAX_LOGPROBS may be raised past 20; a k above the vocabulary is still a 400, not a crash."""
+    from app import create_app
+    from conftest import make_settings
+    client = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_logprobs=100_000),
+                        engine=gpt2_worker).test_client()
+    vocab = gpt2_worker.info.vocab_size
+    ok = client.post(URL, json=request_with(logprobs=vocab, max_tokens=1))
+    assert ok.status_code == 200 and len(ok.get_json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= vocab - 1
+    assert_error(client.post(URL, json=request_with(logprobs=vocab + 1)), 400, "logprobs")
+    chat = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": [{"role": "user",
+                                                     "content": "x"}], "logprobs": True,
+                                                     "top_logprobs": vocab + 5})
+    assert chat.status_code == 400 and chat.get_json()["error"]["param"] in ("top_logprobs", "messages")
+    assert client.post(URL, json=GOOD).status_code == 200
