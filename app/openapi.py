@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app import protocol as p
+from app.responses import ResponsesRequest
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/{model}"
@@ -57,6 +58,12 @@ OPERATIONS: tuple[Operation, ...] = (
               protected=True, errors=("400", "401", "404", "413", "415", "500", "503")),
     Operation("/tokenizer_info", "get", "The tokenizer's special tokens, sizes and chat template",
               response=p.TokenizerInfo, protected=True),
+    Operation("/v1/responses", "post", "Create a response (the Responses API, on the chat path)", ResponsesRequest,
+              streams=True, protected=True, errors=("400", "401", "404", "413", "415", "429", "500", "503")),
+    Operation("/v1/responses/<response_id>", "get", "A stored response", protected=True,
+              errors=("401", "404", "500")),
+    Operation("/v1/responses/<response_id>", "delete", "Delete a stored response", protected=True,
+              errors=("401", "404", "500")),
     Operation("/health", "get", "Readiness: 200 once the model is loaded, 503 before", response=p.HealthResponse,
               errors=("503",)),
     Operation("/metrics", "get", "Prometheus metrics (text exposition format)", response_type="text/plain",
@@ -103,11 +110,14 @@ def build_openapi(title: str = "saker", version: str = "1") -> dict:
             ok["content"] = {op.response_type: {"schema": {"type": "string"} if op.response_type != "application/json"
                                                 else {"type": "object"}}}
         if op.streams:
-            ok["content"]["text/event-stream"] = {
-                "schema": {"type": "string"},
-                "description": "With \"stream\": true: `data: {chunk}` frames shaped like the response "
-                               "(choices carry text or a delta), an optional usage chunk, then `data: [DONE]`. "
-                               "An error after the first frame is a `data: {\"error\": ...}` frame."}
+            # OpenAPI 3.1 cannot describe the frames of a stream (3.2's itemSchema can): a string, described
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            ok["description"] = ("OK. With \"stream\": true, text/event-stream: " + (
+                "`event: <type>` + `data: {event}` frames (Responses events), the last one response.completed, "
+                "response.incomplete or response.failed." if op.path == "/v1/responses" else
+                "`data: {chunk}` frames shaped like the response (choices carry text or a delta), an optional "
+                "usage chunk, then `data: [DONE]`. An error after the first frame is a `data: {\"error\": ...}` "
+                "frame."))
         operation["responses"]["200"] = ok
         for status in op.errors:
             headers = {"Retry-After": {"schema": {"type": "integer"}}} if status in ("429", "503") else None

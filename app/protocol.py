@@ -68,7 +68,7 @@ class SamplingRequest(BaseModel):
     max_tokens: StrictInt | None = Field(16, ge=0)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, ge=0, le=1)
-    n: StrictInt = Field(1, ge=1)
+    n: StrictInt | None = Field(1, ge=1)             # null: the default (here and in the other null-default fields)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -81,11 +81,11 @@ class SamplingRequest(BaseModel):
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: Number | None = Field(None, ge=0, le=1)
     repetition_penalty: Number | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
-    min_tokens: StrictInt = Field(0, ge=0)
-    ignore_eos: StrictBool = False
+    min_tokens: StrictInt | None = Field(0, ge=0)
+    ignore_eos: StrictBool | None = False
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool | None = False
+    skip_special_tokens: StrictBool | None = True
     response_format: dict | None = None
     structured_outputs: dict | None = None                # vLLM's: json, regex, choice, grammar, json_object
     allowed_token_ids: list[StrictInt] | None = None
@@ -421,7 +421,45 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+_TEMPLATE_OWN = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                           "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                           "tokenizer_kwargs"})
+
+
+class TemplateFields(BaseModel):
+    """How chat messages are rendered (chat and /tokenize alike; vLLM's names)."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False     # the last (assistant) message is left open and continued
+    chat_template_kwargs: dict[StrictStr, Any] | None = None   # more variables for the template (enable_thinking)
+    documents: list[dict[StrictStr, Any]] | None = None        # for retrieval templates
+
+    def _check_template_fields(self, messages) -> None:
+        if self.continue_final_message:
+            if "add_generation_prompt" not in self.model_fields_set:
+                self.add_generation_prompt = False
+            elif self.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                          param="continue_final_message")
+            if not messages or messages[-1].role != "assistant":
+                raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                          param="continue_final_message")
+        taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)} (they are request "
+                                      "fields of their own)", param="chat_template_kwargs")
+
+    def template_options(self) -> dict:
+        """Keyword arguments for ``apply_chat_template`` besides the messages and tools."""
+        options: dict = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        if self.documents is not None:
+            options["documents"] = self.documents
+        return options
+
+
+class ChatCompletionRequest(TemplateFields, SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -429,7 +467,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0)
-    add_generation_prompt: StrictBool = True
+    echo: StrictBool = False                       # vLLM's: the answer starts with the last assistant message
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = True
@@ -442,7 +480,15 @@ class ChatCompletionRequest(SamplingRequest):
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self._check_common()
         self._check_tools()
+        self._check_template_fields(self.messages)
         return self
+
+    @property
+    def echoed(self) -> str | None:
+        """With ``echo``: the text the answer starts with (the last message, when it is the assistant's)."""
+        if not self.echo or self.messages[-1].role != "assistant":
+            return None
+        return self.messages[-1].as_template_message()["content"]
 
     def _check_tools(self) -> None:
         names = [tool.function.name for tool in self.tools or []]
@@ -493,7 +539,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self._sampling_params(limits, vocab_size, adapter, logprobs=logprobs, logprobs_param="top_logprobs")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TemplateFields):
     """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered with the template."""
 
     model_config = ConfigDict(extra="ignore")
@@ -502,13 +548,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None              # with messages: rendered by the template as chat does
     add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+        self._check_template_fields(self.messages)
         return self
 
 
@@ -546,9 +592,21 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
         raise InvalidRequestError(f"{bad} holds a lone UTF-16 surrogate escape (such as \\ud800), which is not "
                                   f"valid Unicode", param=None if bad == "body" else bad)
     try:
-        return model_cls.model_validate(body)
+        return model_cls.model_validate(_integral_numbers(body))
     except ValidationError as exc:
         raise _as_invalid_request(exc) from None
+
+
+def _integral_numbers(value):
+    """JSON has one number type: ``1.0`` is the integer 1 (JSON Schema says so, and some clients write integers
+    so). Whole floats become ints before validation (float fields take ints as they are; ``1.5`` stays)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral_numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral_numbers(item) for item in value]
+    return value
 
 
 def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:

@@ -40,6 +40,7 @@ class Job:
     continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage so far on every chunk
     tools: bool = False                  # chat with tools: answers are read for tool calls
     thinks: bool | None = None           # reasoning parser on: whether answers start inside the thoughts
+    echoed: str | None = None            # chat echo: the text each answer starts with
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     timings: Timings = field(default_factory=Timings)
@@ -177,7 +178,7 @@ class CompletionService:
         return self._chat_template or None
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,
-                        tools: list[dict] | None = None):
+                        tools: list[dict] | None = None, options: dict | None = None):
         template = self.chat_template()
         if not template:
             raise InvalidRequestError(
@@ -186,19 +187,19 @@ class CompletionService:
         try:
             return self.worker.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=tokenize,
                                                              add_generation_prompt=add_generation_prompt,
-                                                             return_dict=False, tools=tools)
+                                                             return_dict=False, tools=tools, **(options or {}))
         except Exception as exc:   # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
             raise InvalidRequestError(f"the chat template could not render these messages: {exc}",
                                       param="messages") from None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, options: dict | None = None) -> list[int]:
         """Token ids of the rendered conversation; the template carries BOS, none is added a second time."""
         if tools and not self.template_takes_tools():
             raise InvalidRequestError("This model's chat template does not render tools, so the model would never "
                                       "see them. Use a template that does (SAKER_CHAT_TEMPLATE), or leave tools "
                                       "out", param="tools")
-        ids = self._apply_template(messages, add_generation_prompt, tokenize=True, tools=tools)
+        ids = self._apply_template(messages, add_generation_prompt, tokenize=True, tools=tools, options=options)
         if ids and isinstance(ids[0], list):
             ids = ids[0]
         return list(ids)
@@ -225,7 +226,8 @@ class CompletionService:
         tools = None
         if isinstance(request, ChatCompletionRequest):
             tools = request.template_tools()
-            prompts = [self.render_chat(request.template_messages(), request.add_generation_prompt, tools)]
+            prompts = [self.render_chat(request.template_messages(), request.add_generation_prompt, tools,
+                                        request.template_options())]
             param = "messages"
             if tools:                # the call tags must reach the parser, special tokens or not
                 params = replace(params, skip_special_tokens=False)
@@ -250,7 +252,8 @@ class CompletionService:
             thinks = starts_inside(self.worker.tokenizer.decode(prompts[0][-16:]))
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, continuous_usage=request.continuous_usage,
-                   id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, tools=bool(tools), thinks=thinks)
+                   id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, tools=bool(tools), thinks=thinks,
+                   echoed=request.echoed if chat else None)
 
     def complete(self, request: SamplingRequest, job: Job | None = None, alive=None) -> ServedResponse:
         """A whole (non-streamed) completion or chat completion; ``job``: this request already prepared (batch
@@ -294,6 +297,8 @@ class CompletionService:
                                           tool_calls=[call.as_openai() for call in calls] or None)
             if job.thinks is not None:
                 message.reasoning = message.reasoning_content = thoughts or None
+        if job.echoed:
+            message.content = job.echoed + (message.content or "")
         return ChatChoice(index=index, message=message,
                           logprobs=chat_logprobs(choice.logprobs, job.params.logprobs or 0),
                           finish_reason=_finish(choice.finish_reason, bool(message.tool_calls)))
@@ -335,7 +340,8 @@ class CompletionService:
             if index not in started:
                 started.add(index)
                 if job.chat:                              # OpenAI's first chat chunk carries the role
-                    yield self._chunk(job, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                    yield self._chunk(job, [{"index": index, "delta": {"role": "assistant",
+                                                                       "content": job.echoed or ""},
                                              "logprobs": None, "finish_reason": None}]), generated
             if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens):
                 continue
@@ -391,16 +397,17 @@ class CompletionService:
             messages = [m.as_template_message() for m in request.messages]
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
             if request.add_special_tokens:
-                text = self._apply_template(messages, request.add_generation_prompt, tokenize=False, tools=tools)
+                text = self._apply_template(messages, request.add_generation_prompt, tokenize=False, tools=tools,
+                                            options=request.template_options())
                 ids = list(tok(text, add_special_tokens=True)["input_ids"])
             else:
-                ids = self.render_chat(messages, request.add_generation_prompt, tools)
+                ids = self.render_chat(messages, request.add_generation_prompt, tools, request.template_options())
         else:
             add = True if request.add_special_tokens is None else request.add_special_tokens
             ids = list(tok(request.prompt, add_special_tokens=add)["input_ids"])
         strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_total_tokens, tokens=ids,
-                                token_strs=strs).model_dump(exclude_none=True)
+                                token_strs=strs).model_dump()
 
     def detokenize(self, request: DetokenizeRequest) -> dict:
         self.resolve_model(request.model)
