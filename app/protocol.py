@@ -90,6 +90,8 @@ class SamplingRequest(BaseModel):
     structured_outputs: dict | None = None                # vLLM's: json, regex, choice, grammar, json_object
     allowed_token_ids: list[StrictInt] | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    prompt_logprobs: StrictInt | None = Field(None, ge=0)     # vLLM's: each prompt token's logprob, rank, top k
+    return_tokens_as_token_ids: StrictBool | None = False     # vLLM's: logprob tokens as "token_id:<id>"
 
     @model_validator(mode="before")
     @classmethod
@@ -238,6 +240,10 @@ class SamplingRequest(BaseModel):
             raise InvalidRequestError(f"{logprobs_param} must be at most {min(limits.max_logprobs, vocab_size)} "
                                       f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
                                       f"{logprobs}", param=logprobs_param)
+        if self.prompt_logprobs is not None and self.prompt_logprobs > min(limits.max_logprobs, vocab_size):
+            raise InvalidRequestError(f"prompt_logprobs must be at most {min(limits.max_logprobs, vocab_size)} "
+                                      f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
+                                      f"{self.prompt_logprobs}", param="prompt_logprobs")
         if len(self.stop_list) > limits.max_stop_sequences:
             raise InvalidRequestError(f"stop may hold at most {limits.max_stop_sequences} sequences, "
                                       f"got {len(self.stop_list)}", param="stop")
@@ -291,6 +297,8 @@ class SamplingRequest(BaseModel):
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids))) if self.allowed_token_ids else None,
             processed_logprobs=self.logprobs_mode == "processed_logprobs",
             constraint=constraint,
+            prompt_logprobs=self.prompt_logprobs,
+            tokens_as_ids=bool(self.return_tokens_as_token_ids),
         )
 
 
@@ -642,11 +650,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+def _drop_unasked(data: dict, *keys: str) -> dict:
+    """Extensions answered only when asked for: left out of the answer when null."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None   # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler):
+        return _drop_unasked(handler(self), "prompt_logprobs")
 
 
 class Usage(BaseModel):
@@ -741,6 +762,11 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     timing: Timing | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None   # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler):
+        return _drop_unasked(handler(self), "prompt_logprobs")
 
 
 class TokenizeResponse(BaseModel):

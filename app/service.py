@@ -270,10 +270,11 @@ class CompletionService:
                             for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
             body = ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=chat_choices,
                                           usage=usage, timing=timing_of(timings),
-                                          system_fingerprint=self.system_fingerprint)
+                                          system_fingerprint=self.system_fingerprint,
+                                          prompt_logprobs=outputs[0].prompt_logprobs)
         else:
             choices = [CompletionChoice(text=c.text, index=p * n + j, logprobs=completion_logprobs(c.logprobs),
-                                        finish_reason=c.finish_reason)
+                                        finish_reason=c.finish_reason, prompt_logprobs=out.prompt_logprobs)
                        for p, out in enumerate(outputs) for j, c in enumerate(out.choices)]
             body = CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage,
                                       timing=timing_of(timings), system_fingerprint=self.system_fingerprint)
@@ -340,10 +341,14 @@ class CompletionService:
             if index not in started:
                 started.add(index)
                 if job.chat:                              # OpenAI's first chat chunk carries the role
-                    yield self._chunk(job, [{"index": index, "delta": {"role": "assistant",
-                                                                       "content": job.echoed or ""},
-                                             "logprobs": None, "finish_reason": None}]), generated
-            if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens):
+                    chunk = self._chunk(job, [{"index": index, "delta": {"role": "assistant",
+                                                                         "content": job.echoed or ""},
+                                               "logprobs": None, "finish_reason": None}])
+                    if release.prompt_logprobs is not None:
+                        chunk["prompt_logprobs"] = release.prompt_logprobs
+                    yield chunk, generated
+            if not release.text and not release.finish_reason and not (release.logprobs and release.logprobs.tokens) \
+                    and (job.chat or release.prompt_logprobs is None):
                 continue
             reader = readers[index] if index in readers else readers.setdefault(index, self._reader(job))
             if reader is not None:
@@ -362,6 +367,8 @@ class CompletionService:
                 choice = {"text": release.text, "index": index,
                           "logprobs": logprobs.model_dump() if logprobs else None,
                           "finish_reason": release.finish_reason}
+                if release.prompt_logprobs is not None:       # the prompt's release, first of its choice
+                    choice["prompt_logprobs"] = release.prompt_logprobs
             yield self._chunk(job, [choice]), generated
 
     def _read_chunk(self, job: Job, index: int, reader: "AnswerReader", release) -> dict | None:

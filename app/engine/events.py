@@ -20,6 +20,7 @@ class PromptNumbers:
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_values: list[list[float]] | None = None
+    ranks: list[int] | None = None           # prompt_logprobs: each token's rank in its distribution (1: the top)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class PromptEvent:
     prompt_tokens: int
     text: str
     logprobs: TokenLogprobs | None
+    prompt_logprobs: list | None = None      # vLLM's shape: None, then {token_id: {logprob, rank, decoded_token}}
 
 
 @dataclass

@@ -45,7 +45,9 @@ class RequestGroup:
         self.want_logprobs = params.logprobs is not None
         self.want_candidate_logprob = self.want_logprobs or params.num_candidates > params.n
         self.k = params.logprobs or 0
-        self.needs_prompt_logits = params.echo and self.want_logprobs
+        self.needs_prompt_logits = (params.echo and self.want_logprobs) or params.prompt_logprobs is not None
+        # the prompt's top k: for echo's logprobs and for prompt_logprobs, whichever asks more
+        self.prompt_k = max(self.k if params.echo else 0, params.prompt_logprobs or 0)
         self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
         self.seqs: list[Candidate] = []
         self.stopping = StoppingCriteria(eos_token_ids=frozenset(runner.eos_token_ids),
@@ -54,6 +56,7 @@ class RequestGroup:
         self._prompt_lp: list[float] = []           # echo + logprobs: the prompt's numbers so far (score_prompt)
         self._prompt_top_ids: list[list[int]] = []
         self._prompt_top_values: list[list[float]] = []
+        self._prompt_ranks: list[int] = []
         self.cancelled = False
         self.tokens_made = 0                         # tokens the engine sampled for this group (all rows)
         self._finish: list[int] = []                 # candidates the output side ended (stop strings)
@@ -95,33 +98,41 @@ class RequestGroup:
 
     # -- prompt -----------------------------------------------------------------------------------------
     def score_prompt(self, logits: torch.Tensor, start: int) -> None:
-        """Echo + logprobs: the numbers of the prompt tokens that rows ``start..`` of the prefill's logits
-        (n, V) predict (row ``i`` predicts token ``i + 1``), kept on the host; the logits can go. A long prompt
-        is scored chunk by chunk as it is prefilled, so no more than a chunk's logits are ever held."""
+        """Echo + logprobs, prompt_logprobs: the numbers of the prompt tokens that rows ``start..`` of the prefill's
+        logits (n, V) predict (row ``i`` predicts token ``i + 1``), kept on the host; the logits can go. A long
+        prompt is scored chunk by chunk as it is prefilled, so no more than a chunk's logits are ever held."""
         count = min(logits.shape[0], len(self.prompt_ids) - 1 - start)
         if count <= 0:
             return
+        k, ranked = self.prompt_k, self.params.prompt_logprobs is not None
         lp = raw_logprobs(logits[:count])
         ids = torch.tensor(self.prompt_ids[start + 1:start + 1 + count], device=lp.device).view(-1, 1)
-        parts = [lp.gather(-1, ids).double()]
-        if self.k:
-            top = torch.topk(lp, self.k, dim=-1)
+        chosen = lp.gather(-1, ids)
+        parts = [chosen.double()]
+        if ranked:
+            parts.append(((lp > chosen).sum(-1, keepdim=True) + 1).double())
+        if k:
+            top = torch.topk(lp, k, dim=-1)
             parts += [top.values.double(), top.indices.double()]
+        first = 2 if ranked else 1
         for row in torch.cat(parts, dim=1).tolist():
             self._prompt_lp.append(row[0])
-            if self.k:
-                self._prompt_top_values.append(row[1:1 + self.k])
-                self._prompt_top_ids.append([int(i) for i in row[1 + self.k:]])
+            if ranked:
+                self._prompt_ranks.append(int(row[1]))
+            if k:
+                self._prompt_top_values.append(row[first:first + k])
+                self._prompt_top_ids.append([int(i) for i in row[first + k:]])
 
     def prompt_numbers(self) -> PromptNumbers:
-        """The prompt's numbers: with echo + logprobs, each prompt token's raw logprob and the top k (from
-        ``score_prompt``)."""
+        """The prompt's numbers: with echo + logprobs or prompt_logprobs, each prompt token's raw logprob, rank and
+        the top k (from ``score_prompt``)."""
         count = len(self.prompt_ids)
         if not self.needs_prompt_logits:
             return PromptNumbers(count)
-        top = self.k > 0
+        top = self.prompt_k > 0
         return PromptNumbers(count, self._prompt_lp, self._prompt_top_ids if top else None,
-                             self._prompt_top_values if top else None)
+                             self._prompt_top_values if top else None,
+                             self._prompt_ranks if self.params.prompt_logprobs is not None else None)
 
     # -- decoding ---------------------------------------------------------------------------------------
     def begin(self, device, vocab: int) -> SamplingRows:

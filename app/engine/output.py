@@ -24,13 +24,14 @@ from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
 
 
 def _top_dict(tokenizer, byte_level: bool, detok: IncrementalDetokenizer, chosen_id: int, chosen_lp: float,
-              ids: list[int], vals: list[float]) -> dict[str, float]:
-    """``top_logprobs`` of one position: the top k plus the chosen token, keyed by their text in context."""
+              ids: list[int], vals: list[float], as_ids: bool = False) -> dict[str, float]:
+    """``top_logprobs`` of one position: the top k plus the chosen token, keyed by their text in context (or
+    ``token_id:<id>`` with return_tokens_as_token_ids)."""
     # tokens a processed distribution ruled out (-inf: a constraint's mask, allowed_token_ids, top-k) are no
     # alternatives (and -Infinity is not JSON)
     cand_ids = [chosen_id] + [i for i, v in zip(ids, vals) if i != chosen_id and v != float("-inf")]
     cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id and v != float("-inf")]
-    keys = candidate_keys(tokenizer, detok, cand_ids, byte_level)
+    keys = [f"token_id:{i}" for i in cand_ids] if as_ids else candidate_keys(tokenizer, detok, cand_ids, byte_level)
     return dict(sorted(zip(keys, cand_vals), key=lambda kv: -kv[1]))
 
 
@@ -42,6 +43,7 @@ class ChoiceDecoder:
         self.index = index
         self.tokenizer, self.byte_level = tokenizer, byte_level
         self.want_logprobs = params.logprobs is not None
+        self.as_ids = params.tokens_as_ids
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stopping = stopping
         self.prompt_len = len(prompt_ids)
@@ -58,7 +60,7 @@ class ChoiceDecoder:
         top_dict = None
         if self.want_logprobs:
             top_dict = _top_dict(self.tokenizer, self.byte_level, detok, token_id, raw.logprob,
-                                 raw.top_ids or [], raw.top_values or [])
+                                 raw.top_ids or [], raw.top_values or [], self.as_ids)
         self.generated += 1
         piece = ""
         if self.stopping.stop_token(token_id, self.generated):
@@ -122,13 +124,42 @@ class RequestDecoder:
                         for i in range(params.num_candidates)]
 
     def prompt(self, numbers: PromptNumbers) -> PromptEvent:
-        """The prompt's text and (with echo + logprobs) its tokens, logprobs and keys."""
+        """The prompt's text and (with echo + logprobs) its tokens, logprobs and keys; with prompt_logprobs, those
+        in vLLM's shape."""
+        event = self._echo(numbers)
+        if self.params.prompt_logprobs is not None and numbers.logprobs is not None:
+            event.prompt_logprobs = self._prompt_logprobs(numbers)
+        return event
+
+    def _prompt_logprobs(self, numbers: PromptNumbers) -> list:
+        """``[None, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...]``: the prompt token first, then the
+        top k (ranked 1..k) that are not it."""
+        k, names = self.params.prompt_logprobs, {}
+
+        def decoded(token_id: int) -> str:
+            if token_id not in names:
+                names[token_id] = f"token_id:{token_id}" if self.params.tokens_as_ids else \
+                    self.tokenizer.decode([token_id])
+            return names[token_id]
+        out: list = [None]
+        for i, token_id in enumerate(self.prompt_ids[1:]):
+            entry = {str(token_id): {"logprob": numbers.logprobs[i], "rank": numbers.ranks[i],
+                                     "decoded_token": decoded(token_id)}}
+            ids = numbers.top_ids[i][:k] if numbers.top_ids else []
+            values = numbers.top_values[i][:k] if numbers.top_values else []
+            for rank, (other, value) in enumerate(zip(ids, values), start=1):
+                entry.setdefault(str(other), {"logprob": value, "rank": rank, "decoded_token": decoded(other)})
+            out.append(entry)
+        return out
+
+    def _echo(self, numbers: PromptNumbers) -> PromptEvent:
         params, tok, ids = self.params, self.tokenizer, self.prompt_ids
         if not params.echo:
             return PromptEvent(numbers.prompt_tokens, "", None)
         if params.logprobs is None or numbers.logprobs is None:
             text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
             return PromptEvent(numbers.prompt_tokens, text, None)
+        k = params.logprobs
         detok = IncrementalDetokenizer(tok, skip_special_tokens=params.skip_special_tokens)
         out = TokenLogprobs()
         text = ""
@@ -140,15 +171,17 @@ class RequestDecoder:
                 chosen = numbers.logprobs[i - 1]
                 out.token_logprobs.append(chosen)
                 out.top_logprobs.append(_top_dict(tok, self.byte_level, detok, token_id, chosen,
-                                                  numbers.top_ids[i - 1] if numbers.top_ids else [],
-                                                  numbers.top_values[i - 1] if numbers.top_values else []))
+                                                  numbers.top_ids[i - 1][:k] if numbers.top_ids else [],
+                                                  numbers.top_values[i - 1][:k] if numbers.top_values else [],
+                                                  params.tokens_as_ids))
             piece = detok.add(token_id)
             out.text_offset.append(len(text))
-            out.tokens.append(piece)
+            out.tokens.append(f"token_id:{token_id}" if params.tokens_as_ids else piece)
             text += piece
         tail = detok.flush()
         if tail:
-            out.tokens[-1] += tail
+            if not params.tokens_as_ids:
+                out.tokens[-1] += tail
             text += tail
         return PromptEvent(numbers.prompt_tokens, text, out)
 
@@ -161,12 +194,14 @@ class Release:
     logprobs: TokenLogprobs | None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None      # on the prompt's release of each choice, with prompt_logprobs
 
 
 class ChoiceAssembler:
     def __init__(self, index: int, params: SamplingParams, text_offset: int = 0):
         self.index = index
         self.want_logprobs = params.logprobs is not None
+        self.as_ids = params.tokens_as_ids
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         self.offset = text_offset           # text_offset of the next released token
         self.text = ""                      # all generated text so far (held-back part included)
@@ -202,7 +237,7 @@ class ChoiceAssembler:
             out.text += piece
             out.token_ids.append(event.token_id)
             if out.logprobs is not None:
-                out.logprobs.tokens.append(piece)
+                out.logprobs.tokens.append(f"token_id:{event.token_id}" if self.as_ids else piece)
                 out.logprobs.token_logprobs.append(event.logprob)
                 out.logprobs.top_logprobs.append(event.top_logprobs)
                 out.logprobs.text_offset.append(self.offset)
@@ -221,15 +256,16 @@ class ChoiceAssembler:
 
 
 def prompt_release(prompt: PromptEvent, index: int, params: SamplingParams) -> Release:
-    """The echoed prompt as the first release of a choice (empty without echo)."""
+    """The echoed prompt as the first release of a choice (empty without echo), with prompt_logprobs when asked."""
     if not params.echo:
-        return Release(index, "", TokenLogprobs() if params.logprobs is not None else None)
+        return Release(index, "", TokenLogprobs() if params.logprobs is not None else None,
+                       prompt_logprobs=prompt.prompt_logprobs)
     logprobs = None
     if params.logprobs is not None and prompt.logprobs is not None:
         lp = prompt.logprobs
         logprobs = TokenLogprobs(list(lp.tokens), list(lp.token_logprobs), list(lp.top_logprobs),
                                  list(lp.text_offset))
-    return Release(index, prompt.text, logprobs)
+    return Release(index, prompt.text, logprobs, prompt_logprobs=prompt.prompt_logprobs)
 
 
 def merge(into: Release, more: Release) -> Release:
@@ -296,6 +332,7 @@ class CompletionOutput:
     prompt_tokens: int
     choices: list[ChoiceResult]   # the n kept candidates, in output order
     completion_tokens: int        # all candidates' tokens (best_of included)
+    prompt_logprobs: list | None = None
 
 
 def collect(events: Iterable[PromptEvent | TokenEvent], params: SamplingParams) -> CompletionOutput:
@@ -316,4 +353,5 @@ def collect(events: Iterable[PromptEvent | TokenEvent], params: SamplingParams) 
                                     release.logprobs, assembler.mean_logprob))
     if params.num_candidates > params.n:
         results = sorted(results, key=lambda r: -r.mean_logprob)[:params.n]
-    return CompletionOutput(stream.prompt.prompt_tokens, results, stream.completion_tokens)
+    return CompletionOutput(stream.prompt.prompt_tokens, results, stream.completion_tokens,
+                            stream.prompt.prompt_logprobs)

@@ -37,6 +37,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None   # only these may be chosen (None: any)
     processed_logprobs: bool = False    # report logprobs of the processed distribution, not the raw one
     constraint: Constraint | None = None  # structured outputs: only tokens that keep the output matching it
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top k (None: off)
+    tokens_as_ids: bool = False         # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
 
     @property
     def num_candidates(self) -> int:
