@@ -76,7 +76,8 @@ def _install_operations(app: Flask, settings: Settings, worker) -> None:
     from app.metrics import Metrics, install_metrics
     from app.openapi import install_openapi
 
-    metrics = Metrics(worker)
+    metrics = Metrics(worker, model_name=settings.model_names[0], vllm_aliases=settings.vllm_metrics,
+                      adapters=tuple(name for name in settings.peft_adapters if name))
     access_log = AccessLog(settings.access_log, settings.log_prompts)
     install_access_log(app, access_log, on_finish=[metrics.observe])
     install_metrics(app, metrics)

@@ -11,7 +11,9 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.access_log import RequestRecord, current_record
-from app.errors import APIError, ClientClosedError, InternalServerError, InvalidRequestError, UnsupportedMediaTypeError
+from app import lifecycle
+from app.errors import (APIError, ClientClosedError, InternalServerError, InvalidRequestError,
+                        ServiceUnavailableError, UnsupportedMediaTypeError)
 from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                           parse_request)
 from app.responses import ResponsesRequest
@@ -92,6 +94,22 @@ def _reject_constant(name: str):
 def health():
     _service().worker.require_ready()
     return jsonify({"status": "ok"})
+
+
+@bp.get("/livez")
+def livez():
+    """Liveness: 200 while the process serves (loading, ready or draining)."""
+    return jsonify({"status": "alive"})
+
+
+@bp.get("/readyz")
+def readyz():
+    """Readiness: 200 once the model is loaded, 503 while it loads or after a stop was asked for (draining)."""
+    if lifecycle.draining.is_set():
+        raise ServiceUnavailableError("this replica is stopping: send requests to another one", code="draining",
+                                      headers={"Retry-After": "1"})
+    _service().worker.require_ready()
+    return jsonify({"status": "ready"})
 
 
 @bp.get("/v1/models")

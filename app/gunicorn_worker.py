@@ -19,6 +19,7 @@ import errno
 import json
 import re
 import selectors
+import threading
 import time
 from collections import deque
 from functools import partial
@@ -48,8 +49,26 @@ class BufferingThreadWorker(ThreadWorker):
         self.head_limit = self.cfg.limit_request_line + self.cfg.limit_request_fields * \
             (self.cfg.limit_request_field_size + 2) + 4
         from app.settings import load_settings
-        self.body_limit = load_settings().max_request_bytes
+        settings = load_settings()
+        self.body_limit = settings.max_request_bytes
+        self.drain_seconds = settings.drain_seconds
         super().init_process()
+
+    def handle_exit(self, sig, frame):
+        """SIGTERM: not ready at once (``/readyz`` answers 503), still serving for SAKER_DRAIN_SECONDS so that
+        routers and Kubernetes take the replica out first, then stop accepting and let in-flight requests finish
+        (within the graceful timeout, which the drain counts against)."""
+        from app import lifecycle
+        if not self.alive or lifecycle.draining.is_set():
+            return super().handle_exit(sig, frame)
+        lifecycle.draining.set()
+        if self.drain_seconds > 0:
+            self.log.info("draining: not ready, stopping in %g s", self.drain_seconds)
+            timer = threading.Timer(self.drain_seconds, ThreadWorker.handle_exit, args=(self, sig, None))
+            timer.daemon = True
+            timer.start()
+            return None
+        return super().handle_exit(sig, frame)
 
     def set_accept_enabled(self, enabled):
         """A stopping worker also closes its listening sockets: once every worker has (the master closed its own

@@ -7,6 +7,7 @@ more workers per replica scrape each worker's numbers separately or run one repl
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 from flask import Flask, Response
@@ -79,8 +80,48 @@ class _PrefixCacheCounters:
                                 value=cache.tokens)
 
 
+class _VllmAliases:
+    """The gauges and counters routers and autoscalers written for vLLM read (the Gateway API Inference
+    Extension's endpoint picker, vLLM's production-stack router, KEDA/HPA rules), under vLLM's names, with its
+    ``model_name`` label (SAKER_VLLM_METRICS, on by default)."""
+
+    def __init__(self, metrics: "Metrics", model_name: str, adapters: tuple[str, ...]):
+        self.metrics, self.model_name, self.adapters = metrics, model_name, adapters
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        worker = self.metrics.worker
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+        usage = getattr(getattr(worker, "scheduler", None), "kv_usage", 0.0)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for the model (saker_queue_depth)",
+                    worker.admission.waiting)
+        yield gauge("vllm:num_requests_running", "Requests the model is working on (saker_requests_running)",
+                    worker.admission.active)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (saker_kv_cache_usage)", usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0-1 (vLLM's older name)", usage)
+        cache = getattr(getattr(worker, "runner", None), "prefix_cache", None)
+        if cache is not None:
+            for name, doc, value in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      cache.queried_tokens),
+                                     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                      cache.reused_tokens)):
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric(label, value)
+                yield family
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters served (vLLM's shape: the value is the "
+                                 "time of the scrape, the labels carry the information)",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        lora.add_metric([",".join(self.adapters), "", str(len(self.adapters))], time.time())
+        yield lora
+
+
 class Metrics:
-    def __init__(self, worker):
+    def __init__(self, worker, *, model_name: str = "", vllm_aliases: bool = False,
+                 adapters: tuple[str, ...] = ()):
         self.worker = worker
         r = self.registry = CollectorRegistry()
         self.requests = Counter("saker_requests", "HTTP requests by route, method and status",
@@ -122,6 +163,8 @@ class Metrics:
             lambda: 1.0 if self.worker.ready else 0.0)
         ProcessCollector(registry=r)
         r.register(_CudaMemory())
+        if vllm_aliases:
+            r.register(_VllmAliases(self, model_name, adapters))
 
     # -- per request ----------------------------------------------------------------------------------------
     def started(self) -> None:

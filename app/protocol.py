@@ -796,7 +796,7 @@ class TokenizerInfo(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "alive", "ready"] = "ok"
 
 
 class ErrorDetail(BaseModel):

@@ -158,6 +158,13 @@ class Settings(BaseSettings):
                          "metrics and 429 answers need free threads).")
     graceful_timeout: int = Field(120, gt=0, description="Seconds gunicorn gives in-flight requests to "
                                   "finish after SIGTERM before it kills the worker.")
+    drain_seconds: float = Field(0.0, ge=0, description="On SIGTERM, seconds a replica stays up but not ready "
+                                 "(`/readyz` 503) so that routers and Kubernetes stop sending it requests, before "
+                                 "it stops accepting and lets the requests in flight finish (within "
+                                 "graceful_timeout). 0: stop accepting at once.")
+    vllm_metrics: bool = Field(True, description="Also publish the metrics routers and autoscalers written for "
+                               "vLLM read, under vLLM's names (`vllm:num_requests_waiting`, "
+                               "`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, ...).")
     cors_origins: str | None = Field(None, description="Browser origins allowed to call the API (CORS), comma-"
                                      "separated (`https://app.example.com,http://localhost:3000`), or `*` for any. "
                                      "Unset: none (no Access-Control-* headers; browsers block cross-origin calls).")

@@ -40,6 +40,7 @@ class PrefixCache:
         self.tokens = 0
         self.hits = 0
         self.reused_tokens = 0
+        self.queried_tokens = 0          # prompt tokens looked up (vLLM's prefix_cache_queries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,6 +50,8 @@ class PrefixCache:
         ``touch``: count it as a use (least recently used entries are dropped first)."""
         best, best_len = None, 0
         limit = len(prompt) - 1
+        if touch:
+            self.queried_tokens += len(prompt)
         for (entry_adapter, _), entry in self._entries.items():
             if entry_adapter != adapter:
                 continue

@@ -1,0 +1,101 @@
+"""Probes and the router-facing metrics: /livez and /readyz open without a key (503 while loading or draining, in
+the OpenAI error shape), and vLLM's metric names with their model_name label."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_settings
+
+
+@pytest.fixture()
+def keyed(gpt2_dir, gpt2_worker):
+    from app import create_app
+    return create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", api_keys="probe-key",
+                                    prefix_cache_tokens=2048), engine=gpt2_worker).test_client()
+
+
+def samples(client) -> dict:
+    text = client.get("/metrics").get_data(as_text=True)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_probes_are_open_and_follow_readiness(keyed):
+    from app import lifecycle
+    assert keyed.get("/livez").get_json() == {"status": "alive"}
+    assert keyed.get("/readyz").get_json() == {"status": "ready"}
+    lifecycle.draining.set()
+    try:
+        resp = keyed.get("/readyz")
+        assert resp.status_code == 503 and resp.get_json()["error"]["code"] == "draining"
+        assert resp.headers["Retry-After"] == "1"
+        assert keyed.get("/livez").status_code == 200
+    finally:
+        lifecycle.draining.clear()
+
+
+def test_readyz_is_503_while_the_model_loads(gpt2_dir):
+    from app import create_app
+    from app.engine.worker import Worker
+    settings = make_settings(model=str(gpt2_dir))
+    loading = Worker.from_settings(settings)            # never loaded
+    client = create_app(settings, engine=loading).test_client()
+    assert client.get("/readyz").status_code == 503 and client.get("/livez").status_code == 200
+
+
+def test_vllm_metric_names(keyed):
+    keyed.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "Hello world, this is a longer prompt "
+                                        "that the prefix cache can keep for later", "max_tokens": 1},
+               headers={"Authorization": "Bearer probe-key"})
+    values = samples(keyed)
+    label = (("model_name", "tiny-gpt2"),)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc"):
+        assert (name, label) in values, name
+    assert values[("vllm:prefix_cache_queries_total", label)] > 0
+    assert ("vllm:prefix_cache_hits_total", label) in values
+    assert any(name == "vllm:lora_requests_info" for name, _ in values)
+
+
+def test_vllm_metric_names_can_be_switched_off(gpt2_dir, gpt2_worker):
+    from app import create_app
+    client = create_app(make_settings(model=str(gpt2_dir), vllm_metrics=False), engine=gpt2_worker).test_client()
+    assert not any(name.startswith("vllm:") for name, _ in samples(client))
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_refuses(gpt2_dir):
+    """Under gunicorn with SAKER_DRAIN_SECONDS: after SIGTERM /readyz says 503 at once while requests are still
+    served; after the drain new connections are refused, and gunicorn exits 0."""
+    import signal
+    import time
+
+    import requests
+
+    from servers import Gunicorn
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_DRAIN_SECONDS": "3"})
+    try:
+        srv.wait_ready()
+        assert requests.get(srv.url + "/readyz", timeout=10).status_code == 200
+        srv.proc.send_signal(signal.SIGTERM)
+        started = time.time()
+        deadline = started + 2
+        while requests.get(srv.url + "/readyz", timeout=10).status_code == 200 and time.time() < deadline:
+            time.sleep(0.05)
+        ready = requests.get(srv.url + "/readyz", timeout=10)
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+        served = requests.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert served.status_code == 200 and time.time() - started < 3
+        deadline = time.time() + 10
+        refused = False
+        while time.time() < deadline and not refused:
+            try:
+                requests.get(srv.url + "/livez", timeout=2)
+                time.sleep(0.1)
+            except requests.ConnectionError:
+                refused = True
+        assert refused and time.time() - started >= 2.5
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
