@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Iterator, Literal
@@ -22,6 +23,7 @@ from app.errors import APIError, InternalServerError, InvalidRequestError, NotFo
 from app.protocol import ChatCompletionRequest, parse_request
 from app.response_store import ResponseStore
 
+log = logging.getLogger("saker.responses")
 Number = Annotated[StrictFloat, AllowInfNan(False)]
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # chat fields a Responses request may carry as they are (vLLM's sampling extensions and OpenAI's own)
@@ -176,6 +178,13 @@ def chat_format(text: dict | None) -> dict | None:
                                                    if key in fmt}}
 
 
+def _echoed_tool(tool: Any) -> Any:
+    """A tool as the response echoes it: function tools with ``strict`` and ``parameters`` (null when not sent)."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"strict": None, "parameters": None, **tool}
+    return tool
+
+
 def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
@@ -310,10 +319,10 @@ class ResponsesService:
                 yield state.event(kind, response=response)
             except APIError as err:
                 yield state.event("response.failed", response=builder.failed(err))
-            except Exception:              # noqa: BLE001 - reported in the stream, then logged by the API layer
+            except Exception:              # noqa: BLE001 - reported in the stream (its last event) and logged
+                log.exception("response %s failed while streaming", builder.id)
                 yield state.event("response.failed", response=builder.failed(InternalServerError(
                     "The server had an error while streaming this response")))
-                raise
 
     def _tokens(self, text: str | None) -> int:
         """Tokens of a reasoning parser's thoughts (re-encoded: the answer's tokens are not split by tag)."""
@@ -344,9 +353,7 @@ class ResponseBuilder:
         self.output: list[dict] = []
 
     def add_message(self, text: str, logprobs: list | None) -> dict:
-        part = {"type": "output_text", "text": text, "annotations": []}
-        if logprobs is not None:
-            part["logprobs"] = logprobs
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         item = {"type": "message", "id": new_id("msg_"), "status": "completed", "role": "assistant",
                 "content": [part]}
         self.output.append(item)
@@ -367,24 +374,29 @@ class ResponseBuilder:
     def snapshot(self, status: str, output: list | None = None) -> dict:
         r = self.request
         fmt = (r.text or {}).get("format") or {"type": "text"}
-        return {
+        out = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": None, "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "model": self.model, "output": self.output if output is None else output,
             "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
             "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": bool(r.store), "temperature": r.temperature if r.temperature is not None else 1.0,
-            "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto", "tools": r.tools or [],
+            "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
+            "tools": [_echoed_tool(t) for t in r.tools or []],
             "top_logprobs": r.top_logprobs or 0, "top_p": r.top_p if r.top_p is not None else 1.0,
-            "truncation": "disabled", "usage": None, "user": getattr(r, "user", None), "metadata": r.metadata or {},
+            "truncation": "disabled", "metadata": r.metadata or {},
         }
+        if getattr(r, "user", None) is not None:      # left out when unset (the schema has a string or nothing)
+            out["user"] = r.user
+        return out
 
     def finish(self, finish_reason: str | None, input_tokens: int, output_tokens: int, cached: int,
                reasoning_tokens: int = 0) -> dict:
         response = self.snapshot("incomplete" if finish_reason == "length" else "completed")
         if finish_reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
-        response["usage"] = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
+        response["usage"] = {"input_tokens": input_tokens,
+                             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                              "output_tokens": output_tokens,
                              "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                              "total_tokens": input_tokens + output_tokens}
@@ -392,7 +404,9 @@ class ResponseBuilder:
 
     def failed(self, err: APIError) -> dict:
         response = self.snapshot("failed")
-        response["error"] = {"code": err.code or err.type, "message": err.message}
+        code = "rate_limit_exceeded" if err.status == 429 else "invalid_prompt" if err.status == 400 else \
+            "server_error"                            # the codes the Responses schema has
+        response["error"] = {"code": code, "message": err.message}
         return response
 
 
@@ -447,7 +461,8 @@ class StreamState:
             yield self.event("response.output_item.added", output_index=index,
                              item={**self.message, "content": []})
             yield self.event("response.content_part.added", item_id=self.message["id"], output_index=index,
-                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                             content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                    "logprobs": []})
         part = self.message["content"][0]
         part["text"] += text
         if self.request.wants_logprobs:
