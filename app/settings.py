@@ -97,8 +97,10 @@ class Settings(BaseSettings):
                                    "id. The model fills the primary device, then overflows to the next listed.")
     cpu_memory: float | None = Field(None, gt=0, description="GiB of CPU RAM the device map may overflow into.")
     offload_folder: str | None = Field(None, description="Folder for weights that overflow to disk.")
-    quantize: Literal["bitsandbytes-8bit", "bitsandbytes-4bit"] | None = Field(
-        None, description="Quantize weights at load with bitsandbytes (needs a CUDA GPU and bitsandbytes).")
+    quantize: Literal["int8", "int4", "bitsandbytes-8bit", "bitsandbytes-4bit"] | None = Field(
+        None, description="Quantize weights at load. `int8` (per output channel) and `int4` (groups of 32, a scale "
+        "and a zero each): weight-only on the CPU with PyTorch's own kernels, every linear and the LM head. "
+        "`bitsandbytes-8bit`/`-4bit`: bitsandbytes on a CUDA GPU.")
 
     # -- limits ----------------------------------------------------------------------------------------
     max_input_tokens: int | None = Field(None, gt=0, description="Most prompt tokens. Default: max_total_tokens.")
@@ -220,7 +222,7 @@ class Settings(BaseSettings):
             raise ValueError("cpu_memory and offload_folder are overflow for a device map: set gpu_memory too")
         if self.peft_merge and self.peft_weights and None not in self.peft_adapters:
             raise ValueError("peft_merge applies to one unnamed adapter, not to named adapters")
-        if self.quantize and self.device == "cpu":
+        if self.quantize and self.quantize.startswith("bitsandbytes") and self.device == "cpu":
             raise ValueError(f"quantize={self.quantize} needs a CUDA GPU, but device is cpu")
         if self.chat_template and "{" not in self.chat_template and not Path(self.chat_template).expanduser().is_file():
             raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a Jinja template")

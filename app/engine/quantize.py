@@ -1,0 +1,130 @@
+"""Weight-only int8 / int4 linears for the CPU (SAKER_QUANTIZE=int8 | int4), on PyTorch's own kernels.
+
+- ``Int8Linear``: one int8 per weight, one scale per output channel (symmetric: ``w = q * scale``), applied with
+  ``aten._weight_int8pack_mm``.
+- ``Int4Linear``: one 4-bit code per weight in groups of 32 along the input, with a scale and a zero per group
+  (``w = (q - 8) * scale + zero``, q in 0..15: the layout GGUF's Q4_0/Q4_1 blocks map onto exactly), packed once
+  at load by ``aten._convert_weight_to_int4pack_for_cpu`` and applied with ``aten._weight_int4pack_mm_for_cpu``.
+
+Activations stay in the model's dtype; only the weights are quantized, every ``nn.Linear`` and GPT-2 ``Conv1D``
+the LM head included (a tied head gets its own quantized copy; the embedding stays as it was; with int4 the head
+is int8). Shapes the int4 kernel cannot take (inputs not in whole groups of 32, outputs not a multiple of 16) stay
+in float. A quantized
+model's logprobs are its own: the exact path is ``SAKER_QUANTIZE`` unset. The tests compare the kernels against
+the same codes de-quantized in float32 by plain tensor arithmetic (``int4_codes``, ``Int8Linear.dequantized``).
+
+Measured on the 2-core machine (SmolLM2-135M, one token, batch 1): see docs/performance.md.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("saker.quantize")
+
+GROUP = 32                           # int4: weights per (scale, zero) group along the input dimension
+INNER_K_TILES = 2
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+                             .contiguous())
+        self.register_buffer("scales", scale.to(weight.dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scales.dtype), self.qweight,
+                                                 self.scales)
+        out = out.reshape(*shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def int4_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes of a (N, K) weight per group of ``group`` inputs: (codes int32 0..15 (N, K),
+    scales (N, K/group), zeros (N, K/group)) with ``w ~ (q - 8) * scale + zero``."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp(min=1e-12)
+    codes = torch.clamp(torch.round((w - low[..., None]) / scale[..., None]), 0, 15).to(torch.int32)
+    return codes.view(n, k), scale, low + 8.0 * scale
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, group: int = GROUP):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.group = group
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(),
+                                                                                           INNER_K_TILES))
+        # (K / group, N, 2): each group's scale and zero, the layout the kernel reads
+        self.register_buffer("scale_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+                             .to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
+        codes, scales, zeros = int4_codes(weight)
+        return cls(codes, scales, zeros, bias, weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.scale_zeros.dtype),
+                                                         self.packed, self.group, self.scale_zeros)
+        out = out.reshape(*shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+
+def _weight_of(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from transformers.pytorch_utils import Conv1D
+    if isinstance(module, Conv1D):                  # GPT-2's Conv1D stores (in, out)
+        return module.weight.t(), module.bias
+    return module.weight, module.bias
+
+
+def quantizable(module: nn.Module, mode: str) -> bool:
+    from transformers.pytorch_utils import Conv1D
+    if type(module) not in (nn.Linear, Conv1D) or module.weight.device.type != "cpu":
+        return False
+    weight, _ = _weight_of(module)
+    out_features, in_features = weight.shape
+    # the int4 kernel packs outputs by 16 and reads inputs in whole groups; other shapes stay as they are
+    return mode == "int8" or (in_features % GROUP == 0 and out_features % 16 == 0)
+
+
+def quantize_model(model: nn.Module, mode: str) -> int:
+    """Swap every quantizable linear for its int8/int4 module; the number swapped."""
+    swaps = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if quantizable(child, mode):
+                swaps.append((parent, name, child))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent, name, child in swaps:
+        weight, bias = _weight_of(child)
+        # int4 keeps the LM head at int8, as llama.cpp's 4-bit mixes keep their output tensor at 6-8 bits: the
+        # head decides every token and its weights (a tied embedding) often are not on a 4-bit grid
+        module = Int8Linear(weight, bias) if mode == "int8" or child is head else Int4Linear.from_weight(weight, bias)
+        setattr(parent, name, module)
+    if swaps:
+        log.info("weight-only %s: %d linears (the LM head included%s)", mode, len(swaps),
+                 ", at int8" if mode == "int4" else "")
+    return len(swaps)
