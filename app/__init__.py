@@ -88,9 +88,8 @@ def _install_operations(app: Flask, settings: Settings, worker) -> None:
     if settings.cors_origins:
         from flask_cors import CORS
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
-        CORS(app, origins="*" if "*" in origins else origins, allow_headers=["Authorization", "Content-Type",
-                                                                               "X-Request-ID", "OpenAI-Organization",
-                                                                               "OpenAI-Project"],
+        # any request header a preflight asks for (the openai JS client sends its x-stainless-* headers)
+        CORS(app, origins="*" if "*" in origins else origins, allow_headers="*",
              expose_headers=["X-Request-ID", "X-Saker-Queue-Ms", "X-Saker-Prefill-Ms", "X-Saker-Decode-Ms",
                              "X-Saker-Tokens-Per-Second", "X-Saker-Cached-Prompt-Tokens", "X-Saker-Ignored-Tools",
                              "Retry-After"], max_age=600)

@@ -221,6 +221,8 @@ def _server_sent(chunks, job, record: RequestRecord, frame, done: bool, headers:
         try:
             for chunk in itertools.chain([first] if first is not None else [], chunks):
                 record.stream_chunk(chunk)
+                if chunk.get("type") == "response.failed":       # a Responses stream's own error event
+                    record.error_code = (chunk["response"].get("error") or {}).get("code")
                 yield frame(chunk)
             finished = True
         except APIError as err:

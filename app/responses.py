@@ -32,8 +32,7 @@ PASSED_TO_CHAT = ("temperature", "top_p", "seed", "user", "top_k", "min_p", "rep
                   "ignore_eos", "skip_special_tokens", "structured_outputs", "logprobs_mode", "parallel_tool_calls")
 # chat's names for fields, as the Responses request calls them (for errors)
 PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-               "response_format": "text", "top_logprobs": "top_logprobs", "tools": "tools",
-               "tool_choice": "tool_choice"}
+               "response_format": "text"}
 
 
 class ResponsesRequest(BaseModel):
@@ -178,6 +177,20 @@ def chat_format(text: dict | None) -> dict | None:
                                                    if key in fmt}}
 
 
+@contextlib.contextmanager
+def _responses_params():
+    """Errors of the chat path name the Responses request's fields (``max_tokens`` -> ``max_output_tokens``...)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        param = PARAM_NAMES.get(exc.param, exc.param)
+        if param != exc.param and exc.param:
+            exc.message = exc.message.replace(exc.param, param)
+            exc.args = (exc.message,)
+        exc.param = param
+        raise
+
+
 def _echoed_tool(tool: Any) -> Any:
     """A tool as the response echoes it: function tools with ``strict`` and ``parameters`` (null when not sent)."""
     if isinstance(tool, dict) and tool.get("type") == "function":
@@ -231,17 +244,15 @@ class ResponsesService:
         if request.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
-        try:
+        with _responses_params():
             return parse_request(ChatCompletionRequest, chat), conversation, ignored
-        except InvalidRequestError as exc:
-            exc.param = PARAM_NAMES.get(exc.param, exc.param)
-            raise
 
     # -- whole responses -------------------------------------------------------------------------------------
     def create(self, request: ResponsesRequest, body: dict, alive=None) -> tuple[dict, Any, list[str]]:
         """(the response object, the timings, the tool types left out)."""
         chat, conversation, ignored = self.to_chat(request, body)
-        served = self.completions.complete(chat, alive=alive)
+        with _responses_params():
+            served = self.completions.complete(chat, alive=alive)
         choice = served.body["choices"][0]
         message = choice["message"]
         builder = ResponseBuilder(request, served.body["model"])
@@ -259,7 +270,7 @@ class ResponsesService:
         return response, served.timings, ignored
 
     def _keep(self, request: ResponsesRequest, response: dict, conversation: list[dict], message: dict) -> None:
-        if request.store:
+        if request.store is not False:                # null means the default, which is to store
             said = {"role": "assistant", "content": message.get("content")}
             if message.get("tool_calls"):
                 said["tool_calls"] = message["tool_calls"]
@@ -269,7 +280,8 @@ class ResponsesService:
     def prepare_stream(self, request: ResponsesRequest, body: dict):
         """Validate and prepare a streamed response before anything is sent (errors are HTTP errors then)."""
         chat, conversation, ignored = self.to_chat(request, body)
-        job = self.completions.prepare(chat)
+        with _responses_params():
+            job = self.completions.prepare(chat)
         return StreamState(request, job, conversation), ignored
 
     def events(self, state: "StreamState") -> Iterator[dict]:
@@ -300,7 +312,7 @@ class ResponsesService:
                             yield from state.call(call)
                             calls.append(call)
                         if choice.get("finish_reason"):
-                            finish = choice["finish_reason"]
+                            finish = state.finish = choice["finish_reason"]
                 if not calls and not state.message_open and not text:
                     yield from state.text_delta("", [])        # an empty answer is still a message
                 yield from state.close_reasoning()
@@ -313,7 +325,7 @@ class ResponsesService:
                 said = {"role": "assistant", "content": "".join(text) or None}
                 if calls:
                     said["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-                if state.request.store:
+                if state.request.store is not False:
                     self.store.put(response, state.conversation + [said])
                 kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                 yield state.event(kind, response=response)
@@ -380,7 +392,7 @@ class ResponseBuilder:
             "model": self.model, "output": self.output if output is None else output,
             "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
             "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": bool(r.store), "temperature": r.temperature if r.temperature is not None else 1.0,
+            "store": r.store is not False, "temperature": r.temperature if r.temperature is not None else 1.0,
             "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
             "tools": [_echoed_tool(t) for t in r.tools or []],
             "top_logprobs": r.top_logprobs or 0, "top_p": r.top_p if r.top_p is not None else 1.0,
@@ -395,6 +407,9 @@ class ResponseBuilder:
         response = self.snapshot("incomplete" if finish_reason == "length" else "completed")
         if finish_reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
+            for item in response["output"]:
+                if item["type"] in ("message", "reasoning"):
+                    item["status"] = "incomplete"
         response["usage"] = {"input_tokens": input_tokens,
                              "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                              "output_tokens": output_tokens,
@@ -419,6 +434,7 @@ class StreamState:
         self.sequence = 0
         self.message: dict | None = None       # the message item being written
         self.reasoning: dict | None = None     # the reasoning item (a reasoning parser's thoughts)
+        self.finish: str | None = None         # the answer's finish_reason, once known
         self.logprobs: list = []
 
     @property
@@ -449,7 +465,7 @@ class StreamState:
         index = self.builder.output.index(item)
         yield self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
                          text=item["content"][0]["text"])
-        item["status"] = "completed"
+        item["status"] = "incomplete" if self.finish == "length" else "completed"
         yield self.event("response.output_item.done", output_index=index, item=item)
 
     def text_delta(self, text: str, logprobs: list) -> Iterator[dict]:
@@ -482,7 +498,7 @@ class StreamState:
                          text=part["text"], logprobs=part.get("logprobs") or [])
         yield self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                          part=part)
-        item["status"] = "completed"
+        item["status"] = "incomplete" if self.finish == "length" else "completed"
         yield self.event("response.output_item.done", output_index=index, item=item)
 
     def call(self, call: dict) -> Iterator[dict]:

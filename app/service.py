@@ -250,6 +250,10 @@ class CompletionService:
         thinks = None
         if chat and self.settings.reasoning_parser != "none":
             thinks = starts_inside(self.worker.tokenizer.decode(prompts[0][-16:]))
+            if thinks and params.constraint is not None:
+                thinks = None      # the prompt opened the thoughts, but a constrained answer is the format asked for
+            else:
+                params = replace(params, skip_special_tokens=False)   # <think> may be a special token
         return Job(chat=chat, model=model_name, params=params, prompts=prompts,
                    include_usage=request.include_usage, continuous_usage=request.continuous_usage,
                    id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, tools=bool(tools), thinks=thinks,
