@@ -134,8 +134,9 @@ def test_kubernetes_manifest():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     port = container["ports"][0]
     assert port["containerPort"] == 8000 and service["spec"]["ports"][0]["targetPort"] == port["name"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/health", probe
+    # ready: loaded and not draining; alive: the process answers (a drain is never cut short by a restart)
+    for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/livez")):
+        assert container[probe]["httpGet"]["path"] == path, probe
     env = {e["name"]: e for e in container["env"]}
     from app.settings import Settings
     for name in env:

@@ -1,0 +1,379 @@
+"""Two saker replicas behind a real nginx running deploy/nginx/saker-replicas.conf (only the addresses changed), all
+on 127.0.0.1: requests spread over both; a replica killed mid-load loses only what it held and the router moves
+on; a draining replica (SIGTERM, SAKER_DRAIN_SECONDS) gets nothing new once it refuses connections; requests of one
+X-Session-ID land on one replica, whose prefix cache then hits.
+
+How nginx learns that a replica is gone: open-source nginx has no active health checks (``health_check`` is nginx
+Plus), so it never asks ``/readyz``. It relies on passive failure instead: a connection the replica refuses (or a
+connect timeout) is an ``error`` in ``proxy_next_upstream``, so the request is passed to the next replica (it never
+reached the first, so even a POST may be retried) and the replica is left out for ``fail_timeout`` after
+``max_fails`` such failures. That is why saker's drain ends by closing its listening socket: from then on every
+connection is refused at once. During the drain itself the replica still serves whatever nginx sends it (only a
+router that reads ``/readyz``, such as Kubernetes' endpoints or the Gateway API Inference Extension, stops sooner).
+
+Which replica answered is read from each replica's own access log (SAKER_ACCESS_LOG, one per replica), joined on the
+X-Request-ID the client sent, and from nginx's access log (``$upstream_addr``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.replica_bench import REPLICAS_CONF, Router, nginx_binary, render_replicas_conf
+from servers import Gunicorn
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(nginx_binary() is None,
+                                 reason="nginx is not installed (apt-get install nginx; .ci/run installs it when "
+                                        "it runs as root)")]
+
+MODEL = "tiny-gpt2"
+DRAIN_SECONDS = 2.0
+KEEPALIVE_LINGER = 2.0        # gunicorn's STOP_KEEPALIVE_LINGER: a stopping worker's kept-alive connections
+
+
+class Pool:
+    """Replicas of the tiny GPT-2 (one gunicorn each, its own access log) and the router in front of them."""
+
+    def __init__(self, model_dir: Path, root: Path):
+        self.model_dir, self.root = model_dir, root
+        self.replicas: list[Gunicorn] = []
+        self.router: Router | None = None
+        self._count = 0
+
+    def _start(self, n: int) -> list[Gunicorn]:
+        started = []
+        for _ in range(n):
+            self._count += 1
+            log = self.root / f"replica-{self._count}.jsonl"
+            replica = Gunicorn({"SAKER_MODEL": str(self.model_dir), "SAKER_SERVED_MODEL_NAME": MODEL,
+                                "SAKER_ACCESS_LOG": str(log), "SAKER_DRAIN_SECONDS": str(DRAIN_SECONDS),
+                                "SAKER_PROXY_HOPS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+            replica.access_log = log
+            self.replicas.append(replica)
+            started.append(replica)
+        for replica in started:
+            replica.wait_ready()
+            for _ in range(2):          # the first forwards are slow: warm up before anything is measured
+                requests.post(replica.url + "/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "Warm up", "max_tokens": 4}).raise_for_status()
+        return started
+
+    def alive(self) -> list[Gunicorn]:
+        return [r for r in self.replicas if r.proc.poll() is None]
+
+    def ensure(self, n: int) -> list[Gunicorn]:
+        """At least ``n`` replicas running and the router pointing at exactly those (reloaded when it changed)."""
+        missing = n - len(self.alive())
+        if missing > 0:
+            self._start(missing)
+        addresses = [f"127.0.0.1:{r.port}" for r in self.alive()]
+        if self.router is None:
+            self.router = Router(self.root / "nginx", addresses)
+            self.router.wait_ready()
+        elif addresses != self.router.replicas:
+            self.router.reload(addresses)
+        return self.alive()
+
+    def served_by(self, ids=(), timeout: float = 10) -> dict[str, int]:
+        """request id -> port of the replica that logged it; waits until every one of ``ids`` is there (a line is
+        written just after the answer is sent)."""
+        deadline = time.time() + timeout
+        while True:
+            out = {}
+            for replica in self.replicas:
+                if replica.access_log.exists():
+                    for line in replica.access_log.read_text().splitlines():
+                        if line.endswith("}"):
+                            out[json.loads(line)["request_id"]] = replica.port
+            if all(i in out for i in ids) or time.time() > deadline:
+                return out
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        # SIGINT to the master alone (it stops its worker with one SIGQUIT): a signal to the whole process group
+        # reaches the worker twice, and gunicorn's gthread quit handler can deadlock on the second one
+        for replica in self.alive():
+            replica.proc.send_signal(signal.SIGINT)
+        for replica in self.replicas:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                replica.proc.wait(15)
+            replica.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(gpt2_dir, tmp_path_factory):
+    pool = Pool(gpt2_dir, tmp_path_factory.mktemp("replicas"))
+    try:
+        pool.ensure(2)
+        yield pool
+    finally:
+        pool.stop()
+
+
+def completion(url: str, prompt: str, session: str | None = None, http: requests.Session | None = None,
+               max_tokens: int = 6) -> tuple[str, requests.Response]:
+    request_id = uuid.uuid4().hex
+    headers = {"X-Request-ID": request_id}
+    if session is not None:
+        headers["X-Session-ID"] = session
+    resp = (http or requests).post(url + "/v1/completions", headers=headers, timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    return request_id, resp
+
+
+class Load:
+    """``clients`` closed loops of completions through the router (no session id) until ``stop()``; every request's
+    id, start and end time and status (None: no HTTP answer at all)."""
+
+    def __init__(self, url: str, clients: int = 8):
+        self.url, self.records, self._stop = url, [], threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, i: int) -> None:
+        http = requests.Session()
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            start = time.time()
+            try:
+                request_id, resp = completion(self.url, f"Load {i}.{n}: once upon a time", http=http)
+                status, code = resp.status_code, (resp.json().get("error") or {}).get("code")
+            except requests.RequestException as exc:          # no HTTP answer at all: the connection broke
+                request_id, status, code = None, None, repr(exc)
+                http = requests.Session()
+            with self._lock:
+                self.records.append({"id": request_id, "start": start, "end": time.time(), "status": status,
+                                     "code": code})
+
+    @property
+    def clients(self) -> int:
+        return len(self._threads)
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        return self.records
+
+
+def refuses(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def prefix_hits(replica: Gunicorn) -> dict[str, float]:
+    text = requests.get(replica.url + "/metrics", timeout=10).text
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.labels.get("model_name", MODEL) == MODEL}
+    return {name: values.get(name, 0.0) for name in ("saker_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
+                                                      "vllm:prefix_cache_queries_total")}
+
+
+# -- the config -----------------------------------------------------------------------------------------------------
+def test_rendered_config_passes_nginx_t(pool):
+    result = pool.router.check_config()
+    assert result.returncode == 0, result.stderr
+    conf = (pool.router.root / "saker.conf").read_text()
+    for replica in pool.alive():                   # both upstream blocks list every replica
+        assert conf.count(f"server 127.0.0.1:{replica.port} max_fails=1 fail_timeout=10s;") == 2
+
+
+def test_shipped_config_shape():
+    conf = "\n".join(line.split("#")[0] for line in REPLICAS_CONF.read_text().splitlines())     # no comments
+    assert "least_conn;" in conf and "hash $http_x_session_id consistent;" in conf
+    assert "proxy_next_upstream error timeout;" in conf and "non_idempotent" not in conf      # POSTs sent: no retry
+    assert "proxy_next_upstream_tries" in conf and "keepalive 32;" in conf
+    assert "proxy_buffering off;" in conf and "proxy_read_timeout 3600s;" in conf
+    assert conf.count("proxy_pass http://$saker_pool;") == 3
+    rendered = render_replicas_conf(conf, ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"], "8080")
+    assert rendered.count("server 10.0.0.") == 6 and "listen 8080;" in rendered and "8001" not in rendered
+
+
+# -- (a) spread -----------------------------------------------------------------------------------------------------
+def test_requests_spread_over_both_replicas(pool):
+    """16 concurrent clients, no session id: least_conn gives each replica a fair share."""
+    a, b = pool.ensure(2)
+    url = pool.router.url
+
+    def client(i: int) -> list[tuple[str, int]]:
+        http = requests.Session()
+        return [(rid, resp.status_code) for rid, resp in
+                (completion(url, f"Spread {i}.{n}: the quick brown fox", http=http, max_tokens=16)
+                 for n in range(4))]
+
+    with ThreadPoolExecutor(16) as ex:
+        results = [r for rs in ex.map(client, range(16)) for r in rs]
+    assert all(status == 200 for _, status in results), results
+    served = pool.served_by([rid for rid, _ in results])
+    counts = {a.port: 0, b.port: 0}
+    for rid, _ in results:
+        counts[served[rid]] += 1
+    assert sum(counts.values()) == 64
+    assert min(counts.values()) >= 64 * 0.3, counts            # least_conn: both get a fair share
+    routed = {line["request_id"]: line for line in pool.router.access([rid for rid, _ in results])}
+    assert all(routed[rid]["upstream"] == f"127.0.0.1:{served[rid]}" for rid, _ in results)   # no retries
+
+
+def test_a_stream_through_the_router_is_unbuffered(pool):
+    pool.ensure(2)
+    with requests.post(pool.router.url + "/v1/completions", stream=True, timeout=60,
+                       headers={"X-Session-ID": "stream-1"},
+                       json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                             "ignore_eos": True, "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        assert "Content-Length" not in resp.headers and resp.headers.get("Transfer-Encoding") == "chunked"
+        frames = [line for line in resp.iter_lines(decode_unicode=True) if line]
+    assert frames[-1] == "data: [DONE]" and len(frames) > 3
+
+
+# -- (d) session affinity -------------------------------------------------------------------------------------------
+def test_session_affinity_keeps_a_conversation_on_one_replica_and_its_prefix_cache_hits(pool):
+    """8 conversations of 3 turns, each with its own X-Session-ID and a history that grows: every turn of a
+    conversation lands on one replica (hash $http_x_session_id consistent), and turns 2 and 3 reuse the history's
+    KV from that replica's prefix cache."""
+    replicas = pool.ensure(2)
+    before = {r.port: prefix_hits(r) for r in replicas}
+    turns = ["Question: where is the garden?", "Answer: north of the bedroom.", "Question: and the office?"]
+
+    def conversation(k: int) -> tuple[str, list[str]]:
+        session = f"conversation-{k}-{uuid.uuid4().hex[:8]}"
+        # a distinct beginning per conversation: no two share the 16 tokens the prefix cache needs
+        history = f"Session {k} with user {k * 7919}. The capital of France is Paris. The capital of Italy is Rome."
+        ids = []
+        http = requests.Session()
+        for turn in turns:
+            history += " " + turn
+            rid, resp = completion(pool.router.url, history, session=session, http=http, max_tokens=4)
+            assert resp.status_code == 200, resp.text
+            ids.append(rid)
+        return session, ids
+
+    with ThreadPoolExecutor(8) as ex:
+        sessions = list(ex.map(conversation, range(8)))
+    served = pool.served_by([rid for _, ids in sessions for rid in ids])
+    per_replica = {r.port: 0 for r in replicas}
+    for session, ids in sessions:
+        ports = {served[rid] for rid in ids}
+        assert len(ports) == 1, (session, ports)                  # the whole conversation on one replica
+        per_replica[ports.pop()] += 1
+    routed = {line["request_id"]: line for line in pool.router.access([rid for _, ids in sessions for rid in ids])}
+    assert all(routed[rid]["session"] == s for s, ids in sessions for rid in ids)
+    for replica in replicas:
+        after = prefix_hits(replica)
+        got = {name: after[name] - before[replica.port][name] for name in after}
+        held = per_replica[replica.port]
+        # every turn after a conversation's first finds the history its previous turn left in that replica
+        assert got["saker_prefix_cache_hits_total"] == 2 * held, (replica.port, held, got)
+        if held:
+            assert got["vllm:prefix_cache_hits_total"] >= 2 * held * 16, got       # reused prompt tokens
+        else:
+            assert got["vllm:prefix_cache_hits_total"] == 0, got
+
+
+# -- (c) drain ------------------------------------------------------------------------------------------------------
+def test_a_draining_replica_gets_nothing_new_once_it_refuses_connections(pool):
+    """SIGTERM to one replica's master under load (SAKER_DRAIN_SECONDS=2). Open-source nginx has no active health
+    checks (that is nginx Plus), so it never sees the 503 of /readyz: it keeps sending the replica work during the
+    drain, which the replica serves, and stops at the first refused connection once the drain is over (a passive
+    failure: the request goes to the other replica, and this one is left out for fail_timeout)."""
+    keep, drain = pool.ensure(2)[:2]
+    load = Load(pool.router.url)
+    try:
+        time.sleep(1.0)
+        sigterm_at = time.time()
+        drain.proc.send_signal(signal.SIGTERM)                  # as Kubernetes or `docker stop` would
+        deadline = time.time() + 2
+        while requests.get(drain.url + "/readyz", timeout=10).status_code == 200 and time.time() < deadline:
+            time.sleep(0.05)
+        ready = requests.get(drain.url + "/readyz", timeout=10)
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+        deadline = time.time() + DRAIN_SECONDS + 10
+        while not refuses(drain.port):
+            assert time.time() < deadline, "the draining replica never refused connections"
+            time.sleep(0.02)
+        refused_at = time.time()
+        time.sleep(KEEPALIVE_LINGER + 2.0)                      # load goes on past the kept-alive connections' end
+    finally:
+        records = load.stop()
+    assert drain.proc.wait(30) == 0
+    assert refused_at - sigterm_at >= DRAIN_SECONDS - 0.2
+    # nobody noticed: every request was answered, during the drain and after
+    assert records and all(r["status"] == 200 for r in records), [r for r in records if r["status"] != 200]
+    served = pool.served_by([r["id"] for r in records])
+    on_drained = [r for r in records if served.get(r["id"]) == drain.port]
+    # nginx does not read /readyz: the draining replica kept serving what it was sent until it refused
+    assert any(r["start"] > sigterm_at + 0.5 for r in on_drained)
+    # once it refuses, nothing new reaches it (but for requests on connections nginx already had open, answered
+    # within gunicorn's keep-alive linger and then closed)
+    late = [r for r in on_drained if r["start"] > refused_at + KEEPALIVE_LINGER + 0.5]
+    assert not late, late
+    after = [r for r in records if r["start"] > refused_at + KEEPALIVE_LINGER + 0.5]
+    assert len(after) >= 8 and all(served[r["id"]] == keep.port for r in after)
+
+
+# -- (b) kill -------------------------------------------------------------------------------------------------------
+def test_a_killed_replica_loses_only_its_in_flight_requests(pool):
+    """SIGKILL to one replica (master and worker) under load: nginx cannot resend the POSTs it held (they were
+    sent; no `non_idempotent`), so those fail; every later request is refused by the dead replica's port at most
+    once, retried on the survivor, and succeeds."""
+    survivor, victim = pool.ensure(2)[-2:]
+    url = pool.router.url
+    # a conversation that hashes to the victim, to see it move
+
+    def lands_on(session: str) -> int | None:
+        rid, _ = completion(url, "Hello there", session=session)
+        return pool.served_by([rid]).get(rid)
+    session = next(s for s in (f"s-{i}" for i in range(64)) if lands_on(s) == victim.port)
+    load = Load(url)
+    try:
+        time.sleep(1.5)
+        killed_at = time.time()
+        os.killpg(victim.proc.pid, signal.SIGKILL)              # master and worker: the whole process group
+        victim.proc.wait(10)
+        while not refuses(victim.port):
+            time.sleep(0.01)
+        dead_at = time.time()
+        time.sleep(3.0)
+    finally:
+        records = load.stop()
+    failed = [r for r in records if r["status"] != 200]
+    # only requests in flight while it died failed, at most one per client: the router's JSON 503, or (when the
+    # replica died while its answer was on the way, after nginx had passed its head on) a broken connection
+    assert all(r["start"] < dead_at and r["end"] > killed_at for r in failed), failed
+    assert 1 <= len(failed) <= load.clients                     # it did die with work in hand (4 of 8 clients')
+    routed = {line["request_id"]: line for line in pool.router.access([r["id"] for r in failed if r["id"]])}
+    assert all(routed[r["id"]]["upstream"] == f"127.0.0.1:{victim.port}" for r in failed if r["id"]), failed
+    assert all((r["status"], r["code"]) == (503, "service_unavailable") or r["status"] is None for r in failed), \
+        failed
+    # everything after went to the survivor and succeeded
+    later = [r for r in records if r["start"] > dead_at]
+    assert len(later) >= 8 and all(r["status"] == 200 for r in later)
+    served = pool.served_by([r["id"] for r in later])
+    assert all(served[r["id"]] == survivor.port for r in later)
+    # the victim's conversations move to the survivor (consistent hashing skips the failed replica)
+    rid, resp = completion(url, "Hello there", session=session)
+    assert resp.status_code == 200 and pool.served_by([rid])[rid] == survivor.port
