@@ -59,16 +59,26 @@ class BufferingThreadWorker(ThreadWorker):
         routers and Kubernetes take the replica out first, then stop accepting and let in-flight requests finish
         (within the graceful timeout, which the drain counts against)."""
         from app import lifecycle
+        if getattr(self, "_drain_timer", None) is not None:
+            return None         # a second SIGTERM (the master relays one to a signalled process group): still draining
         if not self.alive or lifecycle.draining.is_set():
             return super().handle_exit(sig, frame)
         lifecycle.draining.set()
         if self.drain_seconds > 0:
             self.log.info("draining: not ready, stopping in %g s", self.drain_seconds)
-            timer = threading.Timer(self.drain_seconds, ThreadWorker.handle_exit, args=(self, sig, None))
-            timer.daemon = True
-            timer.start()
+            self._drain_timer = threading.Timer(self.drain_seconds, ThreadWorker.handle_exit, args=(self, sig, None))
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
             return None
         return super().handle_exit(sig, frame)
+
+    def handle_quit(self, sig, frame):
+        """SIGINT/SIGQUIT: stop now. Once: a second one (the master relays the signal to a signalled process group)
+        would re-enter the thread pool's shutdown and deadlock on its lock."""
+        if getattr(self, "_quitting", False):
+            return None
+        self._quitting = True
+        return super().handle_quit(sig, frame)
 
     def set_accept_enabled(self, enabled):
         """A stopping worker also closes its listening sockets: once every worker has (the master closed its own

@@ -99,3 +99,62 @@ def test_sigterm_drains_then_refuses(gpt2_dir):
         assert srv.proc.wait(30) == 0
     finally:
         srv.stop()
+
+
+def children(pid: int) -> list[int]:
+    """The gunicorn master's worker processes."""
+    from pathlib import Path
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            out.append(int(status.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_signals_to_the_whole_process_group(gpt2_dir):
+    """systemd's default stop (and Ctrl-C in a terminal) signals the whole process group, so each worker hears the
+    signal twice (directly and relayed by the master): a second SIGTERM does not cut the drain short, and a double
+    SIGINT stops at once instead of deadlocking the worker until the master kills it."""
+    import os
+    import signal
+    import time
+
+    import requests
+
+    from servers import Gunicorn
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_DRAIN_SECONDS": "3",
+                    "SAKER_GRACEFUL_TIMEOUT": "60"})
+    try:
+        srv.wait_ready()
+        workers = children(srv.proc.pid)
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        started = time.time()
+        time.sleep(0.3)
+        for pid in workers:                 # the second one surely arrives apart (two at once may merge)
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.7)
+        assert requests.get(srv.url + "/readyz", timeout=5).status_code == 503     # draining, not gone
+        assert srv.proc.wait(30) == 0 and time.time() - started >= 2.5
+    finally:
+        srv.stop()
+    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+                    "SAKER_GRACEFUL_TIMEOUT": "60"})
+    try:
+        srv.wait_ready()
+        workers = children(srv.proc.pid)
+        started = time.time()
+        os.killpg(srv.proc.pid, signal.SIGINT)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        srv.proc.wait(30)
+        assert time.time() - started < 15, "the worker hung on a repeated SIGINT"
+    finally:
+        srv.stop()
