@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saker: {exc}", file=sys.stderr)
         return 2
     if args.command == "batch":
-        return batch_command.run(args, settings)
+        return batch_command.run(args, settings, hard_exit=True)
     if args.command == "serve":
         from app import create_app
         app = create_app(settings, exit_on_load_error=True)

@@ -627,7 +627,7 @@ def _load_service(settings, worker=None):
     return CompletionService(settings, worker)
 
 
-def run(args: argparse.Namespace, settings=None, *, service=None, worker=None) -> int:
+def run(args: argparse.Namespace, settings=None, *, service=None, worker=None, hard_exit: bool = False) -> int:
     """The batch command on parsed arguments. ``service``/``worker``: injected by tests (no model load)."""
     from app.settings import settings_from_args
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -687,6 +687,12 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None) -
     finally:
         guard.restore()
     print(json.dumps(stats.summary(status)), flush=True)
+    if hard_exit and status == "INTERRUPTED":
+        # The output is whole and the summary out; the requests still in flight run on threads inside torch, and
+        # an interpreter shutdown under them aborts the process ("terminate called without an active
+        # exception", exit 134). Leave at once with the documented code instead (the command line only).
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

@@ -474,3 +474,27 @@ def test_python_m_app_batch_subprocess(tmp_path, gpt2_dir):
     lines = read_jsonl(tmp_path / "output_request_0.jsonl")
     assert [line["line"] for line in lines] == [1, 2]
     assert lines[1]["result"]["choices"][0]["logprobs"]["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupted_command_line_run_exits_with_its_signal_code(gpt2_dir, tmp_path, signame, code):
+    """``python -m app batch`` as a real process, interrupted while requests are in flight: the summary says
+    INTERRUPTED, the output holds whole lines, and the exit code is 128 + the signal (not an abort, 134)."""
+    import time
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"Hello {i}", "max_tokens": 150, "ignore_eos": True}) + "\n"
+                              for i in range(400)))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "app", "batch", str(source), "-o", str(out), "--no-progress"],
+                            env={**os.environ, "SAKER_MODEL": str(gpt2_dir)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.stat().st_size < 2000):
+        time.sleep(0.2)
+    proc.send_signal(getattr(signal, signame))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr[-2000:]
+    assert "terminate called" not in stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["status"] == "INTERRUPTED"
+    assert all(json.loads(line) for line in out.read_text().splitlines())
