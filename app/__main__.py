@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "(docs/performance.md)",
                            description="Benchmark our server (started here) or any OpenAI-compatible one (--url).")
     bench_command.add_arguments(bench)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                       # the subcommand's own usage, not the top-level one
+        commands = {"serve": serve, "batch": batch, "chat": chat, "bench": bench}
+        commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "chat":
         return chat_client.main(args)
     if args.command == "bench":

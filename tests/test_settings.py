@@ -315,3 +315,13 @@ def test_every_setting_is_documented():
     for name in Settings.model_fields:
         assert f"`SAKER_{name.upper()}`" in doc, name
         assert f"`--{name.replace('_', '-')}" in doc, name
+
+
+def test_an_unknown_flag_shows_the_subcommands_usage():
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "app", "serve", "--bogus"], capture_output=True, text=True, cwd=root,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: python -m app serve") and "unrecognized arguments: --bogus" in done.stderr
