@@ -278,7 +278,7 @@ class SamplingRequest(BaseModel):
             temperature=1.0 if self.temperature is None else
             0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
+            top_k=min(self.top_k, vocab_size) if self.top_k and self.top_k > 0 else 0,   # more is all of them
             min_p=float(self.min_p or 0.0),
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),

@@ -72,3 +72,22 @@ def test_slot_store_joins_and_leaves_move_no_other_rows_data():
     assert slots[0] == 3 and store.slots >= 12
     assert all(torch.equal(layer.keys[s, :, :4], one[1].keys[0]) for s in slots)
     assert torch.equal(layer.keys[1:3, :, :7], kept)
+
+
+def test_an_idle_batch_gives_its_storage_back(gpt2_worker):
+    """After a long request and then a wide one, the slot store holds nothing once the batch is idle (it would
+    otherwise keep slots x the longest row ever seen: memory above the KV budget that never came back)."""
+    from app.engine.params import SamplingParams
+    worker = gpt2_worker
+    worker.complete([worker.encode("Hello world " * 30)], SamplingParams(max_tokens=20, temperature=0.0), 256)
+    worker.complete([worker.encode("Hello")], SamplingParams(n=16, best_of=16, max_tokens=4, temperature=1.0,
+                                                             seed=1), 256)
+    store = worker.scheduler.batch.store
+    assert store.layers == [] and store.slots == 0 and store.capacity == 0 and not store.used
+
+
+def test_top_k_beyond_the_vocabulary_is_all_of_it(gpt2_client):
+    for top_k in (2 ** 63, 10 ** 30, 100_000):
+        resp = gpt2_client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2,
+                                                         "top_k": top_k, "temperature": 1.0, "seed": 1})
+        assert resp.status_code == 200, resp.get_data(as_text=True)

@@ -306,6 +306,12 @@ class SlotBatch(BatchBase):
         kept = set(keep_rows)
         gone = [slot for row, slot in enumerate(self.slot_of) if row not in kept]
         self.store.release(gone)
+        if not keep_rows and self.runner.compiled_step is None:
+            # idle: the storage goes back (a compiled step keeps it: its graphs hold the addresses)
+            self.store.reset()
+            self.lengths = self.next_tokens = None
+            self.slot_of, self.lengths_host, self._slot_index, self.sampling = [], [], None, None
+            return
         self.lengths[torch.tensor(gone, dtype=torch.long, device=self.lengths.device)] = 0
         self.slot_of = [self.slot_of[r] for r in keep_rows]
         self.lengths_host = [self.lengths_host[r] for r in keep_rows]

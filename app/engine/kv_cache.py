@@ -192,6 +192,13 @@ class SlotStore:
         self.used.update(out)
         return out
 
+    def reset(self) -> None:
+        """Give the storage back (an idle batch): the next join sizes it for what it needs then, so a long request
+        or a wide one does not leave its storage behind."""
+        self.layers, self.cache = [], None
+        self.slots = self.wanted = self.capacity = 0
+        self._free, self.used = [], set()
+
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             if slot in self.used:
