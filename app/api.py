@@ -191,7 +191,8 @@ def _client_alive(environ):
 
 def _event_stream(service, job, record: RequestRecord) -> Response:
     """``data: {chunk}`` frames as tokens become final, then ``data: [DONE]``."""
-    return _server_sent(service.stream(job), job, record, _data_frame, done=True)
+    return _server_sent(service.stream(job, alive=_client_alive(request.environ)), job, record, _data_frame,
+                        done=True)
 
 
 def _data_frame(chunk: dict) -> str:
@@ -266,7 +267,8 @@ def create_response():
     record.model = req.model
     if req.stream:
         state, ignored = service.prepare_stream(req, body)
-        return _server_sent(service.events(state), state.job, record, _typed_frame, done=False,
+        return _server_sent(service.events(state, alive=_client_alive(request.environ)), state.job, record,
+                            _typed_frame, done=False,
                             headers=_ignored_tools(ignored))
     response, timings, ignored = service.create(req, body, alive=_client_alive(request.environ))
     record.timings(timings)

@@ -284,11 +284,11 @@ class ResponsesService:
             job = self.completions.prepare(chat)
         return StreamState(request, job, conversation), ignored
 
-    def events(self, state: "StreamState") -> Iterator[dict]:
+    def events(self, state: "StreamState", alive=None) -> Iterator[dict]:
         """Responses events of a stream, each with its ``type`` and a growing ``sequence_number``; a failure
         after the start is a ``response.failed`` event."""
         job, builder = state.job, state.builder
-        chunks = self.completions.stream(job)
+        chunks = self.completions.stream(job, alive=alive)
         finish, usage, text, calls = None, None, [], []
         with contextlib.closing(chunks):
             first = next(chunks, None)       # a full queue or an error before the first token: an HTTP error

@@ -308,12 +308,13 @@ class CompletionService:
                           logprobs=chat_logprobs(choice.logprobs, job.params.logprobs or 0),
                           finish_reason=_finish(choice.finish_reason, bool(message.tool_calls)))
 
-    def stream(self, job: Job) -> Iterator[dict]:
-        """Chunks of a streamed answer, each the response's shape; a usage chunk last when asked for."""
+    def stream(self, job: Job, alive=None) -> Iterator[dict]:
+        """Chunks of a streamed answer, each the response's shape; a usage chunk last when asked for. ``alive``:
+        whether the client is still connected (checked while the answer is made)."""
         n = job.params.n
         started: set[int] = set()
         prompt_tokens = sum(len(ids) for ids in job.prompts)
-        releases = self.worker.stream(job.prompts, job.params, self.max_total_tokens, job.timings)
+        releases = self.worker.stream(job.prompts, job.params, self.max_total_tokens, job.timings, alive=alive)
         with contextlib.closing(releases):
             yield from self._stream_chunks(job, releases, n, started)
         if job.include_usage:

@@ -6,7 +6,6 @@ and memory figures are the script's to report (docs/deployment.md, Reliability),
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def known_defect(failure: dict) -> bool:
-    """5xx answers of a defect reported, not yet fixed: a top_k of 2**63 or more passes validation (StrictInt,
-    ge=-1, no upper bound) and the sampler fails with "ValueError: Overflow when unpacking long long" (500)."""
-    match = re.search(r'"top_k": (\d+)', failure.get("request", ""))
-    return failure["problem"] == "5xx" and match is not None and int(match.group(1)) >= 2 ** 63
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +50,12 @@ def test_load_with_drops_loses_nothing(report):
 def test_bad_inputs_get_4xx_json_and_the_server_keeps_serving(report):
     bad = report["bad"]
     assert bad["tried"] > 400
-    unexpected = [f for f in bad["failures"] if not known_defect(f)]
-    assert not unexpected, json.dumps(unexpected, indent=1)[:4000]
+    assert not bad["failures"], json.dumps(bad["failures"], indent=1)[:4000]
     assert bad["errors_not_json"] == 0 and bad["unexpected_no_answer"] == 0
     assert bad["normal_request_after"] == 200 and bad["health_after"] == 200
-    known = sum(1 for f in bad["failures"] if known_defect(f))
-    assert report["server"]["tracebacks_in_log"] <= known      # the known defect's 500s are its only tracebacks
+    assert report["server"]["tracebacks_in_log"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: top_k >= 2**63 is a 500 (see known_defect); remove this "
-                   "marker when it is fixed")
 def test_no_bad_input_gets_a_5xx(report):
     assert report["bad"]["answers_5xx"] == 0, [f["case"] for f in report["bad"]["failures"]]
 

@@ -79,18 +79,29 @@ class Ticket:
     alive = None                # a callable: False once the reader's client is gone (checked while waiting)
     POLL_S = 0.25
 
+    _checked = 0.0
+
     def _next_batch(self) -> list:
-        """The next message; with ``alive`` set, a client that went away cancels the request while it waits."""
+        """The next message; with ``alive`` set, a client that went away cancels the request: checked while it
+        waits, and at least every ``POLL_S`` while events flow (a stream, a request with stop strings)."""
         if self.alive is None:
             return self._events.get()
         while True:
+            now = time.perf_counter()
+            if now - self._checked >= self.POLL_S:
+                self._checked = now
+                self._check_alive()
             try:
                 return self._events.get(timeout=self.POLL_S)
             except queue.Empty:
-                if not self.alive():
-                    self.cancel()
-                    from app.errors import ClientClosedError
-                    raise ClientClosedError("the client closed the connection; generation stopped") from None
+                self._checked = time.perf_counter()
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        if not self.alive():
+            self.cancel()
+            from app.errors import ClientClosedError
+            raise ClientClosedError("the client closed the connection; generation stopped") from None
 
     def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
         while self._ready:          # decoded before an earlier iteration stopped (events come a step at a time)

@@ -259,11 +259,12 @@ class Worker:
                     if ended_early else ticket.generated_tokens
                 timings.cached_tokens += sum(g.timings.cached_tokens for g in groups)
 
-    def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings
-               ) -> Iterator[tuple[int, Release]]:
-        """``(prompt index, release)`` as each choice's text becomes final (stop strings held back)."""
+    def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings,
+               alive: Callable[[], bool] | None = None) -> Iterator[tuple[int, Release]]:
+        """``(prompt index, release)`` as each choice's text becomes final (stop strings held back). ``alive``: as
+        for ``complete`` (a client that leaves before the first token stops the prefill's work too)."""
         outs = [OutputStream(params) for _ in prompts]
-        events = self.events(prompts, params, max_length, timings)
+        events = self.events(prompts, params, max_length, timings, alive=alive)
         with contextlib.closing(events):
             for p, event in events:
                 for release in outs[p].push(event):
