@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterator, Literal
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from app.errors import APIError, InternalServerError, InvalidRequestError, NotFoundError
+from app.errors import APIError, ClientClosedError, InternalServerError, InvalidRequestError, NotFoundError
 from app.protocol import ChatCompletionRequest, parse_request
 from app.response_store import ResponseStore
 
@@ -329,6 +329,8 @@ class ResponsesService:
                     self.store.put(response, state.conversation + [said])
                 kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                 yield state.event(kind, response=response)
+            except ClientClosedError:
+                raise                      # nobody to tell: the API layer logs how far it got
             except APIError as err:
                 yield state.event("response.failed", response=builder.failed(err))
             except Exception:              # noqa: BLE001 - reported in the stream (its last event) and logged
