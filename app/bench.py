@@ -1,7 +1,7 @@
 """``python -m app bench``: the performance suite (issue 6). A benchmark, not a test: it measures, prints a table,
 and writes ``bench.json`` and ``bench.png`` into ``docs/performance/`` (``--out-dir``).
 
-Parts (``--only A,B,...``; default A,B,C,T,L,R,E, plus D with ``--gpu``):
+Parts (``--only A,B,...``; default A,B,C,T,L,R,E,S, plus D with ``--gpu``):
 
 - A  server ms per generated token (HTTP round trip / tokens) on a GPT-2-small-shaped model (12 layers, 768 wide,
      32k byte-level BPE trained offline, random weights), 64-token prompt, 32 greedy tokens (ignore_eos), fp32 on
@@ -17,12 +17,22 @@ Parts (``--only A,B,...``; default A,B,C,T,L,R,E, plus D with ``--gpu``):
      requests each, 48-token prompts, 128 tokens (ignore_eos), greedy and sampled (temperature 0.8, top_p 0.9,
      logprobs 5, a seed each), divided by clients / the in-process forward of a batch of that many rows (measured
      with no server running, before and after). Goals at 32 clients: >= 0.6 greedy, >= 0.5 sampled.
+- S  structured outputs on the embedded SmolLM2-135M-Instruct (49k vocabulary, converted once into the cache):
+     delivered tokens/s of chat requests constrained by a JSON schema (``response_format`` json_schema: strings
+     with maxLength, a bounded integer, an enum, a small array, a nested object; temperature 0.7, a seed each,
+     max_tokens 96; a constrained answer ends when its JSON is complete) divided by the very same requests
+     unconstrained with ``ignore_eos`` (they run to max_tokens), closed loops of 1 and of 8 clients, the two sides
+     alternating within each round; the median of 3 rounds. Goal >= 0.9 at 1 and at 8 clients. Beside it, the
+     free request cut to the constrained answer's length (same seed): the grammar's own cost. Then, in-process
+     with SmolLM2's tokenizer: llguidance's tokenizer build, a 2 kB schema (``compile_schema``) compiled first
+     (a fresh ``Grammars``) and cached, and the per-step cost of a constrained row (its next mask, the sampler's
+     unpacking of 1 and 8 rows' masks).
 - D  (GPU) a 1B-class Llama-shaped model in bf16: server decode ms/token divided by the bandwidth floor
      (weight bytes / device-to-device copy bandwidth). Goal <= 1.3. ``--only D --device cuda``.
 
 The bench starts its own gunicorn (``SAKER_MODEL`` = the generated model) unless ``--url`` points at a running
 OpenAI-compatible server; then only the HTTP-side measurements run (no in-process references, no ratios that need
-them). Models are built once into ``--cache-dir`` (default ``.cache/bench``).
+them; S measures that server's chat endpoint). Models are built once into ``--cache-dir`` (default ``.cache/bench``).
 
 Torch threads: the bench process and the server use the same number (``--threads``, default: torch's default
 here); the server gets it as OMP_NUM_THREADS/MKL_NUM_THREADS, the bench calls ``torch.set_num_threads``.
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import http.client
 import json
 import math
@@ -52,16 +63,71 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "performance"
 DEFAULT_CACHE = ROOT / ".cache" / "bench"
-ALL_PARTS = ("A", "B", "C", "T", "L", "R", "E", "D")
-DEFAULT_PARTS = ("A", "B", "C", "T", "L", "R", "E")
+ALL_PARTS = ("A", "B", "C", "T", "L", "R", "E", "S", "D")
+DEFAULT_PARTS = ("A", "B", "C", "T", "L", "R", "E", "S")
 SCHEMA = 1
 MODEL_VERSION = 1           # bump when the generated models change shape, so cached ones are rebuilt
 
 GOALS = {"A": ("<=", 0.90), "B": (">=", 2.2), "C": ("<=", 5.0), "D": ("<=", 1.3),
-         "E greedy": (">=", 0.6), "E sampled": (">=", 0.5)}
+         "E greedy": (">=", 0.6), "E sampled": (">=", 0.5), "S 1 client": (">=", 0.9), "S 8 clients": (">=", 0.9)}
 # E: the request settings of its two modes (sampled rows also get a seed of their own)
 E_MODES = {"greedy": {"temperature": 0},
            "sampled": {"temperature": 0.8, "top_p": 0.9, "logprobs": 5}}
+# S: the embedded SmolLM2 (a real 49k vocabulary), asked for a customer record; the constrained side gets this
+# schema as response_format, the free side the same request with ignore_eos
+SMOL_NAME = "SmolLM2-135M-Instruct"
+S_MESSAGES = [{"role": "user", "content": "Invent a customer of a small online shop and give the record as JSON: "
+                                          "name, city, age, plan, interests and address (street and zip)."}]
+_S_TEXT = {"type": "string", "minLength": 1, "maxLength": 24}
+S_SCHEMA = {"type": "object", "properties": {
+    "name": _S_TEXT, "city": _S_TEXT, "age": {"type": "integer", "minimum": 18, "maximum": 99},
+    "plan": {"enum": ["free", "basic", "premium"]},
+    "interests": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 16}, "minItems": 1,
+                  "maxItems": 3},
+    "address": {"type": "object", "properties": {"street": {"type": "string", "minLength": 1, "maxLength": 32},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["street", "zip"]}},
+    "required": ["name", "city", "age", "plan", "interests", "address"]}
+
+
+def compile_schema() -> dict:
+    """S's 2 kB schema for the compile time (2,137 bytes as ``json.dumps`` writes it): an order record with 30
+    properties (16 at the top, the rest in nested objects and array items) of varied kinds: patterns, formats,
+    enums, bounded integers and numbers, booleans, arrays, a nullable string, an anyOf."""
+    text = {"type": "string", "minLength": 1, "maxLength": 40}
+    return {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{8}$"},
+        "created": {"type": "string", "format": "date-time"},
+        "status": {"enum": ["pending", "paid", "shipped", "delivered", "cancelled", "refunded"]},
+        "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+        "customer": {"type": "object", "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 99999999},
+            "name": text, "email": {"type": "string", "pattern": "^[a-z0-9.]{1,20}@[a-z0-9]{1,20}\\.[a-z]{2,4}$"},
+            "phone": {"type": "string", "pattern": "^\\+[0-9]{7,14}$"},
+            "vip": {"type": "boolean"}}, "required": ["id", "name", "email"]},
+        "shipping": {"type": "object", "properties": {
+            "street": text, "city": text, "zip": {"type": "string", "pattern": "^[0-9]{5}(-[0-9]{4})?$"},
+            "country": {"type": "string", "pattern": "^[A-Z]{2}$"},
+            "method": {"enum": ["standard", "express", "overnight", "pickup"]}},
+            "required": ["street", "city", "zip", "country"]},
+        "items": {"type": "array", "minItems": 1, "maxItems": 10, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+            "unit_price": {"type": "number", "minimum": 0, "maximum": 10000},
+            "category": {"enum": ["books", "electronics", "garden", "toys", "food"]}},
+            "required": ["sku", "quantity", "unit_price"]}},
+        "subtotal": {"type": "number", "minimum": 0},
+        "tax_rate": {"type": "number", "minimum": 0, "maximum": 0.5},
+        "currency": {"enum": ["EUR", "USD", "GBP", "JPY", "CHF"]},
+        "coupon": {"type": ["string", "null"], "pattern": "^[A-Z0-9]{6,10}$"},
+        "gift": {"type": "boolean"},
+        "notes": {"type": "string", "maxLength": 200},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 5},
+        "rating": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 5}, {"type": "null"}]},
+        "delivery_date": {"type": "string", "format": "date"}},
+        "required": ["order_id", "created", "status", "customer", "items", "currency"]}
+
+
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
 # it is still recorded in the JSON, with its share.
 CLEAN_SHARE = 0.10
@@ -117,20 +183,28 @@ class Plan:
     e_rounds: int = 3                   # E: measured rounds per level and mode (the median counts)
     e_prompt_tokens: int = 48
     e_tokens: int = 128
+    s_tokens: int = 96                  # S: max_tokens of both sides (the constrained side may end sooner)
+    s_rounds: int = 3                   # S: measured rounds (the median counts)
+    s_single_requests: int = 3          # S: requests of the 1-client loop per side and round
+    s_clients: int = 8
+    s_per_client: int = 2               # S: requests per client in the 8-client loop per side and round
+    s_compile_reps: int = 9             # S: fresh compiles of the 2 kB schema
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
     b_budget: float = 150.0
     c_budget: float = 40.0
     l_budget: float = 200.0             # a level disturbed by other processes is run again while within this
+    s_budget: float = 240.0             # S: per level
 
     @classmethod
     def quick(cls) -> "Plan":
         return cls(l_levels=(1, 2, 4, 8, 16), a_tokens=16, a_reps=3, warmup=1, b_tokens=16, b_rounds=1, b_single_requests=2, b_per_client=1,
                    c_rounds=3, c_per_round=10, t_tokens=8, t_reps=3, l_tokens=8, l_requests=4,
                    l_level_seconds=8.0, d_tokens=16, d_reps=2, r_context=96, r_questions=3, r_tokens=4,
-                   r_rounds=1, e_levels=(32,), e_per_client=1, e_rounds=1, e_tokens=32, a_budget=10.0, t_budget=5.0, b_budget=10.0,
-                   c_budget=5.0, l_budget=0.0)
+                   r_rounds=1, e_levels=(32,), e_per_client=1, e_rounds=1, e_tokens=32, s_tokens=96, s_rounds=1,
+                   s_single_requests=1, s_per_client=1, s_compile_reps=3, a_budget=10.0, t_budget=5.0, b_budget=10.0,
+                   c_budget=5.0, l_budget=0.0, s_budget=0.0)
 
 
 @dataclass(frozen=True)
@@ -337,6 +411,8 @@ class Reply:
     start: float = 0.0
     end: float = 0.0
     rejected: int = 0                       # 429/503 answers retried before this one (closed_loop)
+    finish_reason: str | None = None        # the first choice's (non-streamed answers)
+    index: tuple[int, int] | None = None    # closed_loop: (client, request of that client)
 
 
 class HTTPError(RuntimeError):
@@ -407,13 +483,13 @@ class Client:
                     raise
         raise AssertionError("unreachable")
 
-    def complete(self, body: dict) -> Reply:
-        """One /v1/completions request; streamed when ``body['stream']``."""
-        resp, start = self._send("/v1/completions", json.dumps(body).encode())
+    def complete(self, body: dict, path: str = "/v1/completions") -> Reply:
+        """One /v1/completions request (or ``path``: /v1/chat/completions); streamed when ``body['stream']``."""
+        resp, start = self._send(path, json.dumps(body).encode())
         if resp.status != 200:
             data = resp.read()
             retry = resp.getheader("Retry-After")
-            raise HTTPError(f"POST /v1/completions: HTTP {resp.status}: {data[:500]!r}", resp.status,
+            raise HTTPError(f"POST {path}: HTTP {resp.status}: {data[:500]!r}", resp.status,
                             float(retry) if retry and retry.replace(".", "", 1).isdigit() else None)
         if body.get("stream"):
             return self._read_stream(resp, start)
@@ -421,10 +497,12 @@ class Client:
         end = time.perf_counter()
         obj = json.loads(data)
         usage = obj.get("usage") or {}
-        text = "".join(c.get("text", "") for c in obj.get("choices", []))
+        choices = obj.get("choices") or []
+        text = "".join(c.get("text") or (c.get("message") or {}).get("content") or "" for c in choices)
         timing = obj.get("timing") or _header_timing(resp)
         return Reply(end - start, int(usage.get("completion_tokens", 0)), text, timing=timing,
-                     prompt_tokens=usage.get("prompt_tokens"), start=start, end=end)
+                     prompt_tokens=usage.get("prompt_tokens"), start=start, end=end,
+                     finish_reason=choices[0].get("finish_reason") if choices else None)
 
     @staticmethod
     def _read_stream(resp, start: float) -> Reply:
@@ -475,9 +553,9 @@ def _header_timing(resp) -> dict | None:
 
 
 def closed_loop(client: Client, make_body: Callable[[int, int], dict], clients: int, per_client: int,
-                seconds: float | None = None) -> tuple[list[Reply], float]:
+                seconds: float | None = None, path: str = "/v1/completions") -> tuple[list[Reply], float]:
     """``clients`` threads, each sending requests back to back (``per_client`` of them, fewer if ``seconds`` run
-    out); returns the replies and the wall time from the first send to the last answer."""
+    out) to ``path``; returns the replies and the wall time from the first send to the last answer."""
     replies: list[Reply] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -496,7 +574,7 @@ def closed_loop(client: Client, make_body: Callable[[int, int], dict], clients: 
                 rejected = 0
                 while True:
                     try:
-                        reply = client.complete(make_body(i, j))
+                        reply = client.complete(make_body(i, j), path)
                         break
                     except HTTPError as exc:     # overloaded: count it, wait as told (at most 1 s), try again
                         if exc.status not in (429, 503) or rejected >= 20:
@@ -504,6 +582,7 @@ def closed_loop(client: Client, make_body: Callable[[int, int], dict], clients: 
                         rejected += 1
                         time.sleep(min(exc.retry_after or 0.2, 1.0))
                 reply.rejected = rejected
+                reply.index = (i, j)
                 with lock:
                     replies.append(reply)
         except BaseException as exc:                 # noqa: BLE001 - re-raised in the caller's thread
@@ -818,6 +897,8 @@ class Bench:
             self.run_part("C", self.part_c)
         if "E" in self.parts:
             self.run_part("E", self.part_e)
+        if "S" in self.parts:
+            self.run_part("S", self.part_s)
 
     def _run_external(self, main_parts: list[str]) -> None:
         client = Client(self.args.url, self.args.api_key)
@@ -833,6 +914,8 @@ class Bench:
             self.run_part("C", self.part_c)
         if "E" in self.parts:
             self.errors["E"] = "E needs our own server and the model in-process (not with --url)"
+        if "S" in self.parts:                    # the given server's chat endpoint; the compile times are ours
+            self.run_part("S", self.part_s)
 
     def _model_meta(self, spec: ModelSpec, path: Path) -> dict:
         config = json.loads((path / "config.json").read_text())
@@ -1250,6 +1333,229 @@ class Bench:
                 result[f"met_{mode}"] = check_goal(key, goal_level[mode]["e"])
         return result
 
+    # -- S: structured outputs: constrained vs free decoding, grammar compile time -----------------------------
+    def smol_path(self) -> Path:
+        """The embedded SmolLM2, converted once into the bench's cache (as the server does into its own)."""
+        from app.engine.loader import ensure_default_model
+        from app.settings import Settings
+        path = ensure_default_model(Settings(cache_dir=str(self.cache_dir)))
+        if "smol" not in self.models:
+            config = json.loads((path / "config.json").read_text())
+            self.models["smol"] = {"name": SMOL_NAME, "kind": config.get("model_type"),
+                                   "layers": config.get("num_hidden_layers"), "width": config.get("hidden_size"),
+                                   "heads": config.get("num_attention_heads"), "vocab": config.get("vocab_size"),
+                                   "dir": str(path), "dtype": config.get("dtype") or config.get("torch_dtype"),
+                                   "weights_bytes": sum(f.stat().st_size for f in path.glob("*.safetensors"))}
+        return path
+
+    def part_s(self) -> dict:
+        """Constrained JSON-schema decoding against the very same chat request unconstrained (``ignore_eos``, the
+        same ``max_tokens``), side by side: delivered tokens/s of a closed loop of 1 and of 8 clients, the two
+        sides alternating within each round. A third side, after the constrained one, sends the free request
+        with ``max_tokens`` = the length of the constrained answer of the same seed: the same lengths, so the
+        same pattern of prefills and of rows leaving the batch, and what is left of the difference is the
+        grammar's. Then, in-process with SmolLM2's tokenizer, what a new schema costs (llguidance's tokenizer, a
+        2 kB schema compiled fresh and cached, the first mask) and what each step costs a constrained row (the
+        matcher's mask on the answers' tokens, the sampler's unpacking)."""
+        plan = self.plan
+        path = self.smol_path()
+        server = None
+        if self.external:
+            client, name = self.main_client, self.main_name
+        else:
+            server = self.start_server(path, SMOL_NAME)
+            client, name = Client(server.url), SMOL_NAME
+        fmt = {"type": "json_schema", "json_schema": {"name": "customer", "schema": S_SCHEMA}}
+
+        lengths: dict[tuple[int, int], int] = {}         # the constrained answers' lengths, by (client, request)
+
+        def make_body(side: str, rep: int, tokens: int = plan.s_tokens) -> Callable[[int, int], dict]:
+            def body(i: int, j: int) -> dict:
+                out = {"model": name, "messages": S_MESSAGES, "max_tokens": tokens, "temperature": 0.7,
+                       "seed": 100_000 * (rep + 2) + 1000 * i + j}          # the same seeds on every side
+                if side == "same":
+                    out["max_tokens"] = max(1, lengths[(i, j)])
+                if side == "json":
+                    out["response_format"] = fmt
+                elif not self.args.no_ignore_eos:
+                    out["ignore_eos"] = True
+                return out
+            return body
+
+        levels = ((1, plan.s_single_requests), (plan.s_clients, plan.s_per_client))
+        chat = "/v1/chat/completions"
+        texts: list[str] = []
+        same = () if self.args.no_ignore_eos else ("same",)   # without ignore_eos lengths cannot be matched
+
+        def one(clients: int, per_client: int, rep: int) -> dict:
+            out: dict[str, Any] = {}
+            for side in ("json", *same, "free") if rep % 2 == 0 else ("free", "json", *same):
+                replies, wall = closed_loop(client, make_body(side, rep), clients, per_client, path=chat)
+                if side == "json":
+                    lengths.clear()
+                    lengths.update({r.index: r.tokens for r in replies if r.index is not None})
+                out[side] = {"rate": sum(r.tokens for r in replies) / wall, "tokens": [r.tokens for r in replies],
+                             "finish": [r.finish_reason for r in replies],
+                             "valid": sum(_is_json_object(r.text) for r in replies),
+                             "decode": [r.timing["decode_ms"] / (r.tokens - 1) for r in replies
+                                        if r.timing and "decode_ms" in r.timing and r.tokens > 1],
+                             "prefill": [r.timing["prefill_ms"] for r in replies
+                                         if r.timing and "prefill_ms" in r.timing],
+                             "lat": [r.e2e_s * 1000 for r in replies]}
+                if side == "json":
+                    texts.extend(r.text for r in replies)
+                self.settle()
+            return out
+
+        result: dict[str, Any] = {"model": SMOL_NAME if not self.external else name, "max_tokens": plan.s_tokens,
+                                  "temperature": 0.7, "schema": S_SCHEMA, "schema_bytes": len(json.dumps(S_SCHEMA)),
+                                  "messages": S_MESSAGES, "levels": []}
+        try:
+            for side in ("json", "free"):                # warm-up: the batch path, and the schema compiled once
+                closed_loop(client, make_body(side, -1, 16), plan.s_clients, 1, path=chat)
+            # each level has its own rounds (a round disturbed by other processes is replaced within the budget)
+            for clients, per_client in levels:
+                used, selection = self.select(self.repeat(lambda rep, c=clients, k=per_client: one(c, k, rep),
+                                                          plan.s_rounds, plan.s_rounds, plan.s_budget))
+                result["levels"].append(self._s_level(clients, per_client, used, selection))
+        finally:
+            client.close()
+            if server is not None:
+                self.stop_server(server)
+        result.update(self.s_compile(path, texts))
+        return result
+
+    def _s_level(self, clients: int, per_client: int, used: list[dict], selection: dict) -> dict:
+        level: dict[str, Any] = {"clients": clients, "requests_per_side_per_round": clients * per_client,
+                                 "selection": selection}
+        for side in ("json", "free", "same"):
+            if side not in used[0]:
+                continue
+            runs = [u[side] for u in used]
+            tokens = [t for run in runs for t in run["tokens"]]
+            finish: dict[str, int] = {}
+            for reason in (f for run in runs for f in run["finish"]):
+                finish[str(reason)] = finish.get(str(reason), 0) + 1
+            level[side] = {"tokens_per_s": summary([run["rate"] for run in runs], 2),
+                           "mean_completion_tokens": round(statistics.mean(tokens), 1) if tokens else 0,
+                           "requests": len(tokens), "finish_reasons": finish,
+                           "valid_json": sum(run["valid"] for run in runs),
+                           "decode_ms_per_token": summary([d for run in runs for d in run["decode"]]),
+                           "decode_ms_per_token_by_round": [round(statistics.median(run["decode"]), 3)
+                                                            if run["decode"] else None for run in runs],
+                           "prefill_ms": summary([p for run in runs for p in run["prefill"]]),
+                           "latency_ms": latency_summary([x for run in runs for x in run["lat"]])}
+        paired = [u["json"]["rate"] / u["free"]["rate"] for u in used]
+        ratio = statistics.median(paired)                # as in B: sides measured back to back, then the median
+        key = f"S {clients} client" + ("s" if clients > 1 else "")
+        level.update({"ratio": round(ratio, 3), "paired_ratio": summary(paired),
+                      "goal": GOALS.get(key, (None, None))[1], "met": check_goal(key, ratio)})
+        if "same" in level:                              # the grammar's own share: the same lengths, free
+            same = [u["json"]["rate"] / u["same"]["rate"] for u in used]
+            level["ratio_same_lengths"] = round(statistics.median(same), 3)
+            level["paired_ratio_same_lengths"] = summary(same)
+        free_step = level["free"]["decode_ms_per_token"].get("median")
+        json_step = level["json"]["decode_ms_per_token"].get("median")
+        if free_step and json_step:                      # the server's own per-step time: no prefill, no queue
+            level["decode_step_ratio"] = round(free_step / json_step, 3)
+        self.log(f"  S {clients} client(s): constrained {level['json']['tokens_per_s']['median']:g} tok/s "
+                 f"({level['json']['mean_completion_tokens']:g} tokens per answer), free "
+                 f"{level['free']['tokens_per_s']['median']:g} tok/s: ratio {ratio:.3f}"
+                 + (f"; free with the same lengths: {level['ratio_same_lengths']:.3f}" if "same" in level else ""))
+        return level
+
+    def s_compile(self, path: Path, texts: list[str]) -> dict:
+        """In-process, SmolLM2's tokenizer: llguidance's tokenizer build, the 2 kB schema's compile with no cache
+        (a fresh ``Grammars`` each repetition, as a new server sees it) and cached (the same again), a row's
+        matcher copy and its first mask; then the per-step cost of a constrained row on the answers' tokens."""
+        import torch
+        from transformers import AutoTokenizer
+
+        from app.engine.grammar import Grammars, allowed_tokens
+        from app.protocol import json_constraint
+        tok = AutoTokenizer.from_pretrained(str(path))
+        config = json.loads((path / "config.json").read_text())
+        vocab = int(config["vocab_size"])
+        eos = tuple(sorted({i for i in (config.get("eos_token_id"), tok.eos_token_id) if isinstance(i, int)}))
+        schema = compile_schema()
+        constraint = json_constraint(schema)
+        lltok, first, cached, row_ms, first_mask, other, other_mask = [], [], [], [], [], [], []
+
+        def ms(start: float) -> float:
+            return (time.perf_counter() - start) * 1000
+
+        for rep in range(self.plan.s_compile_reps):
+            grammars = Grammars(tok, vocab, eos)
+            start = time.perf_counter()
+            built = grammars.lltok                                    # built on first use
+            lltok.append(ms(start))
+            del built                    # one tokenizer alive at a time, as in a server (else compiles are slower)
+            start = time.perf_counter()
+            grammars.compile(constraint)
+            first.append(ms(start))
+            start = time.perf_counter()
+            grammars.compile(constraint)
+            cached.append(ms(start))
+            start = time.perf_counter()
+            row = grammars.row(constraint)
+            row_ms.append(ms(start))
+            start = time.perf_counter()
+            row.current_mask()
+            first_mask.append(ms(start))
+            # a schema this server has not seen, once its tokenizer is warm: the same with one bound changed
+            variant = compile_schema()
+            variant["properties"]["notes"]["maxLength"] = 300 + rep
+            variant_constraint = json_constraint(variant)
+            start = time.perf_counter()
+            grammars.compile(variant_constraint)
+            other.append(ms(start))
+            row = grammars.row(variant_constraint)
+            start = time.perf_counter()
+            row.current_mask()
+            other_mask.append(ms(start))
+            del row                      # dropped here, not inside the next repetition's timing (its tokenizer)
+            if rep < self.plan.s_compile_reps - 1:
+                del grammars
+                gc.collect()
+        out: dict[str, Any] = {"compile": {
+            "schema_bytes": len(json.dumps(schema)), "vocab": vocab, "reps": self.plan.s_compile_reps,
+            "tokenizer_build_ms": summary(lltok), "first_ms": summary(first), "cached_ms": summary(cached, 4),
+            "row_matcher_ms": summary(row_ms, 4), "first_mask_ms": summary(first_mask),
+            "new_schema_warm_ms": summary(other), "new_schema_warm_first_mask_ms": summary(other_mask)}}
+        self.log(f"  S compile of a {len(json.dumps(schema))}-byte schema: tokenizer "
+                 f"{statistics.median(lltok):.0f} ms (once per model), first {statistics.median(first):.2f} ms, "
+                 f"cached {statistics.median(cached) * 1000:.1f} us")
+        # per step: the matcher's mask for the next token (the grammar thread's work, overlapping the forward)
+        # and the sampler's unpacking of 1 and 8 rows' masks into the scores (on the model thread)
+        request = grammars
+        s_constraint = json_constraint(S_SCHEMA)
+        mask_us, advance_us, steps = [], [], 0
+        for text in texts[:16]:
+            row = request.row(s_constraint)
+            for token in tok(text, add_special_tokens=False)["input_ids"]:
+                start = time.perf_counter()
+                row.current_mask()
+                mask_us.append(ms(start) * 1000)
+                start = time.perf_counter()
+                ended = row.advance(token)
+                advance_us.append(ms(start) * 1000)
+                steps += 1
+                if ended:
+                    break
+        unpack = {}
+        mask = request.row(s_constraint).current_mask()
+        for rows in sorted({1, self.plan.s_clients}):
+            scores = torch.zeros(rows, vocab)
+            times = []
+            for _ in range(53):
+                start = time.perf_counter()
+                scores.masked_fill(~allowed_tokens([mask] * rows, vocab, scores.device), float("-inf"))
+                times.append(ms(start))
+            unpack[str(rows)] = summary(times[3:], 4)
+        out["per_step"] = {"answers": min(len(texts), 16), "steps": steps, "mask_us": summary(mask_us, 1),
+                           "advance_us": summary(advance_us, 1), "sampler_mask_ms": unpack}
+        return out
+
     # -- D: GPU decode vs the bandwidth floor ---------------------------------------------------------------
     def part_d(self) -> dict:
         import torch
@@ -1333,6 +1639,13 @@ class Bench:
         cats = ", ".join(f"{k} {v:.0%}" for k, v in result["categories"].items())
         self.log(f"profile {label}: {cats}")
         return result
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _timing_summary(timings: list[dict], tokens: int | None) -> dict:
@@ -1596,6 +1909,38 @@ def table_rows(report: dict) -> list[tuple[str, str, str, str, str]]:
                 rows.append(("E", f"{level['clients']:2d} clients {mode}: tokens/s / ideal", f"{m['e']:g}",
                              f"{m['tokens_per_s']:g} of {level['ideal_tokens_per_s']:g} tok/s "
                              f"(batch forward {level['forward_ms']['median']:g} ms)", goal))
+    if "S" in r:
+        sp = r["S"]
+        for level in sp["levels"]:
+            clients = f"{level['clients']} client" + ("s" if level["clients"] > 1 else "")
+            for side, label in (("json", "constrained (JSON schema)"), ("free", "free (ignore_eos)")):
+                m = level[side]
+                rows.append(("S", f"{clients}: {label} tokens/s", med(m["tokens_per_s"]), _spread(m["tokens_per_s"])
+                             + f"; {m['mean_completion_tokens']:g} tokens per answer, decode "
+                             f"{med(m['decode_ms_per_token'])} ms/token", ""))
+            goal = f">= {level['goal']:g}: {_met(level['met'])}" if level.get("met") is not None else ""
+            step = (f"; server decode steps {level['decode_step_ratio']:g}" if "decode_step_ratio" in level else "")
+            rows.append(("S", f"{clients}: ratio constrained / free (median of rounds)", f"{level['ratio']:g}",
+                         _spread(level["paired_ratio"]) + step, goal))
+            if "same" in level:
+                rows.append(("S", f"{clients}: ratio constrained / free with the same lengths",
+                             f"{level['ratio_same_lengths']:g}", _spread(level["paired_ratio_same_lengths"])
+                             + f"; {med(level['same']['tokens_per_s'])} tok/s", ""))
+        if "compile" in sp:
+            c = sp["compile"]
+            rows.append(("S", "llguidance tokenizer build ms (once per model)", med(c["tokenizer_build_ms"]),
+                         _spread(c["tokenizer_build_ms"]) + f"; vocabulary {c['vocab']}", ""))
+            rows.append(("S", f"compile ms, {c['schema_bytes']}-byte schema: first", med(c["first_ms"]),
+                         _spread(c["first_ms"]) + f"; its first mask {med(c['first_mask_ms'])} ms; a new schema "
+                         f"on a warm tokenizer {med(c.get('new_schema_warm_ms'))} ms", ""))
+            rows.append(("S", "compile ms, the same schema again (cached)", med(c["cached_ms"]),
+                         _spread(c["cached_ms"]) + f"; a row's matcher copy {med(c['row_matcher_ms'])} ms", ""))
+        if "per_step" in sp:
+            ps = sp["per_step"]
+            unpack = ", ".join(f"{k} row{'s' if k != '1' else ''} {v['median']:g} ms"
+                               for k, v in ps["sampler_mask_ms"].items())
+            rows.append(("S", "per step: a row's next mask us (grammar thread)", med(ps["mask_us"]),
+                         _spread(ps["mask_us"]) + f"; sampler's unpacking: {unpack}", ""))
     if "R" in r:
         p = r["R"]
         for side, label in (("on", "prefix cache on"), ("off", "prefix cache off")):
@@ -1667,7 +2012,7 @@ def plot(report: dict, path: Path) -> bool:
         return False
     r = report["results"]
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    panels = [p for p in ("L", "Lt", "A", "T", "C", "D") if (p[0] in r)]
+    panels = [p for p in ("L", "Lt", "A", "T", "C", "S", "D") if (p[0] in r)]
     if not panels:
         return False
     cols = min(3, len(panels))
@@ -1741,6 +2086,24 @@ def plot(report: dict, path: Path) -> bool:
             if "overhead_ms" in c:
                 title += f": overhead {c['overhead_ms']:g} ms (goal <= {GOALS['C'][1]:g})"
             ax.set_title(title, fontsize=9)
+        elif panel == "S":
+            levels = r["S"]["levels"]
+            xs = list(range(len(levels)))
+            sides = [s for s in (("json", "constrained (JSON schema)", "tab:blue"),
+                                 ("free", "free (ignore_eos)", "tab:orange"),
+                                 ("same", "free, the constrained lengths", "tab:grey")) if s[0] in levels[0]]
+            width = 0.8 / len(sides)
+            for k, (side, label, color) in enumerate(sides):
+                series = [lv[side]["tokens_per_s"] for lv in levels]
+                meds = [sr["median"] for sr in series]
+                errs = [[sr["median"] - sr["min"] for sr in series], [sr["max"] - sr["median"] for sr in series]]
+                ax.bar([x + (k - (len(sides) - 1) / 2) * width for x in xs], meds, width=width, yerr=errs, capsize=4,
+                       color=color, label=label)
+            ax.set_xticks(xs, [f"{lv['clients']} client{'s' if lv['clients'] > 1 else ''}: {lv['ratio']:g}"
+                               for lv in levels])
+            ax.set_ylabel("generated tokens / s (median, min-max)")
+            ax.set_title(f"S: constrained / free (goal >= {GOALS['S 1 client'][1]:g})", fontsize=9)
+            ax.legend(fontsize=7)
         elif panel == "D":
             d = r["D"]
             floor = d["floor_ms_per_token"]
@@ -1778,8 +2141,8 @@ def parse_parts(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,R,E,D "
-                        "(default A,B,C,T,L,R,E; D with --gpu)")
+    parser.add_argument("--only", metavar="PARTS", help="comma-separated parts to run: A,B,C,T,L,R,E,S,D "
+                        "(default A,B,C,T,L,R,E,S; D with --gpu)")
     parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute: fewer repetitions, "
                         "fewer tokens (numbers are not comparable with a full run)")
     parser.add_argument("--size", choices=("small", "tiny"), default="small",

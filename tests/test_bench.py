@@ -1,20 +1,23 @@
 """Smoke test of the benchmark suite: ``python -m app bench --quick`` on the tiny model runs every CPU part
-against a real gunicorn and writes the JSON it promises. Timings are never asserted (tests do not judge
-wall-clock time); docs/performance.md holds the measured figures."""
+against a real gunicorn and writes the JSON it promises; part S (structured outputs) runs on the embedded SmolLM2.
+Timings are never asserted (tests do not judge wall-clock time); docs/performance.md holds the measured figures.
+The report's table and the parts' options are checked without running anything."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from app import bench
 from servers import ROOT
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -80,3 +83,118 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     assert "ratio 8 / 1" in proc.stdout                  # the printed table
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_bench_structured_outputs(tmp_path, saker_cache):
+    """Part S on SmolLM2 (the converted folder the other SmolLM2 tests use, linked into the bench's cache)."""
+    from app.engine.loader import ensure_default_model
+    from app.settings import Settings
+    smol = ensure_default_model(Settings(cache_dir=str(saker_cache)))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / smol.name).symlink_to(smol, target_is_directory=True)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "bench", "--quick", "--only", "S", "--out-dir", str(out),
+         "--cache-dir", str(cache)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)          # the bench stops its gunicorn on Ctrl-C (not on a kill)
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"bench --quick --only S ran past 540 s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["parts"] == ["S"] and report["errors"] == {} and set(report["results"]) == {"S"}
+    s = report["results"]["S"]
+    assert s["max_tokens"] == 96 and s["schema_bytes"] == len(json.dumps(s["schema"]))
+    assert [lv["clients"] for lv in s["levels"]] == [1, 8]
+    stops = 0
+    for lv in s["levels"]:
+        free, constrained, same = lv["free"], lv["json"], lv["same"]
+        assert free["requests"] == constrained["requests"] == lv["requests_per_side_per_round"] == lv["clients"]
+        assert free["mean_completion_tokens"] == 96 and free["finish_reasons"] == {"length": free["requests"]}
+        assert 0 < constrained["mean_completion_tokens"] <= 96
+        # the free side cut to the constrained answers' lengths generates exactly as many tokens
+        assert same["mean_completion_tokens"] == constrained["mean_completion_tokens"]
+        assert same["finish_reasons"] == {"length": same["requests"]} and isinstance(lv["ratio_same_lengths"], float)
+        assert set(constrained["finish_reasons"]) <= {"stop", "length"}
+        # an answer the grammar ended is a complete JSON object
+        assert constrained["valid_json"] == constrained["finish_reasons"].get("stop", 0)
+        stops += constrained["valid_json"]
+        for side in (free, constrained, same):
+            assert side["tokens_per_s"]["n"] == 1 and side["tokens_per_s"]["median"] > 0
+        assert isinstance(lv["ratio"], float) and isinstance(lv["met"], bool) and lv["goal"] == 0.9
+    assert stops >= 1
+    compile_ = s["compile"]
+    assert compile_["schema_bytes"] == len(json.dumps(bench.compile_schema())) and compile_["vocab"] == 49152
+    for key in ("tokenizer_build_ms", "first_ms", "cached_ms", "first_mask_ms", "new_schema_warm_ms"):
+        assert compile_[key]["n"] == 3
+    assert s["per_step"]["steps"] > 0 and set(s["per_step"]["sampler_mask_ms"]) == {"1", "8"}
+    assert "| S | 8 clients: ratio constrained / free (median of rounds)" in report["table_markdown"]
+    assert "S 1 client" in report["goals"] and "S 8 clients" in report["goals"]
+
+
+def parts(only=None, gpu=False):
+    return bench.parse_parts(argparse.Namespace(only=only, gpu=gpu))
+
+
+def test_parts_include_s():
+    assert "S" in parts() and parts()[-1] == "S"
+    assert parts(gpu=True)[-2:] == ("S", "D")
+    assert parts("s, a") == ("A", "S")
+    with pytest.raises(SystemExit):
+        parts("S,X")
+
+
+def test_plan_s_full_and_quick():
+    full, quick = bench.Plan(), bench.Plan.quick()
+    assert (full.s_rounds, full.s_clients, full.s_tokens) == (3, 8, 96)
+    assert (quick.s_rounds, quick.s_clients, quick.s_tokens) == (1, 8, 96)
+    assert bench.GOALS["S 1 client"] == bench.GOALS["S 8 clients"] == (">=", 0.9)
+
+
+def test_s_schemas_are_valid_and_compile():
+    from app.engine.grammar import grammar_text
+    from app.protocol import json_constraint
+    big = bench.compile_schema()
+    assert 1900 <= len(json.dumps(big)) <= 2200                 # "a 2 kB schema"
+    if importlib.util.find_spec("jsonschema") is not None:
+        import jsonschema
+        for schema in (big, bench.S_SCHEMA):
+            jsonschema.Draft202012Validator.check_schema(schema)
+    for schema in (big, bench.S_SCHEMA):
+        assert grammar_text(json_constraint(schema))            # llguidance takes both
+
+
+def _summary(median, n=3):
+    return {"median": median, "p25": median, "p75": median, "min": median, "max": median, "n": n}
+
+
+def test_table_rows_for_s():
+    side = {"tokens_per_s": _summary(20.0), "mean_completion_tokens": 71.5, "requests": 9,
+            "finish_reasons": {"stop": 9}, "valid_json": 9, "decode_ms_per_token": _summary(40.0)}
+    levels = [{"clients": c, "json": side, "free": {**side, "tokens_per_s": _summary(21.0)}, "same": side, "ratio": r,
+               "paired_ratio": _summary(r), "goal": 0.9, "met": r >= 0.9, "decode_step_ratio": 1.0,
+               "ratio_same_lengths": 0.97, "paired_ratio_same_lengths": _summary(0.97)}
+              for c, r in ((1, 0.95), (8, 0.85))]
+    report = {"results": {"S": {
+        "levels": levels,
+        "compile": {"schema_bytes": 2137, "vocab": 49152, "tokenizer_build_ms": _summary(300.0),
+                    "first_ms": _summary(2.5), "cached_ms": _summary(0.004), "row_matcher_ms": _summary(0.07),
+                    "first_mask_ms": _summary(0.1), "new_schema_warm_ms": _summary(2.1)},
+        "per_step": {"mask_us": _summary(16.0), "sampler_mask_ms": {"1": _summary(0.06), "8": _summary(0.3)}}}},
+        "errors": {}}
+    rows = bench.table_rows(report)
+    assert all(row[0] == "S" for row in rows)
+    goals = {row[1]: row[4] for row in rows}
+    assert goals["1 client: ratio constrained / free (median of rounds)"] == ">= 0.9: met"
+    assert goals["8 clients: ratio constrained / free (median of rounds)"] == ">= 0.9: NOT met"
+    measures = " ".join(row[1] for row in rows)
+    for words in ("1 client: constrained (JSON schema) tokens/s", "8 clients: free (ignore_eos) tokens/s",
+                  "tokenizer build", "2137-byte schema: first", "(cached)", "next mask",
+                  "8 clients: ratio constrained / free with the same lengths"):
+        assert words in measures
+    assert "| S | 8 clients: ratio constrained / free (median of rounds) | 0.85 |" in bench.markdown_table(report)
+    assert "0.95" in bench.format_table(report)
