@@ -60,6 +60,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from app.processes import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "performance"
 DEFAULT_CACHE = ROOT / ".cache" / "bench"
@@ -664,15 +666,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 30) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGTERM, timeout)
         if not self.log.closed:
             self.log.close()
 

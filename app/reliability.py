@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.processes import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = ROOT / ".cache" / "saker"
 DEFAULT_OUT = ROOT / ".cache" / "reliability" / "reliability.json"
@@ -173,15 +175,7 @@ class Server:
         return out
 
     def stop(self, timeout: float = 60) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGTERM, timeout)
         if not self.log.closed:
             self.log.close()
 

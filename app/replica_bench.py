@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from app.processes import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS_CONF = ROOT / "deploy" / "nginx" / "saker-replicas.conf"
 
@@ -182,15 +184,7 @@ http {{
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGQUIT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGQUIT, 15)
         if self.proc.stdout:
             self.proc.stdout.close()
 
@@ -239,15 +233,7 @@ class Replica:
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> None:
         """``sig`` to the master alone (SIGINT: it stops its worker with one SIGQUIT; a signal to the whole process
         group would reach the worker twice), then SIGKILL to the group after ``timeout``."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, sig, timeout, group=False)
         if not self.log.closed:
             self.log.close()
 

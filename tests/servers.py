@@ -11,6 +11,8 @@ from pathlib import Path
 
 import requests
 
+from app.processes import stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -52,13 +54,7 @@ class Gunicorn:
         return self.log_path.read_text()
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process(self.proc, sig, timeout)
         self.log.close()
         return self.proc.returncode
 
