@@ -52,32 +52,35 @@ class BufferingThreadWorker(ThreadWorker):
         settings = load_settings()
         self.body_limit = settings.max_request_bytes
         self.drain_seconds = settings.drain_seconds
+        self._stop_once = threading.Lock()
+        self._quit_once = threading.Lock()
         super().init_process()
 
     def handle_exit(self, sig, frame):
         """SIGTERM: not ready at once (``/readyz`` answers 503), still serving for SAKER_DRAIN_SECONDS so that
         routers and Kubernetes take the replica out first, then stop accepting and let in-flight requests finish
-        (within the graceful timeout, which the drain counts against)."""
+        (within the graceful timeout, which the drain counts against).
+
+        Once only: the master relays SIGTERM to a signalled process group, and that second signal can arrive while
+        this handler is still running (Python runs a handler between any two bytecodes of another), so the first
+        thing done is a non-blocking acquire that no second call can pass."""
         from app import lifecycle
-        if getattr(self, "_drain_timer", None) is not None:
-            return None         # a second SIGTERM (the master relays one to a signalled process group): still draining
-        if not self.alive or lifecycle.draining.is_set():
-            return super().handle_exit(sig, frame)
+        if not self._stop_once.acquire(blocking=False):
+            return None
         lifecycle.draining.set()
-        if self.drain_seconds > 0:
+        if self.drain_seconds > 0 and self.alive:
             self.log.info("draining: not ready, stopping in %g s", self.drain_seconds)
-            self._drain_timer = threading.Timer(self.drain_seconds, ThreadWorker.handle_exit, args=(self, sig, None))
-            self._drain_timer.daemon = True
-            self._drain_timer.start()
+            timer = threading.Timer(self.drain_seconds, ThreadWorker.handle_exit, args=(self, sig, None))
+            timer.daemon = True
+            timer.start()
             return None
         return super().handle_exit(sig, frame)
 
     def handle_quit(self, sig, frame):
         """SIGINT/SIGQUIT: stop now. Once: a second one (the master relays the signal to a signalled process group)
         would re-enter the thread pool's shutdown and deadlock on its lock."""
-        if getattr(self, "_quitting", False):
+        if not self._quit_once.acquire(blocking=False):
             return None
-        self._quitting = True
         return super().handle_quit(sig, frame)
 
     def set_accept_enabled(self, enabled):
