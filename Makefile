@@ -29,6 +29,8 @@ serve: install
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py -b 127.0.0.1:$(PORT) wsgi:app
 
 test: install-dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest
 
 # the performance suite (docs/performance.md): table, docs/performance/bench.{json,png}.

@@ -9,6 +9,7 @@ a worker stops accepting connections, lets the requests it holds (running, queue
 finish for up to ``graceful_timeout`` seconds, then exits. Give the orchestrator a longer grace period than
 that (``docker stop -t``, ``terminationGracePeriodSeconds``). SIGINT/SIGQUIT stop at once.
 """
+
 import os
 import sys
 
@@ -18,7 +19,7 @@ from app.settings import load_settings
 
 try:
     _settings = load_settings()
-except ConfigError as exc:          # one clear line, no traceback
+except ConfigError as exc:  # one clear line, no traceback
     print(f"saker: {exc}", file=sys.stderr)
     sys.exit(1)
 
@@ -82,8 +83,11 @@ loglevel = _settings.log_level
 # host would fight over it.
 control_socket_disable = True
 
-_busy = _settings.max_batch_size + _settings.max_queue     # threads the model's requests can hold at once
+_busy = _settings.max_batch_size + _settings.max_queue  # threads the model's requests can hold at once
 if threads <= _busy:
-    print(f"saker: warning: SAKER_THREADS={threads} leaves no thread for /health while SAKER_MAX_BATCH_SIZE="
-          f"{_settings.max_batch_size} requests run and SAKER_MAX_QUEUE={_settings.max_queue} wait; set "
-          f"SAKER_THREADS to at least {_busy + 2}", file=sys.stderr)
+    print(
+        f"saker: warning: SAKER_THREADS={threads} leaves no thread for /health while SAKER_MAX_BATCH_SIZE="
+        f"{_settings.max_batch_size} requests run and SAKER_MAX_QUEUE={_settings.max_queue} wait; set "
+        f"SAKER_THREADS to at least {_busy + 2}",
+        file=sys.stderr,
+    )

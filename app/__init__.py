@@ -2,6 +2,7 @@
 
 ``create_app(settings=None, engine=None)`` is the one seam: tests inject settings and a loaded worker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,14 @@ import uuid
 from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from app.errors import (APIError, InternalServerError, InvalidRequestError, MethodNotAllowedError, NotFoundError,
-                        RequestTooLargeError)
+from app.errors import (
+    APIError,
+    InternalServerError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    RequestTooLargeError,
+)
 from app.settings import Settings, load_settings
 
 log = logging.getLogger("saker")
@@ -44,11 +51,13 @@ def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_er
             if exit_on_load_error:
                 # gunicorn reads exit code 3 as "worker failed to boot" and stops instead of retrying forever
                 os._exit(3)
+
         worker.load_in_background(on_error=fail)
     app.extensions["saker.settings"] = settings
     app.extensions["saker.service"] = service = CompletionService(settings, worker)
-    app.extensions["saker.responses"] = ResponsesService(service, ResponseStore(settings.responses_store_items,
-                                                                                settings.responses_store_bytes))
+    app.extensions["saker.responses"] = ResponsesService(
+        service, ResponseStore(settings.responses_store_items, settings.responses_store_bytes)
+    )
     app.register_blueprint(bp)
     _register_errors(app)
 
@@ -76,8 +85,12 @@ def _install_operations(app: Flask, settings: Settings, worker) -> None:
     from app.metrics import Metrics, install_metrics
     from app.openapi import install_openapi
 
-    metrics = Metrics(worker, model_name=settings.model_names[0], vllm_aliases=settings.vllm_metrics,
-                      adapters=tuple(name for name in settings.peft_adapters if name))
+    metrics = Metrics(
+        worker,
+        model_name=settings.model_names[0],
+        vllm_aliases=settings.vllm_metrics,
+        adapters=tuple(name for name in settings.peft_adapters if name),
+    )
     access_log = AccessLog(settings.access_log, settings.log_prompts)
     install_access_log(app, access_log, on_finish=[metrics.observe])
     install_metrics(app, metrics)
@@ -87,12 +100,25 @@ def _install_operations(app: Flask, settings: Settings, worker) -> None:
     app.extensions["saker.access_log"] = access_log
     if settings.cors_origins:
         from flask_cors import CORS
+
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
         # any request header a preflight asks for (the openai JS client sends its x-stainless-* headers)
-        CORS(app, origins="*" if "*" in origins else origins, allow_headers="*",
-             expose_headers=["X-Request-ID", "X-Saker-Queue-Ms", "X-Saker-Prefill-Ms", "X-Saker-Decode-Ms",
-                             "X-Saker-Tokens-Per-Second", "X-Saker-Cached-Prompt-Tokens", "X-Saker-Ignored-Tools",
-                             "Retry-After"], max_age=600)
+        CORS(
+            app,
+            origins="*" if "*" in origins else origins,
+            allow_headers="*",
+            expose_headers=[
+                "X-Request-ID",
+                "X-Saker-Queue-Ms",
+                "X-Saker-Prefill-Ms",
+                "X-Saker-Decode-Ms",
+                "X-Saker-Tokens-Per-Second",
+                "X-Saker-Cached-Prompt-Tokens",
+                "X-Saker-Ignored-Tools",
+                "Retry-After",
+            ],
+            max_age=600,
+        )
     if settings.proxy_hops:
         hops = settings.proxy_hops
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops, x_port=hops, x_prefix=hops)
@@ -119,13 +145,15 @@ def _register_errors(app: Flask) -> None:
         elif status == 405:
             allowed = ", ".join(sorted(exc.valid_methods or [])) if hasattr(exc, "valid_methods") else ""
             # RFC 9110: a 405 must carry Allow
-            err = MethodNotAllowedError(f"Method {request.method} is not allowed on {request.path}"
-                                        + (f"; use {allowed}" if allowed else ""),
-                                        headers={"Allow": allowed} if allowed else None)
+            err = MethodNotAllowedError(
+                f"Method {request.method} is not allowed on {request.path}" + (f"; use {allowed}" if allowed else ""),
+                headers={"Allow": allowed} if allowed else None,
+            )
         elif status == 413:
             limit = app.config.get("MAX_CONTENT_LENGTH")
-            err = RequestTooLargeError(f"The request body is larger than the {limit} bytes allowed "
-                                       f"(SAKER_MAX_REQUEST_BYTES={limit})")
+            err = RequestTooLargeError(
+                f"The request body is larger than the {limit} bytes allowed (SAKER_MAX_REQUEST_BYTES={limit})"
+            )
         elif status < 500:
             err = InvalidRequestError(exc.description or exc.name, status=status)
         else:
@@ -136,5 +164,6 @@ def _register_errors(app: Flask) -> None:
     def _unexpected(exc: Exception):
         request_id = getattr(g, "request_id", "?")
         log.exception("request %s failed", request_id)
-        return error_response(InternalServerError(
-            f"The server had an error while processing your request (request id {request_id})"))
+        return error_response(
+            InternalServerError(f"The server had an error while processing your request (request id {request_id})")
+        )

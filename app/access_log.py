@@ -7,6 +7,7 @@ and outputs are written only with ``SAKER_LOG_PROMPTS``; headers (and so API key
 
 The same ``RequestRecord`` feeds the Prometheus metrics (``app/metrics.py``), so the log and the metrics agree.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ class RequestRecord:
     prompt: Any = None
     output: Any = None
     duration_s: float | None = None
-    keep_text: bool = False                   # SAKER_LOG_PROMPTS: fill prompt and output
+    keep_text: bool = False  # SAKER_LOG_PROMPTS: fill prompt and output
     _done: bool = False
     _on_finish: list[Callable[["RequestRecord"], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -72,8 +73,7 @@ class RequestRecord:
         self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
         self.ttft_s = timings.queue_s + timings.prefill_s
         if self.keep_text:
-            self.output = [c.get("text", (c.get("message") or {}).get("content"))
-                           for c in response.get("choices", [])]
+            self.output = [c.get("text", (c.get("message") or {}).get("content")) for c in response.get("choices", [])]
 
     def stream_started(self, model: str | None) -> None:
         self.stream = True
@@ -112,13 +112,24 @@ class RequestRecord:
     def as_dict(self, with_text: bool) -> dict:
         def ms(value: float | None) -> float | None:
             return None if value is None else round(value * 1000, 3)
+
         entry = {
             "time": datetime.fromtimestamp(self.started_at, timezone.utc).isoformat(timespec="milliseconds"),
-            "request_id": self.request_id, "method": self.method, "route": self.route, "path": self.path,
-            "status": self.status, "client": self.client, "duration_ms": ms(self.duration_s),
-            "model": self.model, "stream": self.stream, "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens, "queue_ms": ms(self.queue_s),
-            "prefill_ms": ms(self.prefill_s), "decode_ms": ms(self.decode_s), "ttft_ms": ms(self.ttft_s),
+            "request_id": self.request_id,
+            "method": self.method,
+            "route": self.route,
+            "path": self.path,
+            "status": self.status,
+            "client": self.client,
+            "duration_ms": ms(self.duration_s),
+            "model": self.model,
+            "stream": self.stream,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "queue_ms": ms(self.queue_s),
+            "prefill_ms": ms(self.prefill_s),
+            "decode_ms": ms(self.decode_s),
+            "ttft_ms": ms(self.ttft_s),
             "error_code": self.error_code,
         }
         if with_text:
@@ -143,29 +154,32 @@ class AccessLog:
         if destination not in ("-", "off"):
             path = Path(destination).expanduser()
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1, encoding="utf-8")   # noqa: SIM115 - lives with the app
+            self._file = open(path, "a", buffering=1, encoding="utf-8")  # kept open: it lives with the app
 
     def write(self, record: RequestRecord) -> None:
         if self.destination == "off":
             return
-        line = json.dumps(record.as_dict(self.log_prompts), ensure_ascii=False, separators=(",", ":"),
-                          default=str)
+        line = json.dumps(record.as_dict(self.log_prompts), ensure_ascii=False, separators=(",", ":"), default=str)
         with self._lock:
             stream = self._file if self._file is not None else sys.stderr
             stream.write(line + "\n")
             stream.flush()
 
 
-def install_access_log(app: Flask, access_log: AccessLog, on_finish: list[Callable[[RequestRecord], None]]
-                       ) -> None:
+def install_access_log(app: Flask, access_log: AccessLog, on_finish: list[Callable[[RequestRecord], None]]) -> None:
     """Hooks: a record per request (after the request id is set), status/route/client at the response, and
     ``finish`` (log line + metrics) at once for plain responses, at the end of the body for streamed ones."""
     callbacks = [*on_finish, access_log.write]
 
     @app.before_request
     def _start_record():
-        g.access = RequestRecord(request_id=g.get("request_id", ""), method=request.method, path=request.path,
-                                 keep_text=access_log.log_prompts, _on_finish=callbacks)
+        g.access = RequestRecord(
+            request_id=g.get("request_id", ""),
+            method=request.method,
+            path=request.path,
+            keep_text=access_log.log_prompts,
+            _on_finish=callbacks,
+        )
 
     @app.after_request
     def _response_record(response):

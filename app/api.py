@@ -1,4 +1,5 @@
 """The HTTP blueprint: parse -> service -> JSON. Nothing else lives here (no torch)."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,10 +13,15 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.access_log import RequestRecord, current_record
 from app import lifecycle
-from app.errors import (APIError, ClientClosedError, InternalServerError, InvalidRequestError,
-                        ServiceUnavailableError, UnsupportedMediaTypeError)
-from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                          parse_request)
+from app.errors import (
+    APIError,
+    ClientClosedError,
+    InternalServerError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    UnsupportedMediaTypeError,
+)
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from app.responses import ResponsesRequest
 
 log = logging.getLogger("saker.api")
@@ -35,11 +41,12 @@ def json_body() -> object:
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {mimetype}")
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity", "gzip", "x-gzip", "deflate"):
-        raise UnsupportedMediaTypeError(f"Content-Encoding {encoding} is not supported; send the body plain "
-                                        "(identity), gzip or deflate")
+        raise UnsupportedMediaTypeError(
+            f"Content-Encoding {encoding} is not supported; send the body plain (identity), gzip or deflate"
+        )
     try:
         raw = request.get_data(cache=False)
-    except Exception as exc:              # noqa: BLE001 - gunicorn's chunked-body errors are the client's
+    except Exception as exc:
         if not _is_protocol_error(exc):
             raise
         raise InvalidRequestError(f"the request body is not valid chunked encoding: {exc}") from None
@@ -63,7 +70,7 @@ def json_body() -> object:
 def _is_protocol_error(exc: BaseException) -> bool:
     try:
         from gunicorn.http.errors import ParseException
-    except ImportError:                   # another WSGI server
+    except ImportError:  # another WSGI server
         return False
     return isinstance(exc, ParseException)
 
@@ -72,6 +79,7 @@ def _decoded(raw: bytes, encoding: str, limit: int | None) -> bytes:
     """A gzip or deflate body, decompressed; the decoded size counts against the body limit (a small bomb
     cannot expand past it)."""
     import zlib
+
     wbits = zlib.MAX_WBITS | 16 if "gzip" in encoding else zlib.MAX_WBITS
     inflater = zlib.decompressobj(wbits)
     try:
@@ -106,8 +114,9 @@ def livez():
 def readyz():
     """Readiness: 200 once the model is loaded, 503 while it loads or after a stop was asked for (draining)."""
     if lifecycle.draining.is_set():
-        raise ServiceUnavailableError("this replica is stopping: send requests to another one", code="draining",
-                                      headers={"Retry-After": "1"})
+        raise ServiceUnavailableError(
+            "this replica is stopping: send requests to another one", code="draining", headers={"Retry-After": "1"}
+        )
     _service().worker.require_ready()
     return jsonify({"status": "ready"})
 
@@ -159,8 +168,11 @@ def _answer(body):
         timings = getattr(exc, "timings", None)
         if timings is not None:
             record.timings(timings)
-            log.info("request %s ended early after %d generated tokens: its client closed the connection",
-                     g.request_id, timings.generated_tokens)
+            log.info(
+                "request %s ended early after %d generated tokens: its client closed the connection",
+                g.request_id,
+                timings.generated_tokens,
+            )
         raise
     record.answered(served.body, served.timings)
     response = jsonify(served.body)
@@ -186,13 +198,13 @@ def _client_alive(environ):
             return not readable or bool(sock.recv(1, socket.MSG_PEEK))
         except (OSError, ValueError):
             return False
+
     return alive
 
 
 def _event_stream(service, job, record: RequestRecord) -> Response:
     """``data: {chunk}`` frames as tokens become final, then ``data: [DONE]``."""
-    return _server_sent(service.stream(job, alive=_client_alive(request.environ)), job, record, _data_frame,
-                        done=True)
+    return _server_sent(service.stream(job, alive=_client_alive(request.environ)), job, record, _data_frame, done=True)
 
 
 def _data_frame(chunk: dict) -> str:
@@ -222,30 +234,32 @@ def _server_sent(chunks, job, record: RequestRecord, frame, done: bool, headers:
         try:
             for chunk in itertools.chain([first] if first is not None else [], chunks):
                 record.stream_chunk(chunk)
-                if chunk.get("type") == "response.failed":       # a Responses stream's own error event
+                if chunk.get("type") == "response.failed":  # a Responses stream's own error event
                     record.error_code = (chunk["response"].get("error") or {}).get("code")
                 yield frame(chunk)
             finished = True
         except APIError as err:
             record.error_code = err.code or err.type
             yield _data_frame(err.body())
-        except Exception:   # noqa: BLE001 - reported in the stream, logged here
+        except Exception:
             log.exception("stream %s failed", request_id)
             record.error_code = InternalServerError.code
             err = InternalServerError(f"The server had an error while streaming (request id {request_id})")
             yield _data_frame(err.body())
         finally:
-            chunks.close()              # a dropped client lands here: the worker is freed at once
+            chunks.close()  # a dropped client lands here: the worker is freed at once
             record.stream_ended(job.prompts, job.timings)
             if not finished:
-                log.info("stream %s ended early after %d generated tokens", request_id,
-                         job.timings.generated_tokens)
+                log.info("stream %s ended early after %d generated tokens", request_id, job.timings.generated_tokens)
         if done:
             yield "data: [DONE]\n\n"
         record.finish()
 
-    return Response(frames(), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+    return Response(
+        frames(),
+        mimetype="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+    )
 
 
 # -- the Responses API ----------------------------------------------------------------------------------------
@@ -267,9 +281,14 @@ def create_response():
     record.model = req.model
     if req.stream:
         state, ignored = service.prepare_stream(req, body)
-        return _server_sent(service.events(state, alive=_client_alive(request.environ)), state.job, record,
-                            _typed_frame, done=False,
-                            headers=_ignored_tools(ignored))
+        return _server_sent(
+            service.events(state, alive=_client_alive(request.environ)),
+            state.job,
+            record,
+            _typed_frame,
+            done=False,
+            headers=_ignored_tools(ignored),
+        )
     response, timings, ignored = service.create(req, body, alive=_client_alive(request.environ))
     record.timings(timings)
     record.model = response["model"]

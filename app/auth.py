@@ -6,6 +6,7 @@ Keys are compared in constant time (``hmac.compare_digest`` over SHA-256 digests
 the length of a key leaks through timing), every key is checked on every request, and neither the keys nor
 the presented token is ever logged or echoed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,7 @@ class KeyChecker:
     def accepts(self, token: str) -> bool:
         presented = _digest(token)
         ok = False
-        for digest in self._digests:          # no early exit: the time does not depend on which key matched
+        for digest in self._digests:  # no early exit: the time does not depend on which key matched
             ok |= hmac.compare_digest(presented, digest)
         return ok
 
@@ -54,12 +55,13 @@ def install_auth(app: Flask, settings: Settings) -> None:
         if not is_protected(request.path, metrics_too):
             return None
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-            return None             # a browser's CORS preflight never carries credentials (the request after it does)
+            return None  # a browser's CORS preflight never carries credentials (the request after it does)
         scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise AuthenticationError("Missing API key: send it as 'Authorization: Bearer <key>'",
-                                      headers=dict(_CHALLENGE))
+            raise AuthenticationError(
+                "Missing API key: send it as 'Authorization: Bearer <key>'", headers=dict(_CHALLENGE)
+            )
         if not checker.accepts(token):
             raise AuthenticationError("Incorrect API key provided", headers=dict(_CHALLENGE))
         return None

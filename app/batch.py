@@ -18,6 +18,7 @@ invalid request, ``{"line": N, "request": ..., "error": <OpenAI error object>}``
 
 No torch import at module level: the parser is built by ``python -m app`` for every command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,25 +73,39 @@ def _int(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The settings flags (as for ``serve``) plus the batch flags."""
     from app.settings import add_settings_arguments
+
     add_settings_arguments(parser)
     group = parser.add_argument_group("batch")
-    group.add_argument("inputs", nargs="+", metavar="INPUT",
-                       help="JSONL request files; globs are expanded (quote them to let saker expand them)")
+    group.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="JSONL request files; globs are expanded (quote them to let saker expand them)",
+    )
     where = group.add_mutually_exclusive_group()
-    where.add_argument("-o", "--output", metavar="OUTPUT",
-                       help="output file (one INPUT only). Default: output_<name>.jsonl beside each input")
+    where.add_argument(
+        "-o",
+        "--output",
+        metavar="OUTPUT",
+        help="output file (one INPUT only). Default: output_<name>.jsonl beside each input",
+    )
     where.add_argument("--output-dir", metavar="DIR", help="write output_<name>.jsonl files into DIR")
     # --max-batch-tokens is the setting of that name (generated above): the same token budget the server's
     # batches use; here it defaults to DEFAULT_MAX_BATCH_TOKENS.
-    group.add_argument("--seed", type=_int, default=None,
-                       help="requests without their own seed get one derived from this, the input file name and "
-                            "the line number (sampled results then survive resumes and re-runs)")
+    group.add_argument(
+        "--seed",
+        type=_int,
+        default=None,
+        help="requests without their own seed get one derived from this, the input file name and "
+        "the line number (sampled results then survive resumes and re-runs)",
+    )
     group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m app batch",
-                                     description="Answer JSONL files of completion requests offline.")
+    parser = argparse.ArgumentParser(
+        prog="python -m app batch", description="Answer JSONL files of completion requests offline."
+    )
     add_arguments(parser)
     return parser
 
@@ -107,12 +122,16 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     for pattern in patterns:
         if os.path.exists(pattern) or not glob.has_magic(pattern):
             if not os.path.isfile(pattern):
-                raise UsageError(f"input {pattern} does not exist" if not os.path.exists(pattern)
-                                 else f"input {pattern} is not a file")
+                raise UsageError(
+                    f"input {pattern} does not exist"
+                    if not os.path.exists(pattern)
+                    else f"input {pattern} is not a file"
+                )
             matches = [Path(pattern)]
         else:
-            matches = sorted((Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)),
-                             key=_natural_key)
+            matches = sorted(
+                (Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)), key=_natural_key
+            )
             if not matches:
                 raise UsageError(f"no input file matches {pattern}")
         for path in matches:
@@ -131,10 +150,10 @@ def output_name(path: Path) -> str:
 class Job:
     input: Path
     output: Path
-    lines: int = 0                                            # non-blank input lines
-    done: dict[int, bool] = field(default_factory=dict)      # line -> answered with a result (False: error)
+    lines: int = 0  # non-blank input lines
+    done: dict[int, bool] = field(default_factory=dict)  # line -> answered with a result (False: error)
     pending: int = 0
-    dirty: bool = False                                       # its output needs cleaning (see scan_output)
+    dirty: bool = False  # its output needs cleaning (see scan_output)
 
 
 def plan_jobs(patterns: list[str], output: str | None, output_dir: str | None) -> list[Job]:
@@ -219,10 +238,11 @@ def _retryable(error: Any) -> bool:
 @dataclass
 class OutputState:
     """What an existing output holds: the answered lines, and whether it needs cleaning before appending."""
-    keep: list[bytes] = field(default_factory=list)           # the lines to keep, without their newline
-    prints: dict[int, str] = field(default_factory=dict)      # line -> fingerprint of its request
-    done: dict[int, bool] = field(default_factory=dict)       # line -> answered with a result (False: error)
-    dirty: bool = False                                       # a torn last line or lines to drop
+
+    keep: list[bytes] = field(default_factory=list)  # the lines to keep, without their newline
+    prints: dict[int, str] = field(default_factory=dict)  # line -> fingerprint of its request
+    done: dict[int, bool] = field(default_factory=dict)  # line -> answered with a result (False: error)
+    dirty: bool = False  # a torn last line or lines to drop
 
 
 def scan_output(path: Path) -> OutputState:
@@ -272,6 +292,7 @@ def open_output(job: Job):
     """Open the output for appending, holding an exclusive lock (two runs on one file would answer lines twice);
     read what it holds under the lock and clean it if needed. None when another run holds the lock."""
     import fcntl
+
     job.output.parent.mkdir(parents=True, exist_ok=True)
     while True:
         handle = open(job.output, "ab")
@@ -280,19 +301,19 @@ def open_output(job: Job):
         except BlockingIOError:
             handle.close()
             return None
-        except OSError as exc:   # a file system without locks: go on without one
+        except OSError as exc:  # a file system without locks: go on without one
             log.warning("cannot lock %s (%s); make sure no other run writes it", job.output, exc)
         try:
             same = os.stat(job.output).st_ino == os.fstat(handle.fileno()).st_ino
         except FileNotFoundError:
             same = False
-        if not same:             # another run replaced the file after we opened it: lock the new one
+        if not same:  # another run replaced the file after we opened it: lock the new one
             handle.close()
             continue
         state = scan_output(job.output)
         if state.dirty:
             rewrite_output(job.output, state.keep)
-            handle.close()       # the lock was on the old file; take it on the new one
+            handle.close()  # the lock was on the old file; take it on the new one
             continue
         job.done = state.done
         return handle
@@ -310,26 +331,31 @@ def check_job(job: Job) -> None:
         if number not in state.prints:
             job.pending += 1
         elif state.prints[number] != fingerprint(_identity(text, raw)):
-            raise UsageError(f"{job.output} line for input line {number} holds another request than "
-                             f"{job.input}: the input changed since that output was written; move the output "
-                             f"away (or use --output-dir) to start afresh")
+            raise UsageError(
+                f"{job.output} line for input line {number} holds another request than "
+                f"{job.input}: the input changed since that output was written; move the output "
+                f"away (or use --output-dir) to start afresh"
+            )
     extra = sorted(set(state.prints) - numbers)
     if extra:
-        raise UsageError(f"{job.output} answers line {extra[0]}, which {job.input} does not have: "
-                         f"the input changed since that output was written")
+        raise UsageError(
+            f"{job.output} answers line {extra[0]}, which {job.input} does not have: "
+            f"the input changed since that output was written"
+        )
 
 
 # -- requests --------------------------------------------------------------------------------------------------
 @dataclass
 class Item:
     """One input line: a valid request to run, or an error already known."""
+
     line: int
-    record: dict                      # the output line under construction: line, request/raw
-    kind: str = "completion"          # completion | chat
-    request: Any = None               # the validated request (None when error is set)
+    record: dict  # the output line under construction: line, request/raw
+    kind: str = "completion"  # completion | chat
+    request: Any = None  # the validated request (None when error is set)
     error: APIError | None = None
-    cost: int = 0                     # tokens it occupies in a batch
-    job: Any = None                   # the request prepared for the engine (service.prepare), done once
+    cost: int = 0  # tokens it occupies in a batch
+    job: Any = None  # the request prepared for the engine (service.prepare), done once
     result: dict | None = None
 
 
@@ -343,8 +369,11 @@ def make_item(service, number: int, text: str | None, raw: bytes, *, seed: int |
     try:
         body = parse_line(text)
     except InvalidRequestError as exc:
-        return Item(number, {"line": number, "request": None,
-                             "raw": text if text is not None else raw.decode("utf-8", "replace")}, error=exc)
+        return Item(
+            number,
+            {"line": number, "request": None, "raw": text if text is not None else raw.decode("utf-8", "replace")},
+            error=exc,
+        )
     item = Item(number, {"line": number, "request": body})
     try:
         if not isinstance(body, dict):
@@ -362,7 +391,7 @@ def make_item(service, number: int, text: str | None, raw: bytes, *, seed: int |
         item.cost = job_cost(service, item.job)
     except APIError as exc:
         item.error, item.request = exc, None
-    except Exception as exc:   # noqa: BLE001 - a line never stops the run
+    except Exception as exc:
         log.exception("line %d: validation failed", number)
         item.error, item.request = InternalServerError(f"{type(exc).__name__}: {exc}"), None
     return item
@@ -392,9 +421,11 @@ def job_cost(service, job) -> int:
     runs."""
     params = job.params
     total = service.max_total_tokens
-    return sum(params.num_candidates * (len(ids) + (max(total - len(ids), 0) if params.max_tokens is None
-                                                    else params.max_tokens))
-               for ids in job.prompts)
+    return sum(
+        params.num_candidates
+        * (len(ids) + (max(total - len(ids), 0) if params.max_tokens is None else params.max_tokens))
+        for ids in job.prompts
+    )
 
 
 def group_items(items: Iterator[Item], max_tokens: int) -> Iterator[list[Item]]:
@@ -449,14 +480,14 @@ def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] |
         for _ in items:
             while True:
                 try:
-                    item = finished.get(timeout=0.25)     # a timeout: signals are handled while waiting
+                    item = finished.get(timeout=0.25)  # a timeout: signals are handled while waiting
                     break
                 except queue.Empty:
                     continue
             if on_answer is not None:
                 on_answer(item)
     finally:
-        stop.set()                                        # interrupted: start nothing more
+        stop.set()  # interrupted: start nothing more
     return time.perf_counter() - start
 
 
@@ -465,7 +496,7 @@ def _answer(service, item: Item) -> None:
         item.result = service.complete(item.request, item.job).body
     except APIError as exc:
         item.error = exc
-    except Exception as exc:   # noqa: BLE001 - one bad request does not stop the run
+    except Exception as exc:
         log.exception("line %d failed", item.line)
         item.error = InternalServerError(f"{type(exc).__name__}: {exc}")
 
@@ -474,7 +505,7 @@ def _answer(service, item: Item) -> None:
 def encode_record(record: dict) -> bytes:
     try:
         return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-    except UnicodeEncodeError:   # a lone surrogate from a \ud800 escape: keep it escaped
+    except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
         return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
 
 
@@ -496,7 +527,7 @@ class SignalGuard:
         for signum in (signal.SIGINT, signal.SIGTERM):
             try:
                 self.previous[signum] = signal.signal(signum, self._handler)
-            except ValueError:   # not the main thread: leave signals alone
+            except ValueError:  # not the main thread: leave signals alone
                 pass
 
     def restore(self) -> None:
@@ -530,9 +561,9 @@ class Stats:
     run_id: str
     seed: int | None
     jobs: list[Job]
-    errors_now: int = 0               # error lines written by this run (for the progress bar)
-    prompt_tokens: int = 0            # this run's
-    generated_tokens: int = 0         # this run's (completion tokens, best_of candidates included)
+    errors_now: int = 0  # error lines written by this run (for the progress bar)
+    prompt_tokens: int = 0  # this run's
+    generated_tokens: int = 0  # this run's (completion tokens, best_of candidates included)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -548,31 +579,55 @@ class Stats:
     def summary(self, status: str) -> dict:
         run_time = self.run_time
         requests, responses, errors = self.counts()
-        return {"status": status, "run_id": self.run_id, "request_count": requests,
-                "response_count": responses, "error_count": errors,
-                "run_time_sec": round(run_time, 3), "prompt_tokens": self.prompt_tokens,
-                "total_tokens_generated": self.generated_tokens,
-                "tokens_per_sec": round(self.generated_tokens / run_time, 3) if run_time > 0 else 0.0,
-                "seed": self.seed}
+        return {
+            "status": status,
+            "run_id": self.run_id,
+            "request_count": requests,
+            "response_count": responses,
+            "error_count": errors,
+            "run_time_sec": round(run_time, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens_generated": self.generated_tokens,
+            "tokens_per_sec": round(self.generated_tokens / run_time, 3) if run_time > 0 else 0.0,
+            "seed": self.seed,
+        }
 
 
 def _progress(total: int, disabled: bool):
     from tqdm import tqdm
+
     interactive = sys.stderr.isatty()
-    return tqdm(total=total, unit="req", file=sys.stderr, disable=disabled, dynamic_ncols=interactive,
-                mininterval=0.5 if interactive else 30.0, desc="batch")
+    return tqdm(
+        total=total,
+        unit="req",
+        file=sys.stderr,
+        disable=disabled,
+        dynamic_ncols=interactive,
+        mininterval=0.5 if interactive else 30.0,
+        desc="batch",
+    )
 
 
-def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | None, progress: bool,
-             stats: Stats, guard: SignalGuard) -> list[Job]:
+def run_jobs(
+    service,
+    jobs: list[Job],
+    *,
+    max_batch_tokens: int,
+    seed: int | None,
+    progress: bool,
+    stats: Stats,
+    guard: SignalGuard,
+) -> list[Job]:
     """Answer every pending line of every job; returns the jobs skipped because another run holds their output.
     Interrupted propagates (the lines written so far are whole)."""
     bar = _progress(sum(j.pending for j in jobs), disabled=not progress)
 
     def show(done: int) -> None:
         run_time = stats.run_time
-        bar.set_postfix_str(f"{stats.generated_tokens / run_time if run_time else 0:.1f} tok/s, "
-                            f"{stats.errors_now} errors", refresh=False)
+        bar.set_postfix_str(
+            f"{stats.generated_tokens / run_time if run_time else 0:.1f} tok/s, {stats.errors_now} errors",
+            refresh=False,
+        )
         bar.update(done)
 
     def on_answer(item: Item) -> None:
@@ -593,8 +648,11 @@ def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | Non
                 skipped.append(job)
                 continue
             with handle:
-                items = (make_item(service, number, text, raw, seed=seed, source=job.input.name)
-                         for number, text, raw in read_lines(job.input) if number not in job.done)
+                items = (
+                    make_item(service, number, text, raw, seed=seed, source=job.input.name)
+                    for number, text, raw in read_lines(job.input)
+                    if number not in job.done
+                )
                 for group in group_items(items, max_batch_tokens):
                     runnable = [i for i in group if i.error is None]
                     seconds = answer_group(service, runnable, on_answer) if runnable else 0.0
@@ -602,9 +660,10 @@ def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | Non
                     for item in group:
                         record = dict(item.record)
                         if item.error is None:
-                            record["result"] = {**item.result,
-                                                "request_time": {"batch_time": seconds,
-                                                                 "batch_size": len(runnable)}}
+                            record["result"] = {
+                                **item.result,
+                                "request_time": {"batch_time": seconds, "batch_size": len(runnable)},
+                            }
                         else:
                             record["error"] = item.error.body()["error"]
                             stats.errors_now += 1
@@ -621,6 +680,7 @@ def run_jobs(service, jobs: list[Job], *, max_batch_tokens: int, seed: int | Non
 def _load_service(settings, worker=None):
     from app.engine.worker import Worker
     from app.service import CompletionService
+
     if worker is None:
         worker = Worker.from_settings(settings)
         worker.load()
@@ -630,12 +690,16 @@ def _load_service(settings, worker=None):
 def run(args: argparse.Namespace, settings=None, *, service=None, worker=None, hard_exit: bool = False) -> int:
     """The batch command on parsed arguments. ``service``/``worker``: injected by tests (no model load)."""
     from app.settings import settings_from_args
+
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     try:
         if settings is None:
             settings = settings_from_args(args)
-        logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=settings.log_level.upper(),
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         jobs = plan_jobs(args.inputs, args.output, args.output_dir)
         for job in jobs:
             check_job(job)
@@ -653,8 +717,13 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None, h
     stats = Stats(run_id, args.seed, jobs)
     requests = stats.counts()[0]
     pending = sum(j.pending for j in jobs)
-    log.info("%d input file(s), %d request line(s), %d already answered, %d to run", len(jobs), requests,
-             requests - pending, pending)
+    log.info(
+        "%d input file(s), %d request line(s), %d already answered, %d to run",
+        len(jobs),
+        requests,
+        requests - pending,
+        pending,
+    )
 
     guard = SignalGuard()
     guard.install()
@@ -669,8 +738,15 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None, h
         if pending or any(job.dirty for job in jobs):
             stats.started = time.perf_counter()
             budget = settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
-            skipped = run_jobs(service, jobs, max_batch_tokens=budget, seed=args.seed,
-                               progress=not args.no_progress, stats=stats, guard=guard)
+            skipped = run_jobs(
+                service,
+                jobs,
+                max_batch_tokens=budget,
+                seed=args.seed,
+                progress=not args.no_progress,
+                stats=stats,
+                guard=guard,
+            )
             if skipped:
                 status, code = "INCOMPLETE", EXIT_ERRORS
         if status == "SUCCESS" and stats.counts()[2]:
@@ -678,10 +754,12 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None, h
     except Interrupted as exc:
         guard.restore()
         name = signal.Signals(exc.signum).name
-        print(f"saker batch: interrupted by {name}; the output holds whole lines only, rerun the same command "
-              f"to resume", file=sys.stderr)
+        print(
+            f"saker batch: interrupted by {name}; the output holds whole lines only, rerun the same command to resume",
+            file=sys.stderr,
+        )
         status, code = "INTERRUPTED", 128 + exc.signum
-    except Exception:   # noqa: BLE001 - e.g. a full disk: report and give the summary line
+    except Exception:
         log.exception("saker batch: the run failed")
         status, code = "FAILED", EXIT_ERRORS
     finally:
@@ -700,7 +778,7 @@ def main(argv: list[str] | None = None, *, service=None, worker=None) -> int:
     """``python -m app batch ...`` without the ``batch`` word; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as exc:   # argparse: usage errors exit 2, --help exits 0
+    except SystemExit as exc:  # argparse: usage errors exit 2, --help exits 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     return run(args, service=service, worker=worker)
 

@@ -8,6 +8,7 @@ Commands start with ``/`` (``/help`` lists them); ``//text`` sends a message tha
 Standard library only (``urllib`` and a small server-sent-events reader): ``requests`` and ``openai`` are
 development dependencies of this project, not runtime ones.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 from typing import IO, Any, Callable, Iterator
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
-TIMEOUT_S = 600.0           # a long generation may take a while before (or between) tokens
+TIMEOUT_S = 600.0  # a long generation may take a while before (or between) tokens
 PROMPT = ">>> "
 
 HELP = """\
@@ -51,7 +52,7 @@ class ChatError(Exception):
 
 def _one_line(text: str, limit: int = 500) -> str:
     text = printable(" ".join(str(text).split()))
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def format_error(status: int | None, body: Any) -> str:
@@ -65,7 +66,7 @@ def format_error(status: int | None, body: Any) -> str:
         except ValueError:
             return f"{head}: {_one_line(body) or '(empty body)'}"
     error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, str):              # some servers send {"error": "message"}
+    if isinstance(error, str):  # some servers send {"error": "message"}
         error = {"message": error}
     if not isinstance(error, dict):
         return f"{head}: {_one_line(json.dumps(body, ensure_ascii=False))}"
@@ -120,11 +121,11 @@ def _lines(stream: IO[bytes]) -> Iterator[str]:
         raw = stream.readline()
         if not raw:
             return
-        parts = _LINE_END.split(raw.decode("utf-8", "replace"))   # UTF-8 never holds a CR or LF byte inside
-        last = parts.pop()                                          # "" after a line end
+        parts = _LINE_END.split(raw.decode("utf-8", "replace"))  # UTF-8 never holds a CR or LF byte inside
+        last = parts.pop()  # "" after a line end
         yield from parts
         if last:
-            yield last                                              # the stream ended without a line end
+            yield last  # the stream ended without a line end
 
 
 @dataclass
@@ -146,7 +147,7 @@ def iter_chat_stream(stream: IO[bytes], reply: Reply | None = None) -> Iterator[
         try:
             chunk = json.loads(data)
         except ValueError:
-            raise ChatError(f"error: the server sent a stream frame that is not JSON: {_one_line(data, 200)}")
+            raise ChatError(f"error: the server sent a stream frame that is not JSON: {_one_line(data, 200)}") from None
         if not isinstance(chunk, dict):
             continue
         if "error" in chunk:
@@ -165,6 +166,7 @@ def iter_chat_stream(stream: IO[bytes], reply: Reply | None = None) -> Iterator[
 
 # -- HTTP --------------------------------------------------------------------------------------------------
 
+
 class HTTPClient:
     """JSON over urllib; every failure becomes a ChatError with one line to show."""
 
@@ -179,7 +181,7 @@ class HTTPClient:
         self.timeout = timeout
         handlers = []
         if parsed.hostname in ("127.0.0.1", "localhost", "::1"):
-            handlers.append(urllib.request.ProxyHandler({}))    # a local server is never behind the proxy
+            handlers.append(urllib.request.ProxyHandler({}))  # a local server is never behind the proxy
         self._opener = urllib.request.build_opener(*handlers)
 
     def open(self, method: str, url: str, payload: Any = None, *, stream: bool = False) -> http.client.HTTPResponse:
@@ -212,7 +214,9 @@ class HTTPClient:
         try:
             return json.loads(raw)
         except ValueError:
-            raise ChatError(f"error: {url} did not answer JSON: {_one_line(raw.decode('utf-8', 'replace'), 200)}")
+            raise ChatError(
+                f"error: {url} did not answer JSON: {_one_line(raw.decode('utf-8', 'replace'), 200)}"
+            ) from None
 
     def first_model(self) -> str:
         listing = self.json("GET", self.base_url + "/models")
@@ -223,6 +227,7 @@ class HTTPClient:
 
 
 # -- parameters --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Params:
@@ -306,8 +311,9 @@ def parse_params(text: str, current: Params) -> Params:
         if key not in names:
             raise ValueError(f"unknown parameter {name!r}; known: {', '.join(names)}")
         if not sep or value == "":
-            raise ValueError(f"write {key}=VALUE (for example {key}={_EXAMPLES[key]}), "
-                             f"or {key}=default for the server's default")
+            raise ValueError(
+                f"write {key}=VALUE (for example {key}={_EXAMPLES[key]}), or {key}=default for the server's default"
+            )
         if key in changes:
             raise ValueError(f"{key} is given twice")
         changes[key] = None if value.lower() in _UNSET else _check_value(key, value)
@@ -321,10 +327,11 @@ _EXAMPLES = {"temperature": "0.7", "top_k": "40", "top_p": "0.9", "max_tokens": 
 
 # -- commands ----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Command:
-    name: str        # without the slash, lower case
-    arg: str         # the rest of the line, stripped
+    name: str  # without the slash, lower case
+    arg: str  # the rest of the line, stripped
 
 
 @dataclass(frozen=True)
@@ -332,8 +339,16 @@ class Message:
     text: str
 
 
-_COMMAND_ALIASES = {"?": "help", "h": "help", "exit": "quit", "q": "quit", "bye": "quit", "clear": "reset",
-                    "param": "params", "parameters": "params"}
+_COMMAND_ALIASES = {
+    "?": "help",
+    "h": "help",
+    "exit": "quit",
+    "q": "quit",
+    "bye": "quit",
+    "clear": "reset",
+    "param": "params",
+    "parameters": "params",
+}
 COMMANDS = ("help", "params", "system", "prompt", "reset", "quit")
 
 
@@ -353,6 +368,7 @@ def parse_line(line: str) -> Command | Message | None:
 
 # -- the shell ---------------------------------------------------------------------------------------------
 
+
 class ChatShell:
     def __init__(self, client: HTTPClient, model: str, out: IO[str] | None = None, *, stream: bool = True):
         self.client = client
@@ -361,7 +377,7 @@ class ChatShell:
         self.stream = stream
         self.params = Params()
         self.system_prompt: str | None = None
-        self.history: list[dict[str, str]] = []      # user and assistant turns, in order
+        self.history: list[dict[str, str]] = []  # user and assistant turns, in order
 
     # -- output
     def say(self, text: str = "") -> None:
@@ -400,7 +416,7 @@ class ChatShell:
                     if exc.status != 400:
                         raise
                     reply = Reply()
-                    self._plain_reply(messages, reply)           # raises the same 400 if it was not streaming
+                    self._plain_reply(messages, reply)  # raises the same 400 if it was not streaming
                     self.stream, fell_back = False, True
             else:
                 self._plain_reply(messages, reply)
@@ -456,8 +472,11 @@ class ChatShell:
             choice = completion["choices"][0]
             content = choice["message"].get("content") or ""
         except (KeyError, IndexError, TypeError, AttributeError):
-            raise ChatError(format_error(None, completion) if isinstance(completion, dict) and "error" in completion
-                            else "error: the server's answer has no choices[0].message") from None
+            raise ChatError(
+                format_error(None, completion)
+                if isinstance(completion, dict) and "error" in completion
+                else "error: the server's answer has no choices[0].message"
+            ) from None
         reply.content = content
         reply.finish_reason = choice.get("finish_reason")
         self._write(printable(content))
@@ -499,15 +518,21 @@ class ChatShell:
         except ValueError as exc:
             self.say(f"/params: {exc} (nothing changed)")
             return
-        changed = [f"{f.name}={'default' if getattr(new, f.name) is None else getattr(new, f.name)}"
-                   for f in fields(Params) if getattr(new, f.name) != getattr(self.params, f.name)]
+        changed = [
+            f"{f.name}={'default' if getattr(new, f.name) is None else getattr(new, f.name)}"
+            for f in fields(Params)
+            if getattr(new, f.name) != getattr(self.params, f.name)
+        ]
         self.params = new
         self.say("set " + ", ".join(changed) if changed else "no change")
 
     def do_system(self, arg: str) -> None:
         if not arg:
-            self.say(f"system prompt: {self.system_prompt}" if self.system_prompt
-                     else "no system prompt (/system TEXT sets one)")
+            self.say(
+                f"system prompt: {self.system_prompt}"
+                if self.system_prompt
+                else "no system prompt (/system TEXT sets one)"
+            )
         elif arg == "--clear":
             self.system_prompt = None
             self.say("system prompt removed")
@@ -522,16 +547,19 @@ class ChatShell:
             self.say("the conversation is empty: nothing to show yet (send a message or set /system first)")
             return
         try:
-            tokenized = self.client.json("POST", self.client.root_url + "/tokenize",
-                                         {"model": self.model, "messages": messages, "add_generation_prompt": True})
+            tokenized = self.client.json(
+                "POST",
+                self.client.root_url + "/tokenize",
+                {"model": self.model, "messages": messages, "add_generation_prompt": True},
+            )
             tokens = tokenized["tokens"]
-            detokenized = self.client.json("POST", self.client.root_url + "/detokenize",
-                                           {"model": self.model, "tokens": tokens})
+            detokenized = self.client.json(
+                "POST", self.client.root_url + "/detokenize", {"model": self.model, "tokens": tokens}
+            )
             text = detokenized["prompt"]
         except ChatError as exc:
             if exc.status in (404, 405, 501):
-                self.say(f"this server has no /tokenize and /detokenize endpoints ({exc}); "
-                         "the messages sent are:")
+                self.say(f"this server has no /tokenize and /detokenize endpoints ({exc}); the messages sent are:")
             else:
                 self.say(f"{exc}; the messages sent are:")
             self.say(json.dumps(messages, indent=2, ensure_ascii=False))
@@ -546,8 +574,10 @@ class ChatShell:
         self._write(printable(text) if text.endswith("\n") else printable(text) + "\n")
         self.say("--- end of prompt ---")
         if isinstance(limit, int) and isinstance(count, int) and count >= limit:
-            self.say(f"the prompt already fills the model's {limit} tokens: the next message will be refused "
-                     "(/reset starts a new conversation)")
+            self.say(
+                f"the prompt already fills the model's {limit} tokens: the next message will be refused "
+                "(/reset starts a new conversation)"
+            )
 
     # -- the loop
     def run(self, read_line: Callable[[str], str] = input) -> int:
@@ -566,15 +596,18 @@ class ChatShell:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=DEFAULT_URL,
-                        help=f"base URL of an OpenAI-compatible API (default: {DEFAULT_URL}, `python -m app serve`)")
+    parser.add_argument(
+        "--url",
+        default=DEFAULT_URL,
+        help=f"base URL of an OpenAI-compatible API (default: {DEFAULT_URL}, `python -m app serve`)",
+    )
     parser.add_argument("--model", default=None, help="model name to ask for (default: the first of GET /models)")
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` when the server wants one")
 
 
 def main(args: argparse.Namespace) -> int:
     if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="replace")           # a model's odd characters never kill the shell
+        sys.stdout.reconfigure(errors="replace")  # a model's odd characters never kill the shell
     try:
         client = HTTPClient(args.url, api_key=args.api_key)
         model = args.model or client.first_model()

@@ -4,6 +4,7 @@ Every error the server returns is ``{"error": {"message", "type", "param", "code
 (protocol, service, engine) raises one of these; ``app/__init__.py`` (``error_response``) turns it into
 the response.
 """
+
 from __future__ import annotations
 
 
@@ -14,8 +15,15 @@ class APIError(Exception):
     type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -31,6 +39,7 @@ class APIError(Exception):
 
 class InvalidRequestError(APIError):
     """400: the request is malformed or out of range; ``param`` names the field."""
+
     status = 400
     type = "invalid_request_error"
 
@@ -66,6 +75,7 @@ class RequestTooLargeError(InvalidRequestError):
 
 class AuthenticationError(APIError):
     """401: missing or wrong API key (OpenAI's shape: invalid_request_error / invalid_api_key)."""
+
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
@@ -93,11 +103,13 @@ class ModelNotReadyError(ServiceUnavailableError):
 
 class QueueTimeoutError(ServiceUnavailableError):
     """503: the request waited longer than SAKER_QUEUE_TIMEOUT for the model."""
+
     code = "queue_timeout"
 
 
 class OutOfMemoryError(ServiceUnavailableError):
     """503: the accelerator ran out of memory during this request; the cache was freed, the server goes on."""
+
     code = "out_of_memory"
 
     def __init__(self, message: str, **kwargs):
@@ -108,6 +120,7 @@ class OutOfMemoryError(ServiceUnavailableError):
 class ClientClosedError(APIError):
     """499 (nginx's "client closed request"): the client of a plain request went away while it was generated;
     generation stopped at the next step. Nobody reads the answer; the access log records it."""
+
     status = 499
     type = "client_closed_request"
     code = "client_closed_request"

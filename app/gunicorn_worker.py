@@ -13,6 +13,7 @@ handshake), HTTP/2 prior-knowledge peers, chunked bodies (the head is buffered; 
 thread, against the body limit) and bodies sent after ``Expect: 100-continue``. This relies on gthread's
 internals (gunicorn is pinned in requirements.txt); tests/test_slow_clients.py holds it to its promise.
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,28 +28,39 @@ from functools import partial
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import ThreadWorker
 
-HEAD_TIMEOUT = 10.0                  # seconds a client has to send its request head (and announced body)
+HEAD_TIMEOUT = 10.0  # seconds a client has to send its request head (and announced body)
 _HEAD_END = b"\r\n\r\n"
 _LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r\n", re.IGNORECASE)
 _CONTINUE = re.compile(rb"\r\nexpect:[ \t]*100-continue", re.IGNORECASE)
 
 
 def _request_timeout_answer() -> bytes:
-    body = json.dumps({"error": {"message": f"the request was not received within {HEAD_TIMEOUT:g} seconds",
-                                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request was not received within {HEAD_TIMEOUT:g} seconds",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+        }
+    ).encode()
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
 
 
 class BufferingThreadWorker(ThreadWorker):
-
     def init_process(self):
-        self.receiving: deque = deque()      # connections whose request is still coming, oldest first
+        self.receiving: deque = deque()  # connections whose request is still coming, oldest first
         # a request's head is at most gunicorn's request line + header limits; a body is buffered up to the
         # app's body limit (a larger one is refused by the app from its Content-Length before it is read)
-        self.head_limit = self.cfg.limit_request_line + self.cfg.limit_request_fields * \
-            (self.cfg.limit_request_field_size + 2) + 4
+        self.head_limit = (
+            self.cfg.limit_request_line + self.cfg.limit_request_fields * (self.cfg.limit_request_field_size + 2) + 4
+        )
         from app.settings import load_settings
+
         settings = load_settings()
         self.body_limit = settings.max_request_bytes
         self.drain_seconds = settings.drain_seconds
@@ -65,6 +77,7 @@ class BufferingThreadWorker(ThreadWorker):
         this handler is still running (Python runs a handler between any two bytecodes of another), so the first
         thing done is a non-blocking acquire that no second call can pass."""
         from app import lifecycle
+
         if not self._stop_once.acquire(blocking=False):
             return None
         lifecycle.draining.set()
@@ -94,8 +107,11 @@ class BufferingThreadWorker(ThreadWorker):
 
     # -- the main loop's side ---------------------------------------------------------------------------------
     def enqueue_req(self, conn):
-        if getattr(conn, "saker_received", None) is not None or not self._buffers(conn) or \
-                (conn.parser is not None and conn.parser.unreader.buf.getvalue()):
+        if (
+            getattr(conn, "saker_received", None) is not None
+            or not self._buffers(conn)
+            or (conn.parser is not None and conn.parser.unreader.buf.getvalue())
+        ):
             return super().enqueue_req(conn)
         conn.saker_buffer = bytearray()
         conn.saker_deadline = time.monotonic() + HEAD_TIMEOUT
@@ -104,8 +120,9 @@ class BufferingThreadWorker(ThreadWorker):
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_bytes, conn))
 
     def _buffers(self, conn) -> bool:
-        return not self.cfg.is_ssl and not conn.is_http2 and \
-            not negotiation.prior_knowledge_allowed(self.cfg, conn.client)
+        return (
+            not self.cfg.is_ssl and not conn.is_http2 and not negotiation.prior_knowledge_allowed(self.cfg, conn.client)
+        )
 
     def _on_bytes(self, conn, sock):
         try:
@@ -114,7 +131,7 @@ class BufferingThreadWorker(ThreadWorker):
             if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                 return
             data = b""
-        if not data:                                  # the client went away before its request was in
+        if not data:  # the client went away before its request was in
             self._drop(conn)
             return
         conn.saker_buffer += data
@@ -132,7 +149,7 @@ class BufferingThreadWorker(ThreadWorker):
         end = buffer.find(_HEAD_END)
         if end < 0:
             return len(buffer) > self.head_limit
-        head = bytes(buffer[:end + 2])
+        head = bytes(buffer[: end + 2])
         length = _LENGTH.search(head)
         if length is None or _CONTINUE.search(head):
             return True

@@ -5,6 +5,7 @@ With ``SAKER_WORKERS=1`` (one model copy per replica, the recommended layout) th
 more workers per replica scrape each worker's numbers separately or run one replica per worker
 (docs/deployment.md). Everything is observed from the request's ``RequestRecord`` when the request is done.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,10 +18,8 @@ from prometheus_client.process_collector import ProcessCollector
 
 from app.access_log import RequestRecord
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
-                   600.0)
-PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
-                     2.5)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -30,16 +29,19 @@ class _CudaMemory:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
             import torch
+
             if not torch.cuda.is_available() or not torch.cuda.is_initialized():
                 return
-            allocated = GaugeMetricFamily("saker_gpu_memory_allocated_bytes", "Tensor memory allocated by torch",
-                                          labels=["device"])
-            reserved = GaugeMetricFamily("saker_gpu_memory_reserved_bytes", "Memory held by torch's caching "
-                                         "allocator", labels=["device"])
+            allocated = GaugeMetricFamily(
+                "saker_gpu_memory_allocated_bytes", "Tensor memory allocated by torch", labels=["device"]
+            )
+            reserved = GaugeMetricFamily(
+                "saker_gpu_memory_reserved_bytes", "Memory held by torch's caching allocator", labels=["device"]
+            )
             for i in range(torch.cuda.device_count()):
                 allocated.add_metric([str(i)], torch.cuda.memory_allocated(i))
                 reserved.add_metric([str(i)], torch.cuda.memory_reserved(i))
-        except Exception:   # noqa: BLE001 - a scrape must never fail because of the GPU probe
+        except Exception:
             return
         yield allocated
         yield reserved
@@ -56,10 +58,14 @@ class _AdmissionCounters:
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         admission = self.metrics.worker.admission
-        yield CounterMetricFamily("saker_requests_rejected", "Requests turned away because the queue was full "
-                                  "(429)", value=admission.rejected)
-        yield CounterMetricFamily("saker_requests_queue_timeouts", "Requests that waited longer than the queue "
-                                  "timeout (503)", value=admission.timed_out)
+        yield CounterMetricFamily(
+            "saker_requests_rejected", "Requests turned away because the queue was full (429)", value=admission.rejected
+        )
+        yield CounterMetricFamily(
+            "saker_requests_queue_timeouts",
+            "Requests that waited longer than the queue timeout (503)",
+            value=admission.timed_out,
+        )
 
 
 class _PrefixCacheCounters:
@@ -72,12 +78,17 @@ class _PrefixCacheCounters:
         cache = getattr(getattr(self.metrics.worker, "runner", None), "prefix_cache", None)
         if cache is None:
             return
-        yield CounterMetricFamily("saker_prefix_cache_hits", "Prefills that reused a kept prompt's KV cache",
-                                  value=cache.hits)
-        yield CounterMetricFamily("saker_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache "
-                                  "instead of a forward", value=cache.reused_tokens)
-        yield GaugeMetricFamily("saker_prefix_cache_tokens", "Prompt tokens whose KV the prefix cache holds now",
-                                value=cache.tokens)
+        yield CounterMetricFamily(
+            "saker_prefix_cache_hits", "Prefills that reused a kept prompt's KV cache", value=cache.hits
+        )
+        yield CounterMetricFamily(
+            "saker_prefix_cache_reused_tokens",
+            "Prompt tokens taken from the prefix cache instead of a forward",
+            value=cache.reused_tokens,
+        )
+        yield GaugeMetricFamily(
+            "saker_prefix_cache_tokens", "Prompt tokens whose KV the prefix cache holds now", value=cache.tokens
+        )
 
 
 class _VllmAliases:
@@ -96,71 +107,111 @@ class _VllmAliases:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(label, value)
             return family
+
         usage = getattr(getattr(worker, "scheduler", None), "kv_usage", 0.0)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting for the model (saker_queue_depth)",
-                    worker.admission.waiting)
-        yield gauge("vllm:num_requests_running", "Requests the model is working on (saker_requests_running)",
-                    worker.admission.active)
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting for the model (saker_queue_depth)", worker.admission.waiting
+        )
+        yield gauge(
+            "vllm:num_requests_running",
+            "Requests the model is working on (saker_requests_running)",
+            worker.admission.active,
+        )
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (saker_kv_cache_usage)", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0-1 (vLLM's older name)", usage)
         cache = getattr(getattr(worker, "runner", None), "prefix_cache", None)
         if cache is not None:
-            for name, doc, value in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      cache.queried_tokens),
-                                     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                      cache.reused_tokens)):
+            for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.queried_tokens),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", cache.reused_tokens),
+            ):
                 family = CounterMetricFamily(name, doc, labels=["model_name"])
                 family.add_metric(label, value)
                 yield family
-        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters served (vLLM's shape: the value is the "
-                                 "time of the scrape, the labels carry the information)",
-                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters served (vLLM's shape: the value is the "
+            "time of the scrape, the labels carry the information)",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
         lora.add_metric([",".join(self.adapters), "", str(len(self.adapters))], time.time())
         yield lora
 
 
 class Metrics:
-    def __init__(self, worker, *, model_name: str = "", vllm_aliases: bool = False,
-                 adapters: tuple[str, ...] = ()):
+    def __init__(self, worker, *, model_name: str = "", vllm_aliases: bool = False, adapters: tuple[str, ...] = ()):
         self.worker = worker
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("saker_requests", "HTTP requests by route, method and status",
-                                ["route", "method", "status"], registry=r)
-        self.errors = Counter("saker_request_errors", "Error answers (and in-stream error frames) by route and "
-                              "error code", ["route", "code"], registry=r)
-        self.latency = Histogram("saker_request_duration_seconds", "End-to-end request time (a stream: until its "
-                                 "last frame)", ["route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("saker_queue_wait_seconds", "Time a generation request waited for the model",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("saker_time_to_first_token_seconds", "Time to first token: a stream's first "
-                              "chunk after the request arrived; a plain request's queue wait plus prefill",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("saker_time_per_output_token_seconds", "Decode time divided by the generated "
-                              "tokens of a request (all its choices)", buckets=PER_TOKEN_BUCKETS, registry=r)
+        self.requests = Counter(
+            "saker_requests", "HTTP requests by route, method and status", ["route", "method", "status"], registry=r
+        )
+        self.errors = Counter(
+            "saker_request_errors",
+            "Error answers (and in-stream error frames) by route and error code",
+            ["route", "code"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "saker_request_duration_seconds",
+            "End-to-end request time (a stream: until its last frame)",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "saker_queue_wait_seconds",
+            "Time a generation request waited for the model",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "saker_time_to_first_token_seconds",
+            "Time to first token: a stream's first "
+            "chunk after the request arrived; a plain request's queue wait plus prefill",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "saker_time_per_output_token_seconds",
+            "Decode time divided by the generated tokens of a request (all its choices)",
+            buckets=PER_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("saker_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("saker_generation_tokens", "Tokens generated", registry=r)
-        self.request_prompt_tokens = Histogram("saker_request_prompt_tokens", "Prompt tokens per request",
-                                               buckets=TOKEN_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram("saker_request_generation_tokens", "Generated tokens per "
-                                                   "request", buckets=TOKEN_BUCKETS, registry=r)
-        self.in_flight = Gauge("saker_requests_in_flight", "HTTP requests being answered (streams included)",
-                               registry=r)
+        self.request_prompt_tokens = Histogram(
+            "saker_request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "saker_request_generation_tokens", "Generated tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge(
+            "saker_requests_in_flight", "HTTP requests being answered (streams included)", registry=r
+        )
         Gauge("saker_queue_depth", "Requests waiting for the model", registry=r).set_function(
-            lambda: self.worker.admission.waiting)
+            lambda: self.worker.admission.waiting
+        )
         Gauge("saker_requests_running", "Requests the model is working on", registry=r).set_function(
-            lambda: self.worker.admission.active)
-        Gauge("saker_kv_cache_usage", "Token positions the running batch holds in its KV cache, as a share of "
-              "the KV budget (0-1)", registry=r).set_function(
-            lambda: getattr(getattr(self.worker, "scheduler", None), "kv_usage", 0.0))
-        Gauge("saker_kv_cache_budget_tokens", "The running batch's KV budget in token positions "
-              "(SAKER_KV_CACHE_TOKENS, or derived at load)", registry=r).set_function(
-            lambda: getattr(self.worker, "kv_cache_tokens", None) or 0)
+            lambda: self.worker.admission.active
+        )
+        Gauge(
+            "saker_kv_cache_usage",
+            "Token positions the running batch holds in its KV cache, as a share of the KV budget (0-1)",
+            registry=r,
+        ).set_function(lambda: getattr(getattr(self.worker, "scheduler", None), "kv_usage", 0.0))
+        Gauge(
+            "saker_kv_cache_budget_tokens",
+            "The running batch's KV budget in token positions (SAKER_KV_CACHE_TOKENS, or derived at load)",
+            registry=r,
+        ).set_function(lambda: getattr(self.worker, "kv_cache_tokens", None) or 0)
         r.register(_AdmissionCounters(self))
         r.register(_PrefixCacheCounters(self))
         Gauge("saker_model_load_seconds", "Time the model took to load (0 until loaded)", registry=r).set_function(
-            lambda: self.worker.load_seconds or 0.0)
+            lambda: self.worker.load_seconds or 0.0
+        )
         Gauge("saker_model_ready", "1 once the model is loaded and serving", registry=r).set_function(
-            lambda: 1.0 if self.worker.ready else 0.0)
+            lambda: 1.0 if self.worker.ready else 0.0
+        )
         ProcessCollector(registry=r)
         r.register(_CudaMemory())
         if vllm_aliases:
@@ -173,7 +224,7 @@ class Metrics:
     def observe(self, record: RequestRecord) -> None:
         self.in_flight.dec()
         route = record.route
-        method = record.method if record.method in _METHODS else "other"      # a label's values stay bounded
+        method = record.method if record.method in _METHODS else "other"  # a label's values stay bounded
         self.requests.labels(route, method, str(record.status)).inc()
         if record.error_code:
             self.errors.labels(route, record.error_code).inc()

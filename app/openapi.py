@@ -4,6 +4,7 @@ Only the route table below is written by hand (which model each route takes and 
 ``model_json_schema`` output, so the document cannot drift from the validation the server does. A test checks
 that the table covers every route of the app.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,45 +33,107 @@ _ERROR_STATUSES = {
 
 @dataclass(frozen=True)
 class Operation:
-    path: str                                  # Flask rule, e.g. /v1/models/<path:model_id>
+    path: str  # Flask rule, e.g. /v1/models/<path:model_id>
     method: str
     summary: str
     request: type[BaseModel] | None = None
     response: type[BaseModel] | None = None
-    response_type: str = "application/json"   # or text/plain for /metrics
-    streams: bool = False                      # answers text/event-stream with "stream": true
-    protected: bool = False                    # needs the API key when keys are configured
+    response_type: str = "application/json"  # or text/plain for /metrics
+    streams: bool = False  # answers text/event-stream with "stream": true
+    protected: bool = False  # needs the API key when keys are configured
     errors: tuple[str, ...] = ("401", "500", "503")
 
 
 OPERATIONS: tuple[Operation, ...] = (
-    Operation("/v1/completions", "post", "Create a completion", p.CompletionRequest, p.CompletionResponse,
-              streams=True, protected=True, errors=("400", "401", "404", "413", "415", "429", "500", "503")),
-    Operation("/v1/chat/completions", "post", "Create a chat completion", p.ChatCompletionRequest,
-              p.ChatCompletionResponse, streams=True, protected=True,
-              errors=("400", "401", "404", "413", "415", "429", "500", "503")),
+    Operation(
+        "/v1/completions",
+        "post",
+        "Create a completion",
+        p.CompletionRequest,
+        p.CompletionResponse,
+        streams=True,
+        protected=True,
+        errors=("400", "401", "404", "413", "415", "429", "500", "503"),
+    ),
+    Operation(
+        "/v1/chat/completions",
+        "post",
+        "Create a chat completion",
+        p.ChatCompletionRequest,
+        p.ChatCompletionResponse,
+        streams=True,
+        protected=True,
+        errors=("400", "401", "404", "413", "415", "429", "500", "503"),
+    ),
     Operation("/v1/models", "get", "List the served models", response=p.ModelList, protected=True),
-    Operation("/v1/models/<path:model_id>", "get", "One served model", response=p.ModelCard, protected=True,
-              errors=("401", "404", "500", "503")),
-    Operation("/tokenize", "post", "Tokenize a prompt or chat messages", p.TokenizeRequest, p.TokenizeResponse,
-              protected=True, errors=("400", "401", "404", "413", "415", "500", "503")),
-    Operation("/detokenize", "post", "Token ids to text", p.DetokenizeRequest, p.DetokenizeResponse,
-              protected=True, errors=("400", "401", "404", "413", "415", "500", "503")),
-    Operation("/tokenizer_info", "get", "The tokenizer's special tokens, sizes and chat template",
-              response=p.TokenizerInfo, protected=True),
-    Operation("/v1/responses", "post", "Create a response (the Responses API, on the chat path)", ResponsesRequest,
-              streams=True, protected=True, errors=("400", "401", "404", "413", "415", "429", "500", "503")),
-    Operation("/v1/responses/<response_id>", "get", "A stored response", protected=True,
-              errors=("401", "404", "500")),
-    Operation("/v1/responses/<response_id>", "delete", "Delete a stored response", protected=True,
-              errors=("401", "404", "500")),
-    Operation("/health", "get", "Readiness: 200 once the model is loaded, 503 before", response=p.HealthResponse,
-              errors=("503",)),
+    Operation(
+        "/v1/models/<path:model_id>",
+        "get",
+        "One served model",
+        response=p.ModelCard,
+        protected=True,
+        errors=("401", "404", "500", "503"),
+    ),
+    Operation(
+        "/tokenize",
+        "post",
+        "Tokenize a prompt or chat messages",
+        p.TokenizeRequest,
+        p.TokenizeResponse,
+        protected=True,
+        errors=("400", "401", "404", "413", "415", "500", "503"),
+    ),
+    Operation(
+        "/detokenize",
+        "post",
+        "Token ids to text",
+        p.DetokenizeRequest,
+        p.DetokenizeResponse,
+        protected=True,
+        errors=("400", "401", "404", "413", "415", "500", "503"),
+    ),
+    Operation(
+        "/tokenizer_info",
+        "get",
+        "The tokenizer's special tokens, sizes and chat template",
+        response=p.TokenizerInfo,
+        protected=True,
+    ),
+    Operation(
+        "/v1/responses",
+        "post",
+        "Create a response (the Responses API, on the chat path)",
+        ResponsesRequest,
+        streams=True,
+        protected=True,
+        errors=("400", "401", "404", "413", "415", "429", "500", "503"),
+    ),
+    Operation("/v1/responses/<response_id>", "get", "A stored response", protected=True, errors=("401", "404", "500")),
+    Operation(
+        "/v1/responses/<response_id>",
+        "delete",
+        "Delete a stored response",
+        protected=True,
+        errors=("401", "404", "500"),
+    ),
+    Operation(
+        "/health",
+        "get",
+        "Readiness: 200 once the model is loaded, 503 before",
+        response=p.HealthResponse,
+        errors=("503",),
+    ),
     Operation("/livez", "get", "Liveness: 200 while the process serves", response=p.HealthResponse, errors=()),
-    Operation("/readyz", "get", "Readiness: 200 once the model is loaded and the replica is not stopping",
-              response=p.HealthResponse, errors=("503",)),
-    Operation("/metrics", "get", "Prometheus metrics (text exposition format)", response_type="text/plain",
-              errors=("401",)),
+    Operation(
+        "/readyz",
+        "get",
+        "Readiness: 200 once the model is loaded and the replica is not stopping",
+        response=p.HealthResponse,
+        errors=("503",),
+    ),
+    Operation(
+        "/metrics", "get", "Prometheus metrics (text exposition format)", response_type="text/plain", errors=("401",)
+    ),
     Operation("/openapi.json", "get", "This document", response_type="application/json", errors=()),
 )
 
@@ -82,6 +145,7 @@ def openapi_path(rule: str) -> tuple[str, list[str]]:
     def repl(match: re.Match) -> str:
         names.append(match.group(2))
         return "{" + match.group(2) + "}"
+
     return re.sub(r"<(?:([a-z]+):)?([A-Za-z_][A-Za-z0-9_]*)>", repl, rule), names
 
 
@@ -98,34 +162,47 @@ def build_openapi(title: str = "saker", version: str = "1") -> dict:
     paths: dict[str, dict] = {}
     for op in OPERATIONS:
         path, params = openapi_path(op.path)
-        operation: dict = {"summary": op.summary, "operationId": re.sub(r"\W+", "_", f"{op.method}{path}").strip("_"),
-                           "responses": {}}
+        operation: dict = {
+            "summary": op.summary,
+            "operationId": re.sub(r"\W+", "_", f"{op.method}{path}").strip("_"),
+            "responses": {},
+        }
         if params:
-            operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-                                       for name in params]
+            operation["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in params
+            ]
         if op.request is not None:
-            operation["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": refs[(op.request, "validation")]}}}
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": refs[(op.request, "validation")]}},
+            }
         ok: dict = {"description": "OK"}
         if op.response is not None:
             ok["content"] = {"application/json": {"schema": refs[(op.response, "serialization")]}}
         else:
-            ok["content"] = {op.response_type: {"schema": {"type": "string"} if op.response_type != "application/json"
-                                                else {"type": "object"}}}
+            ok["content"] = {
+                op.response_type: {
+                    "schema": {"type": "string"} if op.response_type != "application/json" else {"type": "object"}
+                }
+            }
         if op.streams:
             # OpenAPI 3.1 cannot describe the frames of a stream (3.2's itemSchema can): a string, described
             ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-            ok["description"] = ("OK. With \"stream\": true, text/event-stream: " + (
+            ok["description"] = 'OK. With "stream": true, text/event-stream: ' + (
                 "`event: <type>` + `data: {event}` frames (Responses events), the last one response.completed, "
-                "response.incomplete or response.failed." if op.path == "/v1/responses" else
-                "`data: {chunk}` frames shaped like the response (choices carry text or a delta), an optional "
-                "usage chunk, then `data: [DONE]`. An error after the first frame is a `data: {\"error\": ...}` "
-                "frame."))
+                "response.incomplete or response.failed."
+                if op.path == "/v1/responses"
+                else "`data: {chunk}` frames shaped like the response (choices carry text or a delta), an optional "
+                'usage chunk, then `data: [DONE]`. An error after the first frame is a `data: {"error": ...}` '
+                "frame."
+            )
         operation["responses"]["200"] = ok
         for status in op.errors:
             headers = {"Retry-After": {"schema": {"type": "integer"}}} if status in ("429", "503") else None
-            answer: dict = {"description": _ERROR_STATUSES[status],
-                            "content": {"application/json": {"schema": error_ref}}}
+            answer: dict = {
+                "description": _ERROR_STATUSES[status],
+                "content": {"application/json": {"schema": error_ref}},
+            }
             if headers:
                 answer["headers"] = headers
             operation["responses"][status] = answer
@@ -135,15 +212,22 @@ def build_openapi(title: str = "saker", version: str = "1") -> dict:
 
     return {
         "openapi": OPENAPI_VERSION,
-        "info": {"title": title, "version": version,
-                 "description": "OpenAI-compatible completion server over Hugging Face transformers. Schemas are "
-                                "generated from saker's pydantic models."},
+        "info": {
+            "title": title,
+            "version": version,
+            "description": "OpenAI-compatible completion server over Hugging Face transformers. Schemas are "
+            "generated from saker's pydantic models.",
+        },
         "paths": paths,
         "components": {
             "schemas": defs.get("$defs", {}),
-            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
-                                               "description": "Needed when SAKER_API_KEYS or SAKER_API_KEY_FILE "
-                                                              "is set"}},
+            "securitySchemes": {
+                "bearerAuth": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Needed when SAKER_API_KEYS or SAKER_API_KEY_FILE is set",
+                }
+            },
         },
     }
 

@@ -3,6 +3,7 @@
 Validation errors become ``InvalidRequestError`` with ``param`` naming the field (see ``parse_request``).
 Limits that depend on the server's settings are checked in ``to_sampling_params``.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,25 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, \
-    ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from app.engine.params import Constraint, SamplingParams
 from app.errors import InvalidRequestError
 
-Number = Annotated[StrictFloat, AllowInfNan(False)]     # ints are taken; NaN and +-inf are not
+Number = Annotated[StrictFloat, AllowInfNan(False)]  # ints are taken; NaN and +-inf are not
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[TokenIds]]
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
@@ -24,8 +37,7 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # An explicit null means the default for these fields (OpenAI documents them as nullable). Not for
 # max_tokens (null = up to the context) nor prompt (required).
-_NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-                              "skip_special_tokens"})
+_NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"})
 # Below this a temperature is greedy (as in vLLM): dividing float32 logits by a tinier one overflows to inf.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # repetition_penalty divides (or multiplies) logits; outside this range float32 logits overflow to +-inf.
@@ -47,12 +59,13 @@ def json_constraint(schema: dict) -> Constraint:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False
-    continuous_usage_stats: StrictBool | None = False     # vLLM's extension: usage so far on every chunk
+    continuous_usage_stats: StrictBool | None = False  # vLLM's extension: usage so far on every chunk
 
 
 @dataclass(frozen=True)
 class Limits:
     """The server's request limits (from Settings), as the protocol layer needs them."""
+
     max_logprobs: int = 20
     max_n: int = 20
     max_best_of: int = 20
@@ -68,14 +81,14 @@ class SamplingRequest(BaseModel):
     max_tokens: StrictInt | None = Field(16, ge=0)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, ge=0, le=1)
-    n: StrictInt | None = Field(1, ge=1)             # null: the default (here and in the other null-default fields)
+    n: StrictInt | None = Field(1, ge=1)  # null: the default (here and in the other null-default fields)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     logit_bias: dict[StrictStr, Number] | None = None
-    seed: StrictInt | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
     user: StrictStr | None = None
     # extensions (vLLM names)
     top_k: StrictInt | None = Field(None, ge=-1)
@@ -87,11 +100,11 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
     response_format: dict | None = None
-    structured_outputs: dict | None = None                # vLLM's: json, regex, choice, grammar, json_object
+    structured_outputs: dict | None = None  # vLLM's: json, regex, choice, grammar, json_object
     allowed_token_ids: list[StrictInt] | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    prompt_logprobs: StrictInt | None = Field(None, ge=0)     # vLLM's: each prompt token's logprob, rank, top k
-    return_tokens_as_token_ids: StrictBool | None = False     # vLLM's: logprob tokens as "token_id:<id>"
+    prompt_logprobs: StrictInt | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob, rank, top k
+    return_tokens_as_token_ids: StrictBool | None = False  # vLLM's: logprob tokens as "token_id:<id>"
 
     @model_validator(mode="before")
     @classmethod
@@ -103,8 +116,9 @@ class SamplingRequest(BaseModel):
             # structured_outputs, so that a request for JSON never gets free text
             given = {_GUIDED[k]: data[k] for k in _GUIDED if data.get(k) is not None}
             if data.get("structured_outputs") is not None:
-                raise InvalidRequestError("send structured_outputs or the older guided_* fields, not both",
-                                          param="structured_outputs")
+                raise InvalidRequestError(
+                    "send structured_outputs or the older guided_* fields, not both", param="structured_outputs"
+                )
             data = {**data, "structured_outputs": given}
         return data
 
@@ -112,9 +126,9 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _bias_values(cls, value):
         for key, bias in (value or {}).items():
-            if not _TOKEN_ID_KEY.fullmatch(key):   # str.isdigit() takes "²", which int() refuses
+            if not _TOKEN_ID_KEY.fullmatch(key):  # str.isdigit() takes "²", which int() refuses
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if len(key.lstrip("-")) > 12:          # no vocabulary is that large (and int() refuses 4300+ digits)
+            if len(key.lstrip("-")) > 12:  # no vocabulary is that large (and int() refuses 4300+ digits)
                 raise ValueError(f"logit_bias keys must be token ids, got a {len(key)}-digit number")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {bias} for {key}")
@@ -152,16 +166,19 @@ class SamplingRequest(BaseModel):
         if "structural_tag" in value:
             raise ValueError("structured_outputs structural_tag is not supported; use json, regex, choice or grammar")
         if len(given) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
-                             + (f"; got {', '.join(given)}" if given else ""))
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+                + (f"; got {', '.join(given)}" if given else "")
+            )
         kind, spec = given[0], value[given[0]]
         if kind == "json":
             if isinstance(spec, str):
                 try:
                     spec = json.loads(spec)
                 except ValueError:
-                    raise ValueError("structured_outputs json must be a JSON schema (an object, or its JSON "
-                                     "text)") from None
+                    raise ValueError(
+                        "structured_outputs json must be a JSON schema (an object, or its JSON text)"
+                    ) from None
             _check_schema(spec, "structured_outputs json")
         elif kind in ("regex", "grammar"):
             if not isinstance(spec, str) or not spec:
@@ -177,10 +194,11 @@ class SamplingRequest(BaseModel):
         """What the output must match (``response_format`` or ``structured_outputs``) and the field that asked."""
         fmt, outputs = self.response_format, self.structured_outputs
         if fmt is not None and fmt.get("type") != "text" and outputs is not None:
-            raise InvalidRequestError("send either response_format or structured_outputs, not both",
-                                      param="structured_outputs")
+            raise InvalidRequestError(
+                "send either response_format or structured_outputs, not both", param="structured_outputs"
+            )
         if outputs is not None:
-            (kind, spec), = outputs.items()
+            ((kind, spec),) = outputs.items()
             if kind == "json":
                 return json_constraint(spec), "structured_outputs"
             if kind == "json_object":
@@ -203,8 +221,9 @@ class SamplingRequest(BaseModel):
 
     def _check_common(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
-                                      f"({self.max_tokens})", param="min_tokens")
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})", param="min_tokens"
+            )
         if self.top_k == 0:
             self.top_k = None
         if self.stream_options is not None and not self.stream:
@@ -228,25 +247,40 @@ class SamplingRequest(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def _sampling_params(self, limits: Limits, vocab_size: int, adapter: str | None, *, logprobs: int | None,
-                         logprobs_param: str, echo: bool = False, best_of: int | None = None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        limits: Limits,
+        vocab_size: int,
+        adapter: str | None,
+        *,
+        logprobs: int | None,
+        logprobs_param: str,
+        echo: bool = False,
+        best_of: int | None = None,
+    ) -> SamplingParams:
         """Request value -> OpenAI default; each limit violation names its field."""
         if self.n > limits.max_n:
             raise InvalidRequestError(f"n must be at most {limits.max_n}, got {self.n}", param="n")
         if best_of is not None and best_of > limits.max_best_of:
-            raise InvalidRequestError(f"best_of must be at most {limits.max_best_of}, got {best_of}",
-                                      param="best_of")
+            raise InvalidRequestError(f"best_of must be at most {limits.max_best_of}, got {best_of}", param="best_of")
         if logprobs is not None and logprobs > min(limits.max_logprobs, vocab_size):
-            raise InvalidRequestError(f"{logprobs_param} must be at most {min(limits.max_logprobs, vocab_size)} "
-                                      f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
-                                      f"{logprobs}", param=logprobs_param)
+            raise InvalidRequestError(
+                f"{logprobs_param} must be at most {min(limits.max_logprobs, vocab_size)} "
+                f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
+                f"{logprobs}",
+                param=logprobs_param,
+            )
         if self.prompt_logprobs is not None and self.prompt_logprobs > min(limits.max_logprobs, vocab_size):
-            raise InvalidRequestError(f"prompt_logprobs must be at most {min(limits.max_logprobs, vocab_size)} "
-                                      f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
-                                      f"{self.prompt_logprobs}", param="prompt_logprobs")
+            raise InvalidRequestError(
+                f"prompt_logprobs must be at most {min(limits.max_logprobs, vocab_size)} "
+                f"(SAKER_MAX_LOGPROBS={limits.max_logprobs}, vocabulary {vocab_size}), got "
+                f"{self.prompt_logprobs}",
+                param="prompt_logprobs",
+            )
         if len(self.stop_list) > limits.max_stop_sequences:
-            raise InvalidRequestError(f"stop may hold at most {limits.max_stop_sequences} sequences, "
-                                      f"got {len(self.stop_list)}", param="stop")
+            raise InvalidRequestError(
+                f"stop may hold at most {limits.max_stop_sequences} sequences, got {len(self.stop_list)}", param="stop"
+            )
         bias, outside = [], []
         for key, value in (self.logit_bias or {}).items():
             token = int(key)
@@ -254,31 +288,43 @@ class SamplingRequest(BaseModel):
                 outside.append(token)
             bias.append((token, float(value)))
         if outside:
-            shown = ", ".join(str(t) for t in outside[:8]) + (f" and {len(outside) - 8} more" if len(outside) > 8 else "")
-            raise InvalidRequestError(f"logit_bias token ids outside the vocabulary (0..{vocab_size - 1}): {shown}",
-                                      param="logit_bias")
+            shown = ", ".join(str(t) for t in outside[:8]) + (
+                f" and {len(outside) - 8} more" if len(outside) > 8 else ""
+            )
+            raise InvalidRequestError(
+                f"logit_bias token ids outside the vocabulary (0..{vocab_size - 1}): {shown}", param="logit_bias"
+            )
         for token in self.stop_token_ids or []:
             if not 0 <= token < vocab_size:
-                raise InvalidRequestError(f"stop_token_ids holds {token}, outside the vocabulary "
-                                          f"(0..{vocab_size - 1})", param="stop_token_ids")
+                raise InvalidRequestError(
+                    f"stop_token_ids holds {token}, outside the vocabulary (0..{vocab_size - 1})",
+                    param="stop_token_ids",
+                )
         if self.allowed_token_ids is not None:
             outside = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
             if outside or not self.allowed_token_ids:
-                raise InvalidRequestError("allowed_token_ids must be a non-empty list of ids in the vocabulary "
-                                          f"(0..{vocab_size - 1})" + (f"; outside: {outside[:8]}" if outside else ""),
-                                          param="allowed_token_ids")
+                raise InvalidRequestError(
+                    "allowed_token_ids must be a non-empty list of ids in the vocabulary "
+                    f"(0..{vocab_size - 1})" + (f"; outside: {outside[:8]}" if outside else ""),
+                    param="allowed_token_ids",
+                )
         constraint, asked_by = self.constraint()
         if constraint is not None and self.allowed_token_ids is not None:
-            raise InvalidRequestError(f"allowed_token_ids cannot be combined with {asked_by}: the grammar decides "
-                                      "which tokens may come", param="allowed_token_ids")
+            raise InvalidRequestError(
+                f"allowed_token_ids cannot be combined with {asked_by}: the grammar decides which tokens may come",
+                param="allowed_token_ids",
+            )
         return SamplingParams(
             n=self.n,
             best_of=best_of,
             max_tokens=self.max_tokens,
-            temperature=1.0 if self.temperature is None else
-            0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else float(self.temperature),
+            temperature=1.0
+            if self.temperature is None
+            else 0.0
+            if self.temperature < GREEDY_BELOW_TEMPERATURE
+            else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=min(self.top_k, vocab_size) if self.top_k and self.top_k > 0 else 0,   # more is all of them
+            top_k=min(self.top_k, vocab_size) if self.top_k and self.top_k > 0 else 0,  # more is all of them
             min_p=float(self.min_p or 0.0),
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
@@ -324,12 +370,15 @@ class CompletionRequest(SamplingRequest):
         if self.suffix:
             raise InvalidRequestError("suffix is not supported by this model server", param="suffix")
         if self.best_of is not None and self.best_of < self.n:
-            raise InvalidRequestError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})",
-                                      param="best_of")
+            raise InvalidRequestError(
+                f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})", param="best_of"
+            )
         self._check_common()
         if self.stream and self.best_of is not None and self.best_of > self.n:
-            raise InvalidRequestError("best_of > n cannot be streamed: the best candidates are known only at "
-                                      "the end; send stream: false", param="best_of")
+            raise InvalidRequestError(
+                "best_of > n cannot be streamed: the best candidates are known only at the end; send stream: false",
+                param="best_of",
+            )
         return self
 
     @property
@@ -345,10 +394,16 @@ class CompletionRequest(SamplingRequest):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None
-                           ) -> SamplingParams:
-        return self._sampling_params(limits, vocab_size, adapter, logprobs=self.logprobs, logprobs_param="logprobs",
-                                     echo=bool(self.echo), best_of=self.best_of)
+    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None) -> SamplingParams:
+        return self._sampling_params(
+            limits,
+            vocab_size,
+            adapter,
+            logprobs=self.logprobs,
+            logprobs_param="logprobs",
+            echo=bool(self.echo),
+            best_of=self.best_of,
+        )
 
 
 class TextPart(BaseModel):
@@ -375,8 +430,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
-    tool_calls: list[MessageToolCall] | None = None      # an assistant's earlier calls
-    tool_call_id: StrictStr | None = None                # which call a tool message answers
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # which call a tool message answers
 
     def as_template_message(self) -> dict:
         """What the chat template sees: role and plain-text content (text parts joined); an assistant's tool
@@ -388,9 +443,14 @@ class ChatMessage(BaseModel):
         if self.name:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
-                for call in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -429,33 +489,50 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-_TEMPLATE_OWN = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
-                           "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-                           "tokenizer_kwargs"})
+_TEMPLATE_OWN = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class TemplateFields(BaseModel):
     """How chat messages are rendered (chat and /tokenize alike; vLLM's names)."""
 
     add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False     # the last (assistant) message is left open and continued
-    chat_template_kwargs: dict[StrictStr, Any] | None = None   # more variables for the template (enable_thinking)
-    documents: list[dict[StrictStr, Any]] | None = None        # for retrieval templates
+    continue_final_message: StrictBool = False  # the last (assistant) message is left open and continued
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # more variables for the template (enable_thinking)
+    documents: list[dict[StrictStr, Any]] | None = None  # for retrieval templates
 
     def _check_template_fields(self, messages) -> None:
         if self.continue_final_message:
             if "add_generation_prompt" not in self.model_fields_set:
                 self.add_generation_prompt = False
             elif self.add_generation_prompt:
-                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
-                                          param="continue_final_message")
+                raise InvalidRequestError(
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message",
+                )
             if not messages or messages[-1].role != "assistant":
-                raise InvalidRequestError("continue_final_message needs an assistant message last",
-                                          param="continue_final_message")
+                raise InvalidRequestError(
+                    "continue_final_message needs an assistant message last", param="continue_final_message"
+                )
         taken = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
         if taken:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)} (they are request "
-                                      "fields of their own)", param="chat_template_kwargs")
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(taken)} (they are request fields of their own)",
+                param="chat_template_kwargs",
+            )
 
     def template_options(self) -> dict:
         """Keyword arguments for ``apply_chat_template`` besides the messages and tools."""
@@ -475,7 +552,7 @@ class ChatCompletionRequest(TemplateFields, SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0)
-    echo: StrictBool = False                       # vLLM's: the answer starts with the last assistant message
+    echo: StrictBool = False  # vLLM's: the answer starts with the last assistant message
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = True
@@ -502,21 +579,29 @@ class ChatCompletionRequest(TemplateFields, SamplingRequest):
         names = [tool.function.name for tool in self.tools or []]
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
-            raise InvalidRequestError(f"tools: function names must be unique; repeated: {', '.join(twice)}",
-                                      param="tools")
+            raise InvalidRequestError(
+                f"tools: function names must be unique; repeated: {', '.join(twice)}", param="tools"
+            )
         for tool in self.tools or []:
             if tool.function.parameters is not None and tool.function.parameters.get("type", "object") != "object":
-                raise InvalidRequestError(f"tools: the parameters of {tool.function.name} must be a JSON schema "
-                                          "of an object", param="tools")
+                raise InvalidRequestError(
+                    f"tools: the parameters of {tool.function.name} must be a JSON schema of an object", param="tools"
+                )
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools"
-                                      + (f" ({', '.join(names)})" if names else ""), param="tool_choice")
+            raise InvalidRequestError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools"
+                + (f" ({', '.join(names)})" if names else ""),
+                param="tool_choice",
+            )
         if choice == "required" and not names:
             raise InvalidRequestError("tool_choice required needs tools", param="tool_choice")
         if self.calls_tools and self.constraint()[0] is not None:
-            raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
-                                      "response_format or structured_outputs", param="tool_choice")
+            raise InvalidRequestError(
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
 
     @property
     def tool_mode(self) -> str:
@@ -541,8 +626,7 @@ class ChatCompletionRequest(TemplateFields, SamplingRequest):
     def template_messages(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]
 
-    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None
-                           ) -> SamplingParams:
+    def to_sampling_params(self, limits: Limits, *, vocab_size: int, adapter: str | None = None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(limits, vocab_size, adapter, logprobs=logprobs, logprobs_param="top_logprobs")
 
@@ -554,7 +638,7 @@ class TokenizeRequest(TemplateFields):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[ChatTool] | None = None              # with messages: rendered by the template as chat does
+    tools: list[ChatTool] | None = None  # with messages: rendered by the template as chat does
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
 
@@ -597,8 +681,10 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
         raise InvalidRequestError("the request body must be a JSON object", param=None)
     bad = _lone_surrogate_field(body)
     if bad is not None:
-        raise InvalidRequestError(f"{bad} holds a lone UTF-16 surrogate escape (such as \\ud800), which is not "
-                                  f"valid Unicode", param=None if bad == "body" else bad)
+        raise InvalidRequestError(
+            f"{bad} holds a lone UTF-16 surrogate escape (such as \\ud800), which is not valid Unicode",
+            param=None if bad == "body" else bad,
+        )
     try:
         return model_cls.model_validate(_integral_numbers(body))
     except ValidationError as exc:
@@ -608,7 +694,7 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
 def _integral_numbers(value):
     """JSON has one number type: ``1.0`` is the integer 1 (JSON Schema says so, and some clients write integers
     so). Whole floats become ints before validation (float fields take ints as they are; ``1.5`` stays)."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
         return int(value)
     if isinstance(value, dict):
         return {key: _integral_numbers(item) for key, item in value.items()}
@@ -631,12 +717,17 @@ def _as_invalid_request(exc: ValidationError) -> InvalidRequestError:
         return InvalidRequestError(f"{param} is required", param=param)
     msg = first["msg"].removeprefix("Value error, ")
     if len(fields) == 1 and len(errors) > 1 and param in ("prompt", "stop", "logit_bias", "stop_token_ids"):
-        msg = {"prompt": "prompt must be a string, a list of strings, a list of token ids or a list of "
-                         "lists of token ids",
-               "stop": "stop must be a string or a list of strings",
-               "logit_bias": "logit_bias must map token ids to numbers",
-               "stop_token_ids": "stop_token_ids must be a list of token ids"}[param] \
-            if first["type"] != "value_error" else msg
+        msg = (
+            {
+                "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "lists of token ids",
+                "stop": "stop must be a string or a list of strings",
+                "logit_bias": "logit_bias must map token ids to numbers",
+                "stop_token_ids": "stop_token_ids must be a list of token ids",
+            }[param]
+            if first["type"] != "value_error"
+            else msg
+        )
     if param and not msg.startswith(param):
         msg = f"{param}: {msg}"
     return InvalidRequestError(msg, param=param)
@@ -663,7 +754,7 @@ class CompletionChoice(BaseModel):
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None   # vLLM's, when asked for
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
 
     @model_serializer(mode="wrap")
     def _without_unasked(self, handler):
@@ -678,11 +769,12 @@ class Usage(BaseModel):
 
 class Timing(BaseModel):
     """saker extension: where the request's time went (also sent as X-Saker-* headers)."""
+
     queue_ms: float
     prefill_ms: float
     decode_ms: float
     tokens_per_second: float
-    cached_prompt_tokens: int = 0       # prompt tokens served from the prefix cache (SAKER_PREFIX_CACHE_TOKENS)
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (SAKER_PREFIX_CACHE_TOKENS)
 
 
 class CompletionResponse(BaseModel):
@@ -723,17 +815,17 @@ class ChatTokenLogprob(ChatTopLogprob):
 
 class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None       # OpenAI's schema requires it; a local model never refuses
+    refusal: list[ChatTokenLogprob] | None = None  # OpenAI's schema requires it; a local model never refuses
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    refusal: str | None = None                          # required by OpenAI's schema; always null here
-    tool_calls: list[dict] | None = None    # OpenAI's {id, type: function, function: {name, arguments}}; left out
-                                            # of the message when there are none, as OpenAI does
-    reasoning: str | None = None            # a reasoning parser's thoughts (vLLM's current name)
-    reasoning_content: str | None = None    # the same, under the older name clients still read
+    refusal: str | None = None  # required by OpenAI's schema; always null here
+    tool_calls: list[dict] | None = None  # OpenAI's {id, type: function, function: {name, arguments}}; left out
+    # of the message when there are none, as OpenAI does
+    reasoning: str | None = None  # a reasoning parser's thoughts (vLLM's current name)
+    reasoning_content: str | None = None  # the same, under the older name clients still read
 
     @model_serializer(mode="wrap")
     def _without_empty_fields(self, handler):
@@ -762,7 +854,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     timing: Timing | None = None
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None   # vLLM's, when asked for
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
 
     @model_serializer(mode="wrap")
     def _without_unasked(self, handler):
@@ -808,4 +900,5 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     """Every error answer (and a stream's error frame): OpenAI's shape, see app/errors.py."""
+
     error: ErrorDetail

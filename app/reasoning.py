@@ -8,6 +8,7 @@ is all answer; thoughts never closed (max_tokens inside them) are all thoughts.
 
 ``ThinkStream`` is the one reader, for whole answers (fed at once) and streams alike.
 """
+
 from __future__ import annotations
 
 import re
@@ -30,9 +31,9 @@ class ThinkStream:
 
     def __init__(self, inside: bool = False):
         self.inside = inside
-        self.thought = inside            # thoughts were opened (no second <think> is looked for after them)
+        self.thought = inside  # thoughts were opened (no second <think> is looked for after them)
         self.buffer = ""
-        self.thinking_started = False    # leading whitespace of the thoughts is dropped until they start
+        self.thinking_started = False  # leading whitespace of the thoughts is dropped until they start
         self.answer_started = False
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -43,20 +44,20 @@ class ThinkStream:
                 at = self.buffer.find(END)
                 if at < 0:
                     keep = partial_suffix(self.buffer, END)
-                    thoughts += self._thoughts(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    thoughts += self._thoughts(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
                 thoughts += self._thoughts(self.buffer[:at])
-                self.buffer = self.buffer[at + len(END):]
+                self.buffer = self.buffer[at + len(END) :]
                 self.inside = False
                 continue
             if not self.thought and not self.answer_started:
                 head = self.buffer.lstrip()
                 if head.startswith(START):
-                    self.buffer = head[len(START):]
+                    self.buffer = head[len(START) :]
                     self.inside = self.thought = True
                     continue
-                if START.startswith(head):           # blank so far, or a tag that may be coming
+                if START.startswith(head):  # blank so far, or a tag that may be coming
                     break
             answer += self._answer(self.buffer)
             self.buffer = ""

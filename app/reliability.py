@@ -38,6 +38,7 @@ Sections (``--only load,bad,slow,memory,close``; all by default):
 Timing and memory figures are reported, never asserted; the exit status is 1 when a correctness goal is missed
 (lost requests, 5xx, non-JSON errors, slow clients starving the server, a slot never released), else 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,30 +71,50 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = ROOT / ".cache" / "saker"
 DEFAULT_OUT = ROOT / ".cache" / "reliability" / "reliability.json"
 SECTIONS = ("load", "bad", "slow", "memory", "close")
-PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                  "{% if add_generation_prompt %}assistant:{% endif %}")
-PROMPTS = ["Once upon a time", "The capital of France is", "Write a short poem about the sea.",
-           "List three colours:", "def add(a, b):", "Hello there, how are you today?"]
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "List three colours:",
+    "def add(a, b):",
+    "Hello there, how are you today?",
+]
 
 
 @dataclass
 class Plan:
     levels: tuple[int, ...] = (16, 32, 64)
     load_seconds: float = 60.0
-    drop_every: int = 4                   # one client in this many drops its requests
-    values: str = "full"                  # the wrong-type values tried in every field: full or quick
+    drop_every: int = 4  # one client in this many drops its requests
+    values: str = "full"  # the wrong-type values tried in every field: full or quick
     slow_clients: int = 200
     slow_seconds: float = 60.0
     slow_interval: float = 2.0
     memory_variants: tuple[str, ...] = ("worst", "fits")
-    close_cases: tuple[str, ...] = ("stream-decode", "plain-decode", "plain-stop-decode", "stream-prefill",
-                                    "plain-prefill")
+    close_cases: tuple[str, ...] = (
+        "stream-decode",
+        "plain-decode",
+        "plain-stop-decode",
+        "stream-prefill",
+        "plain-prefill",
+    )
     close_after: float = 1.0
 
     @classmethod
     def quick(cls) -> "Plan":
-        return cls(levels=(16, 64), load_seconds=5.0, values="quick", slow_clients=50, slow_seconds=20.0,
-                   memory_variants=("fits",), close_cases=("stream-decode", "plain-decode"))
+        return cls(
+            levels=(16, 64),
+            load_seconds=5.0,
+            values="quick",
+            slow_clients=50,
+            slow_seconds=20.0,
+            memory_variants=("fits",),
+            close_cases=("stream-decode", "plain-decode"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,16 +137,28 @@ class Server:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"gunicorn-{self.port}.log"
         self.access_path = log_dir / f"access-{self.port}.log"
-        self.env = {"SAKER_MODEL": str(model_dir), "SAKER_SERVED_MODEL_NAME": name, "SAKER_LOG_LEVEL": "info",
-                    "SAKER_ACCESS_LOG": str(self.access_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", **env}
+        self.env = {
+            "SAKER_MODEL": str(model_dir),
+            "SAKER_SERVED_MODEL_NAME": name,
+            "SAKER_LOG_LEVEL": "info",
+            "SAKER_ACCESS_LOG": str(self.access_path),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **env,
+        }
         # our private server on 127.0.0.1 needs no API keys (we would not know them)
         inherited = {k: v for k, v in os.environ.items() if k.upper() not in ("SAKER_API_KEYS", "SAKER_API_KEY_FILE")}
         gunicorn = str(Path(sys.executable).parent / "gunicorn")
         self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([gunicorn, "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{self.port}",
-                                      "wsgi:app"], cwd=ROOT, env={**inherited, **self.env}, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [gunicorn, "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{self.port}", "wsgi:app"],
+            cwd=ROOT,
+            env={**inherited, **self.env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 600) -> float:
         start = time.monotonic()
@@ -185,10 +218,10 @@ class Server:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Answer:
-    status: int | None                      # None: the connection closed (or failed) without an answer
+    status: int | None  # None: the connection closed (or failed) without an answer
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
-    error: str | None = None                # what went wrong on our side of the socket, if anything
+    error: str | None = None  # what went wrong on our side of the socket, if anything
     seconds: float = 0.0
 
     def json(self) -> Any:
@@ -198,8 +231,9 @@ class Answer:
             return None
 
 
-def build(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-          version: str = "HTTP/1.1") -> bytes:
+def build(
+    method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, version: str = "HTTP/1.1"
+) -> bytes:
     """A request's bytes; Host, Connection: close and (with a body, unless given) Content-Length are added."""
     headers = dict(headers or {})
     names = {k.lower() for k in headers}
@@ -214,8 +248,9 @@ def build(method: str, path: str, body: bytes | None = None, headers: dict[str, 
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
 
-def exchange(port: int, data: bytes | list[bytes], *, shut: bool = False, timeout: float = 60,
-             pause: float = 0.0) -> Answer:
+def exchange(
+    port: int, data: bytes | list[bytes], *, shut: bool = False, timeout: float = 60, pause: float = 0.0
+) -> Answer:
     """Send ``data`` (parts, ``pause`` seconds apart) on a new connection and read the answer until the server
     closes it (or the first answer is complete)."""
     parts = [data] if isinstance(data, bytes) else list(data)
@@ -233,7 +268,7 @@ def exchange(port: int, data: bytes | list[bytes], *, shut: bool = False, timeou
                 sock.sendall(part)
             if shut:
                 sock.shutdown(socket.SHUT_WR)
-        except OSError as exc:              # the server answered (and closed) before taking all of it
+        except OSError as exc:  # the server answered (and closed) before taking all of it
             error = f"send: {exc!r}"
         try:
             while not _complete(raw):
@@ -285,7 +320,7 @@ def parse_answer(raw: bytes) -> Answer:
         body = _dechunk(body)
     elif "content-length" in headers:
         with contextlib.suppress(ValueError):
-            body = body[:int(headers["content-length"])]
+            body = body[: int(headers["content-length"])]
     return Answer(int(match.group(1)), headers, body)
 
 
@@ -300,18 +335,23 @@ def _dechunk(data: bytes) -> bytes:
         if size == 0:
             break
         out += rest[:size]
-        rest = rest[size + 2:]
+        rest = rest[size + 2 :]
     return out
 
 
 def is_error_object(body: Any) -> bool:
-    return (isinstance(body, dict) and list(body) == ["error"] and isinstance(body["error"], dict)
-            and set(body["error"]) == {"message", "type", "param", "code"}
-            and isinstance(body["error"]["message"], str))
+    return (
+        isinstance(body, dict)
+        and list(body) == ["error"]
+        and isinstance(body["error"], dict)
+        and set(body["error"]) == {"message", "type", "param", "code"}
+        and isinstance(body["error"]["message"], str)
+    )
 
 
 def metrics(port: int, timeout: float = 30) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
+
     answer = exchange(port, build("GET", "/metrics"), timeout=timeout)
     if answer.status != 200:
         raise RuntimeError(f"/metrics answered {answer.status}: {answer.body[:200]!r} {answer.error or ''}")
@@ -344,8 +384,9 @@ def post_json(port: int, path: str, body: dict, timeout: float = 600) -> tuple[A
         conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         data = resp.read()
-        answer = Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data,
-                        seconds=time.monotonic() - started)
+        answer = Answer(
+            resp.status, {k.lower(): v for k, v in resp.getheaders()}, data, seconds=time.monotonic() - started
+        )
     except (OSError, http.client.HTTPException) as exc:
         return Answer(None, error=repr(exc), seconds=time.monotonic() - started), {}
     finally:
@@ -400,8 +441,7 @@ class Run:
 
     def goal(self, section: str, what: str, met: bool | None, figure: str, correctness: bool) -> None:
         """A goal line: ``correctness`` goals decide the exit status; the others (timing, memory) are reported."""
-        self.goals.append({"section": section, "goal": what, "met": met, "figure": figure,
-                           "correctness": correctness})
+        self.goals.append({"section": section, "goal": what, "met": met, "figure": figure, "correctness": correctness})
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def model(self) -> Path:
@@ -409,6 +449,7 @@ class Run:
             return Path(self.args.model).expanduser().resolve()
         from app.engine.loader import ensure_default_model
         from app.settings import Settings
+
         self.log("converting/checking the embedded SmolLM2 (once)")
         return ensure_default_model(Settings(cache_dir=str(Path(self.args.cache_dir).expanduser().resolve())))
 
@@ -423,7 +464,7 @@ class Run:
                 raise SystemExit(f"saker reliability: --server-env {item!r} is not KEY=VALUE")
             env[key] = value
         if not self._has_chat_template() and "SAKER_CHAT_TEMPLATE" not in env:
-            env["SAKER_CHAT_TEMPLATE"] = PLAIN_TEMPLATE          # so chat requests can be part of the mix
+            env["SAKER_CHAT_TEMPLATE"] = PLAIN_TEMPLATE  # so chat requests can be part of the mix
             self.chat_template_given = True
         self.server_env = env
         log_dir = Path(self.args.out).expanduser().resolve().parent
@@ -437,14 +478,20 @@ class Run:
         self.hello_tokens_per_word = per_word if per_word > 0 else 1.0
         self.hello_tokens_extra = max(0.0, int(info.get("count") or 100) - 100 * self.hello_tokens_per_word)
         self.vocab = int(self.config.get("vocab_size") or 0)
-        self.report["server"] = {"model": str(self.model_dir), "served_name": self.name, "context": self.context,
-                                 "ready_s": round(ready_s, 1), "workers": self.server.worker_pids(),
-                                 "env": {k: v for k, v in env.items() if k != "SAKER_CHAT_TEMPLATE"},
-                                 "chat_template": "a plain one given by this script" if self.chat_template_given
-                                 else "the model's own", "log": str(self.server.log_path)}
+        self.report["server"] = {
+            "model": str(self.model_dir),
+            "served_name": self.name,
+            "context": self.context,
+            "ready_s": round(ready_s, 1),
+            "workers": self.server.worker_pids(),
+            "env": {k: v for k, v in env.items() if k != "SAKER_CHAT_TEMPLATE"},
+            "chat_template": "a plain one given by this script" if self.chat_template_given else "the model's own",
+            "log": str(self.server.log_path),
+        }
         self.rss_at_ready = self.server.rss_bytes()
-        self.log(f"ready in {ready_s:.1f} s; context {self.context} tokens, worker RSS "
-                 f"{self.rss_at_ready / 2**20:.0f} MiB")
+        self.log(
+            f"ready in {ready_s:.1f} s; context {self.context} tokens, worker RSS {self.rss_at_ready / 2**20:.0f} MiB"
+        )
 
     def _has_chat_template(self) -> bool:
         assert self.model_dir is not None
@@ -469,8 +516,11 @@ class Run:
         while time.monotonic() - start < timeout:
             with contextlib.suppress(Exception):
                 values = metrics(self.port)
-                if (sample(values, "saker_requests_running") == 0 and sample(values, "saker_queue_depth") == 0
-                        and sample(values, "saker_requests_in_flight") <= 1):
+                if (
+                    sample(values, "saker_requests_running") == 0
+                    and sample(values, "saker_queue_depth") == 0
+                    and sample(values, "saker_requests_in_flight") <= 1
+                ):
                     return True, time.monotonic() - start, values
             time.sleep(0.1)
         return False, time.monotonic() - start, values
@@ -478,8 +528,12 @@ class Run:
     def run(self) -> dict:
         started = time.time()
         self.report["started"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-        self.report["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
-                                  "cpus": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
+        self.report["machine"] = {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_at_start": list(os.getloadavg()),
+        }
         self.report["plan"] = {**self.plan.__dict__, "quick": bool(self.args.quick), "sections": self.sections}
         try:
             self.start()
@@ -488,8 +542,9 @@ class Run:
                 t0 = time.monotonic()
                 try:
                     result = getattr(self, f"section_{section}")()
-                except Exception as exc:      # noqa: BLE001 - a section that breaks is reported, the others run
+                except Exception as exc:
                     import traceback
+
                     result = {"error": repr(exc), "traceback": traceback.format_exc()}
                     self.goal(section, "the section ran", False, repr(exc)[:200], True)
                 result["seconds"] = round(time.monotonic() - t0, 1)
@@ -507,18 +562,30 @@ class Run:
 
     def server_health(self) -> dict:
         out = self.server.output() if self.server else ""
-        health = {"tracebacks_in_log": out.count("Traceback"), "workers_booted": out.count("Booting worker"),
-                  "worker_exits": len(re.findall(r"Worker \(pid:\d+\) (?:exited|was sent)", out))}
-        self.goal("server", "no traceback and no worker restart in the server log",
-                  health["tracebacks_in_log"] == 0 and health["workers_booted"] == 1,
-                  f"{health['tracebacks_in_log']} tracebacks, {health['workers_booted']} worker boots", True)
+        health = {
+            "tracebacks_in_log": out.count("Traceback"),
+            "workers_booted": out.count("Booting worker"),
+            "worker_exits": len(re.findall(r"Worker \(pid:\d+\) (?:exited|was sent)", out)),
+        }
+        self.goal(
+            "server",
+            "no traceback and no worker restart in the server log",
+            health["tracebacks_in_log"] == 0 and health["workers_booted"] == 1,
+            f"{health['tracebacks_in_log']} tracebacks, {health['workers_booted']} worker boots",
+            True,
+        )
         return health
 
     # -- a: load with drops -----------------------------------------------------------------------------------
     def load_body(self, kind: str, rng: random.Random) -> tuple[str, dict]:
         stream = kind.endswith("stream")
-        common = {"model": self.name, "max_tokens": rng.randint(8, 32), "temperature": 0.8,
-                  "seed": rng.randrange(2 ** 31), "stream": stream}
+        common = {
+            "model": self.name,
+            "max_tokens": rng.randint(8, 32),
+            "temperature": 0.8,
+            "seed": rng.randrange(2**31),
+            "stream": stream,
+        }
         if kind.startswith("chat"):
             return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
         return "/v1/completions", {**common, "prompt": rng.choice(PROMPTS), "ignore_eos": True}
@@ -629,7 +696,7 @@ class Run:
                         latencies.append(time.monotonic() - t0)
                     if note:
                         lost.append(note)
-                if outcome == "busy":               # a well-behaved client waits Retry-After (here at most 2 s)
+                if outcome == "busy":  # a well-behaved client waits Retry-After (here at most 2 s)
                     time.sleep(min(retry, 2.0) * rng.uniform(0.5, 1.0))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
@@ -641,17 +708,32 @@ class Run:
         wall = time.monotonic() - t0
         settled, settle_s, after = self.settle()
         seen_before, seen_after = statuses(before), statuses(after)
-        server = {status: seen_after[status] - seen_before[status] for status in seen_after
-                  if seen_after[status] - seen_before[status]}
-        result = {"clients": clients, "droppers": sum(1 for i in range(clients) if self.plan.drop_every and
-                                                      i % self.plan.drop_every == self.plan.drop_every - 1),
-                  "seconds": round(wall, 1), "sent": counts["sent"], "answered": counts["answered"],
-                  "busy_429_503": counts["busy"], "dropped_by_us": counts["dropped"], "lost": counts["lost"],
-                  "by_kind": {k: v for k, v in sorted(counts.items()) if ":" in k},
-                  "answered_latency_p50_s": _round(percentile(latencies, 0.5)),
-                  "answered_latency_max_s": _round(max(latencies) if latencies else None),
-                  "server_statuses": dict(sorted(server.items())), "settled": settled,
-                  "settle_s": round(settle_s, 2), "lost_examples": lost[:10]}
+        server = {
+            status: seen_after[status] - seen_before[status]
+            for status in seen_after
+            if seen_after[status] - seen_before[status]
+        }
+        result = {
+            "clients": clients,
+            "droppers": sum(
+                1
+                for i in range(clients)
+                if self.plan.drop_every and i % self.plan.drop_every == self.plan.drop_every - 1
+            ),
+            "seconds": round(wall, 1),
+            "sent": counts["sent"],
+            "answered": counts["answered"],
+            "busy_429_503": counts["busy"],
+            "dropped_by_us": counts["dropped"],
+            "lost": counts["lost"],
+            "by_kind": {k: v for k, v in sorted(counts.items()) if ":" in k},
+            "answered_latency_p50_s": _round(percentile(latencies, 0.5)),
+            "answered_latency_max_s": _round(max(latencies) if latencies else None),
+            "server_statuses": dict(sorted(server.items())),
+            "settled": settled,
+            "settle_s": round(settle_s, 2),
+            "lost_examples": lost[:10],
+        }
         return result
 
     def section_load(self) -> dict:
@@ -659,15 +741,26 @@ class Run:
         for clients in self.plan.levels:
             self.log(f"load: {clients} clients for {self.plan.load_seconds:g} s")
             level = self.load_level(clients, self.plan.load_seconds)
-            self.log(f"load: {clients} clients -> sent {level['sent']}, answered {level['answered']}, busy "
-                     f"{level['busy_429_503']}, dropped {level['dropped_by_us']}, lost {level['lost']}")
+            self.log(
+                f"load: {clients} clients -> sent {level['sent']}, answered {level['answered']}, busy "
+                f"{level['busy_429_503']}, dropped {level['dropped_by_us']}, lost {level['lost']}"
+            )
             levels.append(level)
         lost = sum(x["lost"] for x in levels)
-        self.goal("load", "lost = 0 (16-64 clients, 1 in 4 dropping)", lost == 0,
-                  ", ".join(f"{x['clients']}: {x['lost']} of {x['sent']}" for x in levels), True)
-        self.goal("load", "nothing left running or queued after the load", all(x["settled"] for x in levels),
-                  ", ".join(f"{x['clients']}: {'yes' if x['settled'] else 'NO'} ({x['settle_s']} s)"
-                            for x in levels), True)
+        self.goal(
+            "load",
+            "lost = 0 (16-64 clients, 1 in 4 dropping)",
+            lost == 0,
+            ", ".join(f"{x['clients']}: {x['lost']} of {x['sent']}" for x in levels),
+            True,
+        )
+        self.goal(
+            "load",
+            "nothing left running or queued after the load",
+            all(x["settled"] for x in levels),
+            ", ".join(f"{x['clients']}: {'yes' if x['settled'] else 'NO'} ({x['settle_s']} s)" for x in levels),
+            True,
+        )
         return {"levels": levels}
 
     # -- b: bad inputs -------------------------------------------------------------------------------------------
@@ -702,33 +795,63 @@ class Run:
             elif status >= 500 and status not in case.allowed:
                 problem = "5xx"
             elif status >= 400:
-                if answer.headers.get("content-type", "").split(";")[0].strip() != "application/json" or \
-                        not is_error_object(answer.json()):
+                if answer.headers.get("content-type", "").split(";")[
+                    0
+                ].strip() != "application/json" or not is_error_object(answer.json()):
                     problem = "error answer not JSON in the OpenAI shape"
             if problem:
-                failures.append({"case": case.name, "group": case.group, "problem": problem, "status": status,
-                                 "answer": answer.body[:300].decode("utf-8", "replace"),
-                                 "request": case.preview()})
+                failures.append(
+                    {
+                        "case": case.name,
+                        "group": case.group,
+                        "problem": problem,
+                        "status": status,
+                        "answer": answer.body[:300].decode("utf-8", "replace"),
+                        "request": case.preview(),
+                    }
+                )
         normal, _ = post_json(self.port, "/v1/completions", {"model": self.name, "prompt": "Hello", "max_tokens": 4})
         health = exchange(self.port, build("GET", "/health"))
         five = sum(1 for f in failures if f["problem"] == "5xx")
         allowed = [c.name for c in cases if c.allowed]
         not_json = sum(1 for f in failures if f["problem"].startswith("error answer"))
         no_answer = sum(1 for f in failures if f["problem"].startswith("no answer"))
-        result = {"tried": len(cases), "by_status": dict(sorted(by_status.items())),
-                  "by_group": {g: dict(sorted(c.items())) for g, c in by_group.items()},
-                  "answers_5xx": five, "answers_5xx_allowed": allowed, "errors_not_json": not_json,
-                  "unexpected_no_answer": no_answer, "closed_without_answer": unanswered,
-                  "normal_request_after": normal.status, "health_after": health.status,
-                  "slowest": [{"case": n, "seconds": round(s, 2)} for s, n in sorted(slowest, reverse=True)[:5]],
-                  "rss_growth_largest": [{"case": n, "bytes": b} for b, n in sorted(growth, reverse=True)[:5]],
-                  "failures": failures[:40]}
-        self.goal("bad", "no answer >= 500 (besides 501 for an unknown transfer coding, RFC 9112 6.1)", five == 0,
-                  f"{five} of {len(cases)}", True)
-        self.goal("bad", "every error answer JSON in the OpenAI shape", not_json == 0 and no_answer == 0,
-                  f"{not_json} not JSON, {no_answer} unanswered", True)
-        self.goal("bad", "a normal request answered 200 afterwards", normal.status == 200 and health.status == 200,
-                  f"completion {normal.status}, /health {health.status}", True)
+        result = {
+            "tried": len(cases),
+            "by_status": dict(sorted(by_status.items())),
+            "by_group": {g: dict(sorted(c.items())) for g, c in by_group.items()},
+            "answers_5xx": five,
+            "answers_5xx_allowed": allowed,
+            "errors_not_json": not_json,
+            "unexpected_no_answer": no_answer,
+            "closed_without_answer": unanswered,
+            "normal_request_after": normal.status,
+            "health_after": health.status,
+            "slowest": [{"case": n, "seconds": round(s, 2)} for s, n in sorted(slowest, reverse=True)[:5]],
+            "rss_growth_largest": [{"case": n, "bytes": b} for b, n in sorted(growth, reverse=True)[:5]],
+            "failures": failures[:40],
+        }
+        self.goal(
+            "bad",
+            "no answer >= 500 (besides 501 for an unknown transfer coding, RFC 9112 6.1)",
+            five == 0,
+            f"{five} of {len(cases)}",
+            True,
+        )
+        self.goal(
+            "bad",
+            "every error answer JSON in the OpenAI shape",
+            not_json == 0 and no_answer == 0,
+            f"{not_json} not JSON, {no_answer} unanswered",
+            True,
+        )
+        self.goal(
+            "bad",
+            "a normal request answered 200 afterwards",
+            normal.status == 200 and health.status == 200,
+            f"completion {normal.status}, /health {health.status}",
+            True,
+        )
         return result
 
     # -- c: slow clients -------------------------------------------------------------------------------------
@@ -767,8 +890,9 @@ class Run:
                     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
                     line = 0
                     while time.monotonic() < stop_at:
-                        readable, _, _ = select.select([sock], [], [], max(0.0, min(interval, stop_at -
-                                                                                    time.monotonic())))
+                        readable, _, _ = select.select(
+                            [sock], [], [], max(0.0, min(interval, stop_at - time.monotonic()))
+                        )
                         if readable:
                             raw = b""
                             sock.settimeout(5)
@@ -814,20 +938,31 @@ class Run:
         ok = [s for status, s in normal if status == 200]
         completions = [s for (status, s), kind in zip(normal, kinds) if status == 200 and kind == "completion"]
         healths = [s for (status, s), kind in zip(normal, kinds) if status == 200 and kind == "health"]
-        result = {"slow_clients": n, "seconds": seconds, "line_every_s": interval,
-                  "connections_opened": state["opened"], "held_at_once": state["max_open"],
-                  "connect_errors": state["connect_errors"], "resets": state["resets"],
-                  "answers_to_slow_clients": dict(answers), "slow_answers_not_json": len(not_json),
-                  "normal_sent": len(normal), "normal_answered": len(ok),
-                  "normal_latency_max_s": _round(max(ok) if ok else None),
-                  "completion_latency_p50_s": _round(percentile(completions, 0.5)),
-                  "completion_latency_max_s": _round(max(completions) if completions else None),
-                  "health_latency_max_s": _round(max(healths) if healths else None),
-                  "completion_latency_alone_p50_s": _round(percentile(baseline, 0.5))}
-        self.goal("slow", f"{n} slow connections held while normal requests are answered",
-                  state["max_open"] >= n and len(ok) == len(normal) and len(normal) > 0 and not not_json,
-                  f"held {state['max_open']}/{n}, answered {len(ok)}/{len(normal)}, max "
-                  f"{result['normal_latency_max_s']} s", True)
+        result = {
+            "slow_clients": n,
+            "seconds": seconds,
+            "line_every_s": interval,
+            "connections_opened": state["opened"],
+            "held_at_once": state["max_open"],
+            "connect_errors": state["connect_errors"],
+            "resets": state["resets"],
+            "answers_to_slow_clients": dict(answers),
+            "slow_answers_not_json": len(not_json),
+            "normal_sent": len(normal),
+            "normal_answered": len(ok),
+            "normal_latency_max_s": _round(max(ok) if ok else None),
+            "completion_latency_p50_s": _round(percentile(completions, 0.5)),
+            "completion_latency_max_s": _round(max(completions) if completions else None),
+            "health_latency_max_s": _round(max(healths) if healths else None),
+            "completion_latency_alone_p50_s": _round(percentile(baseline, 0.5)),
+        }
+        self.goal(
+            "slow",
+            f"{n} slow connections held while normal requests are answered",
+            state["max_open"] >= n and len(ok) == len(normal) and len(normal) > 0 and not not_json,
+            f"held {state['max_open']}/{n}, answered {len(ok)}/{len(normal)}, max {result['normal_latency_max_s']} s",
+            True,
+        )
         return result
 
     # -- d: memory ---------------------------------------------------------------------------------------------
@@ -839,9 +974,10 @@ class Run:
         head_dim = c.get("head_dim") or (c.get("hidden_size") or c.get("n_embd")) // heads
         dtype = self.server_env.get("SAKER_DTYPE") or os.environ.get("SAKER_DTYPE") or "auto"
         if dtype == "auto":
-            dtype = "float32"          # the CPU default (on CUDA auto is the checkpoint's dtype)
+            dtype = "float32"  # the CPU default (on CUDA auto is the checkpoint's dtype)
             with contextlib.suppress(Exception):
                 import torch
+
                 if torch.cuda.is_available():
                     dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
         size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
@@ -855,8 +991,9 @@ class Run:
             "worst": {"prompt": prompt, "n": 20, "best_of": 20, "logprobs": 20, "echo": True, "max_tokens": None},
             "fits": {"prompt": prompt, "n": 2, "best_of": 2, "logprobs": 20, "echo": True, "max_tokens": 16},
         }
-        out = self.memory_on(self.server, self.rss_at_ready, [(n, variants[n]) for n in self.plan.memory_variants],
-                             f"'hello ' x {words}")
+        out = self.memory_on(
+            self.server, self.rss_at_ready, [(n, variants[n]) for n in self.plan.memory_variants], f"'hello ' x {words}"
+        )
         budget = self.args.memory_budget_tokens
         if self.args.quick or not budget:
             return out
@@ -864,11 +1001,17 @@ class Run:
         # that a store that outgrows its budget shows in GiB, not tens of GiB, on a shared machine).
         long_words = self.hello_words(min(self.context - 92, budget // 2))
         rows = 2 * int(self.server_env.get("SAKER_MAX_BATCH_SIZE") or os.environ.get("SAKER_MAX_BATCH_SIZE") or 8)
-        sequence = [("long", {"prompt": "hello " * long_words, "n": 1, "max_tokens": 16}),
-                    ("rows-after-long", {"prompt": "hello", "n": rows, "best_of": rows, "max_tokens": 16})]
+        sequence = [
+            ("long", {"prompt": "hello " * long_words, "n": 1, "max_tokens": 16}),
+            ("rows-after-long", {"prompt": "hello", "n": rows, "best_of": rows, "max_tokens": 16}),
+        ]
         assert self.model_dir is not None
-        small = Server(self.model_dir, self.name, {**self.server_env, "SAKER_KV_CACHE_TOKENS": str(budget)},
-                       self.server.log_path.parent)
+        small = Server(
+            self.model_dir,
+            self.name,
+            {**self.server_env, "SAKER_KV_CACHE_TOKENS": str(budget)},
+            self.server.log_path.parent,
+        )
         try:
             small.wait_ready()
             out["small_budget"] = self.memory_on(small, small.rss_bytes(), sequence, f"'hello ' x {long_words}")
@@ -877,30 +1020,40 @@ class Run:
             small.stop()
         return out
 
-    def memory_on(self, server: Server, rss_at_ready: int, variants: list[tuple[str, dict]],
-                  prompt_label: str) -> dict:
+    def memory_on(self, server: Server, rss_at_ready: int, variants: list[tuple[str, dict]], prompt_label: str) -> dict:
         """Each variant in turn on ``server``: the worker's RSS every 50 ms from 1 s before to 3 s after."""
         assert self.model_dir is not None
         per_token, dtype_bytes = self.kv_bytes_per_token()
         budget_tokens = int(sample(metrics(server.port), "saker_kv_cache_budget_tokens"))
-        chunk = int(self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS") or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS")
-                    or 512)
-        weights = sum(p.stat().st_size for p in self.model_dir.iterdir()
-                      if p.suffix in (".safetensors", ".bin") and p.is_file())
+        chunk = int(
+            self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS") or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS") or 512
+        )
+        weights = sum(
+            p.stat().st_size for p in self.model_dir.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()
+        )
         transient = 2 * max(1, min(chunk, self.context)) * max(self.vocab, 1) * 4
         budget_bytes = budget_tokens * per_token
         bound = rss_at_ready + budget_bytes + transient
-        out = {"kv_bytes_per_token": per_token, "dtype_bytes": dtype_bytes, "kv_budget_tokens": budget_tokens,
-               "kv_budget_bytes": budget_bytes, "weights_bytes_on_disk": weights, "rss_at_ready": rss_at_ready,
-               "transient_allowance_bytes": transient, "bound_bytes": bound, "variants": {}}
+        out = {
+            "kv_bytes_per_token": per_token,
+            "dtype_bytes": dtype_bytes,
+            "kv_budget_tokens": budget_tokens,
+            "kv_budget_bytes": budget_bytes,
+            "weights_bytes_on_disk": weights,
+            "rss_at_ready": rss_at_ready,
+            "transient_allowance_bytes": transient,
+            "bound_bytes": bound,
+            "variants": {},
+        }
         label = "" if server is self.server else f" (KV budget {budget_tokens})"
         for name, fields in variants:
             body = {"model": self.name, **fields}
             _, tok = post_json(server.port, "/tokenize", {"prompt": body["prompt"]})
             prompt_tokens = int(tok.get("count") or 0)
             rows = body.get("best_of") or body.get("n") or 1
-            reach = prompt_tokens + (body["max_tokens"] if body["max_tokens"] is not None
-                                     else self.context - prompt_tokens)
+            reach = prompt_tokens + (
+                body["max_tokens"] if body["max_tokens"] is not None else self.context - prompt_tokens
+            )
             samples: list[tuple[float, int]] = []
             stop = threading.Event()
             thread = threading.Thread(target=_sample_rss, args=(server, samples, stop), daemon=True)
@@ -918,76 +1071,125 @@ class Run:
             baseline = int(statistics.median(before)) if before else 0
             peak = max(during + after[:5]) if during else 0
             shown = {k: (prompt_label if k == "prompt" and len(v) > 40 else v) for k, v in body.items()}
-            variant = {"request": shown, "status": answer.status, "seconds": round(answer.seconds, 2),
-                       "prompt_tokens": prompt_tokens, "rows": rows, "reach_tokens": reach,
-                       "request_kv_bytes": rows * reach * per_token,
-                       "baseline_rss": baseline, "peak_rss": peak, "after_rss": after[-1] if after else None,
-                       "peak_minus_baseline": peak - baseline,
-                       "after_minus_baseline": (after[-1] - baseline) if after else None,
-                       "peak_minus_ready": peak - rss_at_ready, "within_bound": peak <= bound}
+            variant = {
+                "request": shown,
+                "status": answer.status,
+                "seconds": round(answer.seconds, 2),
+                "prompt_tokens": prompt_tokens,
+                "rows": rows,
+                "reach_tokens": reach,
+                "request_kv_bytes": rows * reach * per_token,
+                "baseline_rss": baseline,
+                "peak_rss": peak,
+                "after_rss": after[-1] if after else None,
+                "peak_minus_baseline": peak - baseline,
+                "after_minus_baseline": (after[-1] - baseline) if after else None,
+                "peak_minus_ready": peak - rss_at_ready,
+                "within_bound": peak <= bound,
+            }
             if answer.status != 200:
-                variant["answer"] = (obj.get("error") or {}).get("message") or answer.body[:300].decode("utf-8",
-                                                                                                       "replace")
+                variant["answer"] = (obj.get("error") or {}).get("message") or answer.body[:300].decode(
+                    "utf-8", "replace"
+                )
             else:
                 variant["usage"] = obj.get("usage")
                 variant["timing"] = obj.get("timing")
             out["variants"][name] = variant
-            self.log(f"memory {name}{label}: {answer.status} in {answer.seconds:.1f} s, RSS {baseline / 2**20:.0f} "
-                     f"-> {peak / 2**20:.0f} MiB peak -> {(after[-1] if after else 0) / 2**20:.0f} MiB after "
-                     f"(bound {bound / 2**20:.0f} MiB)")
-            self.goal("memory", f"{name}{label}: a correct answer (200, or 400 when it cannot fit the KV budget)",
-                      answer.status == 200 or (answer.status == 400 and "KV" in str(variant.get("answer"))),
-                      f"{answer.status}", True)
-            self.goal("memory", f"{name}{label}: peak RSS <= RSS at ready + KV budget + transient",
-                      peak <= bound, f"{peak / 2**20:.0f} MiB vs {bound / 2**20:.0f} MiB", False)
+            self.log(
+                f"memory {name}{label}: {answer.status} in {answer.seconds:.1f} s, RSS {baseline / 2**20:.0f} "
+                f"-> {peak / 2**20:.0f} MiB peak -> {(after[-1] if after else 0) / 2**20:.0f} MiB after "
+                f"(bound {bound / 2**20:.0f} MiB)"
+            )
+            self.goal(
+                "memory",
+                f"{name}{label}: a correct answer (200, or 400 when it cannot fit the KV budget)",
+                answer.status == 200 or (answer.status == 400 and "KV" in str(variant.get("answer"))),
+                f"{answer.status}",
+                True,
+            )
+            self.goal(
+                "memory",
+                f"{name}{label}: peak RSS <= RSS at ready + KV budget + transient",
+                peak <= bound,
+                f"{peak / 2**20:.0f} MiB vs {bound / 2**20:.0f} MiB",
+                False,
+            )
         return out
 
     # -- e: client close to work stopped ----------------------------------------------------------------------
     def step_times(self) -> dict:
         rng = random.Random(7)
-        chunk = int(self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS") or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS")
-                    or 512)
+        chunk = int(
+            self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS") or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS") or 512
+        )
         chunk = max(16, min(chunk, self.context - 8))
         decode, prefill = [], []
         max_tokens = max(8, min(64, self.context - 32))
         for _ in range(3):
-            answer, obj = post_json(self.port, "/v1/completions", {
-                "model": self.name, "prompt": self.random_ids(16, rng), "max_tokens": max_tokens,
-                "ignore_eos": True, "temperature": 0})
+            answer, obj = post_json(
+                self.port,
+                "/v1/completions",
+                {
+                    "model": self.name,
+                    "prompt": self.random_ids(16, rng),
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
             tokens = int((obj.get("usage") or {}).get("completion_tokens") or 0)
             if answer.status == 200 and tokens > 1:
                 decode.append(float(answer.headers.get("x-saker-decode-ms", 0)) / (tokens - 1))
-            answer, obj = post_json(self.port, "/v1/completions", {
-                "model": self.name, "prompt": self.random_ids(chunk, rng), "max_tokens": 1, "temperature": 0})
+            answer, obj = post_json(
+                self.port,
+                "/v1/completions",
+                {"model": self.name, "prompt": self.random_ids(chunk, rng), "max_tokens": 1, "temperature": 0},
+            )
             if answer.status == 200:
                 prefill.append(float(answer.headers.get("x-saker-prefill-ms", 0)))
-        return {"decode_step_ms": _round(statistics.median(decode) if decode else None, 2),
-                "prefill_chunk_tokens": chunk,
-                "prefill_chunk_ms": _round(statistics.median(prefill) if prefill else None, 2)}
+        return {
+            "decode_step_ms": _round(statistics.median(decode) if decode else None, 2),
+            "prefill_chunk_tokens": chunk,
+            "prefill_chunk_ms": _round(statistics.median(prefill) if prefill else None, 2),
+        }
 
     def section_close(self) -> dict:
         steps = self.step_times()
-        self.log(f"close: one decode step {steps['decode_step_ms']} ms, one prefill chunk of "
-                 f"{steps['prefill_chunk_tokens']} tokens {steps['prefill_chunk_ms']} ms")
+        self.log(
+            f"close: one decode step {steps['decode_step_ms']} ms, one prefill chunk of "
+            f"{steps['prefill_chunk_tokens']} tokens {steps['prefill_chunk_ms']} ms"
+        )
         cases = {}
         for name in self.plan.close_cases:
             self.settle()
             cases[name] = self.close_case(name, steps)
             c = cases[name]
-            self.log(f"close {name}: {c.get('phase')} -> running 0 after {c.get('stop_s_metrics')} s, log line after "
-                     f"{c.get('stop_s_log')} s")
+            self.log(
+                f"close {name}: {c.get('phase')} -> running 0 after {c.get('stop_s_metrics')} s, log line after "
+                f"{c.get('stop_s_log')} s"
+            )
             reference = steps["prefill_chunk_ms"] if c.get("phase") == "prefill" else steps["decode_step_ms"]
             stop_ms = None if c.get("stop_s_metrics") is None else c["stop_s_metrics"] * 1000
             if c.get("finished_before_close"):
-                stop_ms = None                                  # nothing to measure: it ended before the close
+                stop_ms = None  # nothing to measure: it ended before the close
             met = None if stop_ms is None or reference is None else stop_ms <= reference
             if c.get("finished_before_noticed"):
-                met = False                                     # closed mid-generation, and run to its end
+                met = False  # closed mid-generation, and run to its end
             unit = "prefill chunk" if c.get("phase") == "prefill" else "decode step"
-            self.goal("close", f"{name}: work stopped within one {unit}", met,
-                      f"{stop_ms if stop_ms is None else round(stop_ms)} ms vs {reference} ms", False)
-            self.goal("close", f"{name}: the request's slot released after the close", c.get("released", False),
-                      f"running 0 after {c.get('stop_s_metrics')} s", True)
+            self.goal(
+                "close",
+                f"{name}: work stopped within one {unit}",
+                met,
+                f"{stop_ms if stop_ms is None else round(stop_ms)} ms vs {reference} ms",
+                False,
+            )
+            self.goal(
+                "close",
+                f"{name}: the request's slot released after the close",
+                c.get("released", False),
+                f"running 0 after {c.get('stop_s_metrics')} s",
+                True,
+            )
         return {**steps, "cases": cases}
 
     def close_case(self, name: str, steps: dict) -> dict:
@@ -1002,20 +1204,29 @@ class Run:
         else:
             prompt_len = 16
             max_tokens = max(8, min(4000, self.context - prompt_len - 1))
-            if "-stop-" in name:                # it may run to its end unnoticed: keep that to ~30 s
+            if "-stop-" in name:  # it may run to its end unnoticed: keep that to ~30 s
                 max_tokens = max(min(64, max_tokens), min(max_tokens, int(30000 / decode_ms)))
             estimated = max_tokens * decode_ms / 1000
         # decode cases: past the prefill and a few steps into decoding (but well before the end)
         wanted = self.plan.close_after + (0 if name.endswith("prefill") else 4 * decode_ms / 1000)
         close_after = min(wanted, 0.5 * estimated)
-        body = {"model": self.name, "prompt": self.random_ids(prompt_len, rng), "max_tokens": max_tokens,
-                "ignore_eos": True, "temperature": 0, "stream": stream}
+        body = {
+            "model": self.name,
+            "prompt": self.random_ids(prompt_len, rng),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+        }
         if "-stop-" in name:
-            body["stop"] = ["@@@@@@@@"]         # never met; a stop string makes a plain request's events eager
+            body["stop"] = ["@@@@@@@@"]  # never met; a stop string makes a plain request's events eager
         log_start = len(self.server.output())
         access_start = len(self.server.access_lines())
-        result: dict[str, Any] = {"prompt_tokens": prompt_len, "max_tokens": max_tokens,
-                                  "close_after_s": round(close_after, 3)}
+        result: dict[str, Any] = {
+            "prompt_tokens": prompt_len,
+            "max_tokens": max_tokens,
+            "close_after_s": round(close_after, 3),
+        }
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=60)
         sent = time.monotonic()
         sock.sendall(build("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}))
@@ -1034,7 +1245,7 @@ class Run:
             if b"data: [DONE]" in received or (not stream and _complete(received)):
                 finished = True
                 break
-        sock.setblocking(False)                 # what already arrived counts as received
+        sock.setblocking(False)  # what already arrived counts as received
         with contextlib.suppress(OSError):
             while True:
                 chunk = sock.recv(65536)
@@ -1043,7 +1254,7 @@ class Run:
                 received += chunk
         frames = received.count(b"data: {")
         result["frames_received"] = frames
-        result["phase"] = "decode" if frames else "prefill"     # a plain request's phase: from its token count
+        result["phase"] = "decode" if frames else "prefill"  # a plain request's phase: from its token count
         _hard_close(sock)
         closed = time.monotonic()
         if finished:
@@ -1054,7 +1265,7 @@ class Run:
         deadline = closed + 120
         grace = None
         while time.monotonic() < deadline and (stop_metrics is None or stop_log is None):
-            if stop_metrics is not None and stop_access is not None:     # over: its log line, if any, is written
+            if stop_metrics is not None and stop_access is not None:  # over: its log line, if any, is written
                 grace = grace or time.monotonic() + 0.5
                 if time.monotonic() > grace:
                     break
@@ -1074,16 +1285,21 @@ class Run:
                         result["access_status"] = line.get("status")
                         result["access_completion_tokens"] = line.get("completion_tokens")
             time.sleep(0.02)
-        result.update(released=stop_metrics is not None, stop_s_metrics=_round(stop_metrics, 3),
-                      stop_s_log=_round(stop_log, 3), stop_s_access_log=_round(stop_access, 3),
-                      generated_tokens_server=generated, seconds_open=round(closed - sent, 3))
+        result.update(
+            released=stop_metrics is not None,
+            stop_s_metrics=_round(stop_metrics, 3),
+            stop_s_log=_round(stop_log, 3),
+            stop_s_access_log=_round(stop_access, 3),
+            generated_tokens_server=generated,
+            seconds_open=round(closed - sent, 3),
+        )
         if generated is not None and stream:
             result["tokens_after_close"] = max(0, generated - frames)
         if not stream:
             made = generated if generated is not None else result.get("access_completion_tokens")
             result["phase"] = "decode" if made else "prefill"
         if stop_log is None and result.get("access_status") == 200:
-            result["finished_before_noticed"] = True           # it ran to its end before the server saw the close
+            result["finished_before_noticed"] = True  # it ran to its end before the server saw the close
             result["ran_on_after_close_s"] = _round(stop_access, 3)
         return result
 
@@ -1094,10 +1310,10 @@ class Case:
     group: str
     data: bytes | list[bytes]
     shut: bool = False
-    may_close: bool = False                 # an incomplete request: the server may close without answering
+    may_close: bool = False  # an incomplete request: the server may close without answering
     timeout: float = 120.0
     pause: float = 0.0
-    allowed: tuple[int, ...] = ()          # statuses >= 500 that are this case's correct answer (RFC 9112 501)
+    allowed: tuple[int, ...] = ()  # statuses >= 500 that are this case's correct answer (RFC 9112 501)
 
     def preview(self) -> str:
         raw = self.data if isinstance(self.data, bytes) else b"".join(self.data)
@@ -1115,8 +1331,13 @@ def _busy_or_lost(status: int | None, retry_after: str | None, data: bytes) -> t
         body = json.loads(data)
     except ValueError:
         body = None
-    if status in (429, 503) and is_error_object(body) and retry_after and retry_after.strip().isdigit() \
-            and int(retry_after) >= 1:
+    if (
+        status in (429, 503)
+        and is_error_object(body)
+        and retry_after
+        and retry_after.strip().isdigit()
+        and int(retry_after) >= 1
+    ):
         return "busy", retry_after.strip()
     return "lost", f"HTTP {status} (Retry-After {retry_after}): {data[:200]!r}"
 
@@ -1145,22 +1366,85 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 # ---------------------------------------------------------------------------------------------------------------
 # the bad-input corpus
 # ---------------------------------------------------------------------------------------------------------------
-COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-                     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "top_k", "min_p",
-                     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-                     "skip_special_tokens", "response_format", "structured_outputs", "allowed_token_ids",
-                     "logprobs_mode", "engine", "suffix", "logprobs", "echo", "best_of"]
-CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
-               "tools", "tool_choice", "parallel_tool_calls", "temperature", "n", "stream", "stop", "logit_bias",
-               "response_format", "seed"]
-HUGE = 10 ** 30
+COMPLETION_FIELDS = [
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "response_format",
+    "structured_outputs",
+    "allowed_token_ids",
+    "logprobs_mode",
+    "engine",
+    "suffix",
+    "logprobs",
+    "echo",
+    "best_of",
+]
+CHAT_FIELDS = [
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "add_generation_prompt",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "temperature",
+    "n",
+    "stream",
+    "stop",
+    "logit_bias",
+    "response_format",
+    "seed",
+]
+HUGE = 10**30
 
 
 def wrong_values(quick: bool) -> list[Any]:
     if quick:
         return ["x", 1.5, -1, HUGE, True, {}, [[[[]]]]]
-    return ["x", "", "\ud800", 1.5, -1, 0, 2 ** 63, HUGE, -HUGE, 1e308, -1e308, True, False, None, [], [1], ["x"],
-            {}, {"a": 1}, [[[[]]]]]
+    return [
+        "x",
+        "",
+        "\ud800",
+        1.5,
+        -1,
+        0,
+        2**63,
+        HUGE,
+        -HUGE,
+        1e308,
+        -1e308,
+        True,
+        False,
+        None,
+        [],
+        [1],
+        ["x"],
+        {},
+        {"a": 1},
+        [[[[]]]],
+    ]
 
 
 def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> list[Case]:
@@ -1171,33 +1455,48 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
     ct = {"Content-Type": "application/json"}
 
     def dumps(obj: Any) -> bytes:
-        return json.dumps(obj).encode()          # ensure_ascii: lone surrogates travel as \\ud800 escapes
+        return json.dumps(obj).encode()  # ensure_ascii: lone surrogates travel as \\ud800 escapes
 
-    def post(name: str, group: str, body: bytes, path: str = "/v1/completions", headers: dict | None = None,
-             **kw) -> None:
+    def post(
+        name: str, group: str, body: bytes, path: str = "/v1/completions", headers: dict | None = None, **kw
+    ) -> None:
         cases.append(Case(name, group, build("POST", path, body, {**ct, **(headers or {})}), **kw))
 
     # -- wrong types and huge numbers in every field ------------------------------------------------------
-    for base, fields, path in ((good, COMPLETION_FIELDS, "/v1/completions"),
-                               (chat, CHAT_FIELDS, "/v1/chat/completions")):
+    for base, fields, path in (
+        (good, COMPLETION_FIELDS, "/v1/completions"),
+        (chat, CHAT_FIELDS, "/v1/chat/completions"),
+    ):
         for name in fields:
             for value in wrong_values(quick):
                 if name in ("max_tokens", "max_completion_tokens") and value is None:
-                    continue                     # legal: runs to the context (long, not hostile)
+                    continue  # legal: runs to the context (long, not hostile)
                 body = {**base, name: value}
                 post(f"{path.rsplit('/', 1)[1]}.{name}={json.dumps(value)[:20]}", "wrong types", dumps(body), path)
 
     # -- JSON itself --------------------------------------------------------------------------------------
     raw_bodies = {
-        "truncated": b'{"prompt": "hi", ', "single-quotes": b"{'prompt': 'hi'}", "trailing-comma": b'{"prompt": "hi",}',
-        "form": b"prompt=hi", "two-objects": b'{"prompt": "hi"} {"prompt": "again"}',
-        "bad-utf8": b'\xff\xfe{"prompt": "hi"}', "utf8-in-string-invalid": b'{"prompt": "\xff\xfe\xfd"}',
-        "overlong-utf8": b'{"prompt": "\xc0\xaf"}', "raw-surrogate-bytes": b'{"prompt": "\xed\xa0\x80"}',
+        "truncated": b'{"prompt": "hi", ',
+        "single-quotes": b"{'prompt': 'hi'}",
+        "trailing-comma": b'{"prompt": "hi",}',
+        "form": b"prompt=hi",
+        "two-objects": b'{"prompt": "hi"} {"prompt": "again"}',
+        "bad-utf8": b'\xff\xfe{"prompt": "hi"}',
+        "utf8-in-string-invalid": b'{"prompt": "\xff\xfe\xfd"}',
+        "overlong-utf8": b'{"prompt": "\xc0\xaf"}',
+        "raw-surrogate-bytes": b'{"prompt": "\xed\xa0\x80"}',
         "bom": b'\xef\xbb\xbf{"prompt": "hi", "max_tokens": 2}',
         "utf16": '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"),
-        "empty": b"", "spaces": b"   ", "null": b"null", "list": b"[1, 2]", "number": b"5", "string": b'"prompt"',
-        "true": b"true", "NaN": b'{"prompt": "hi", "temperature": NaN}',
-        "Infinity": b'{"prompt": "hi", "top_p": Infinity}', "-Infinity": b'{"prompt": "hi", "temperature": -Infinity}',
+        "empty": b"",
+        "spaces": b"   ",
+        "null": b"null",
+        "list": b"[1, 2]",
+        "number": b"5",
+        "string": b'"prompt"',
+        "true": b"true",
+        "NaN": b'{"prompt": "hi", "temperature": NaN}',
+        "Infinity": b'{"prompt": "hi", "top_p": Infinity}',
+        "-Infinity": b'{"prompt": "hi", "temperature": -Infinity}',
         "1e400": b'{"prompt": "hi", "temperature": 1e400}',
         "max_tokens-1e400": b'{"prompt": "hi", "max_tokens": 1e400}',
         "5000-digit-int": b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
@@ -1207,13 +1506,19 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
         "deep-object-50000": b'{"prompt": "hi", "user": ' + b'{"a":' * 50000 + b"1" + b"}" * 50000 + b"}",
         "unclosed-deep": b'{"prompt": ' + b"[" * 100000,
         "schema-2000-deep": b'{"prompt": "hi", "max_tokens": 2, "response_format": {"type": "json_schema", '
-                            b'"json_schema": {"name": "x", "schema": '
-                            + b'{"type": "object", "properties": {"a": ' * 2000
-                            + b'{"type": "string"}' + b'}, "required": ["a"]}' * 2000 + b'}}}',
+        b'"json_schema": {"name": "x", "schema": '
+        + b'{"type": "object", "properties": {"a": ' * 2000
+        + b'{"type": "string"}'
+        + b'}, "required": ["a"]}' * 2000
+        + b"}}}",
         "structured-2000-deep": b'{"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": '
-                                + b'{"type": "array", "items": ' * 2000 + b'{"type": "string"}' + b'}' * 2000 + b'}}',
-        "nul-in-json": b'{"prompt": "hi\x00"}', "control-chars": b'{"prompt": "a\x01\x02\x1f"}',
-        "duplicate-keys": b'{' + b'"prompt": "a", ' * 20000 + b'"max_tokens": 2}',
+        + b'{"type": "array", "items": ' * 2000
+        + b'{"type": "string"}'
+        + b"}" * 2000
+        + b"}}",
+        "nul-in-json": b'{"prompt": "hi\x00"}',
+        "control-chars": b'{"prompt": "a\x01\x02\x1f"}',
+        "duplicate-keys": b"{" + b'"prompt": "a", ' * 20000 + b'"max_tokens": 2}',
         "many-unknown-keys": dumps({**good, **{f"k{i}": i for i in range(20000)}}),
         "escaped-nul": dumps({**good, "prompt": "a\u0000b"}),
     }
@@ -1224,34 +1529,56 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
         post(f"json.{name}", "JSON", body)
 
     # -- strings: surrogates, odd Unicode ------------------------------------------------------------------
-    texts = {"lone-high-surrogate": "a\ud800b", "lone-low-surrogate": "\udfff",
-             "surrogate-pair-escaped": "\ud83d\ude00", "reversed-pair": "\ude00\ud83d", "nul": "\u0000",
-             "bidi": "\u202e\u2066abc", "noncharacter": "\uffff\ufdd0",
-             "emoji-zwj": "👩‍👩‍👧‍👦" * 50, "combining": "a" + "\u0301" * 2000}
+    texts = {
+        "lone-high-surrogate": "a\ud800b",
+        "lone-low-surrogate": "\udfff",
+        "surrogate-pair-escaped": "\ud83d\ude00",
+        "reversed-pair": "\ude00\ud83d",
+        "nul": "\u0000",
+        "bidi": "\u202e\u2066abc",
+        "noncharacter": "\uffff\ufdd0",
+        "emoji-zwj": "👩‍👩‍👧‍👦" * 50,
+        "combining": "a" + "\u0301" * 2000,
+    }
     for name, text in texts.items():
         post(f"text.prompt.{name}", "strings", dumps({**good, "prompt": text}))
-        post(f"text.chat.{name}", "strings", dumps({**chat, "messages": [{"role": "user", "content": text}]}),
-             "/v1/chat/completions")
+        post(
+            f"text.chat.{name}",
+            "strings",
+            dumps({**chat, "messages": [{"role": "user", "content": text}]}),
+            "/v1/chat/completions",
+        )
         if not quick:
             post(f"text.stop.{name}", "strings", dumps({**good, "stop": [text]}))
             post(f"text.model.{name}", "strings", dumps({**good, "model": text}))
             post(f"text.logit_bias-key.{name}", "strings", dumps({**good, "logit_bias": {text: 1}}))
             post(f"text.user.{name}", "strings", dumps({**good, "user": text}))
     post("text.tokenize.lone-surrogate", "strings", dumps({"prompt": "\ud800"}), "/tokenize")
-    post("text.tokenize.messages-surrogate", "strings", dumps({"messages": [{"role": "user", "content": "\udc00"}]}),
-         "/tokenize")
+    post(
+        "text.tokenize.messages-surrogate",
+        "strings",
+        dumps({"messages": [{"role": "user", "content": "\udc00"}]}),
+        "/tokenize",
+    )
 
     # -- huge numbers and sizes ----------------------------------------------------------------------------
     sizes = {
-        "max_tokens-2**63": {**good, "max_tokens": 2 ** 63}, "n-huge": {**good, "n": HUGE},
-        "best_of-huge": {**good, "best_of": HUGE, "n": 1}, "top_k-huge": {**good, "top_k": HUGE},
-        "top_k-2**31": {**good, "top_k": 2 ** 31}, "top_k-2**63": {**good, "top_k": 2 ** 63},
-        "seed-2**64": {**good, "seed": 2 ** 64}, "logprobs-huge": {**good, "logprobs": HUGE},
+        "max_tokens-2**63": {**good, "max_tokens": 2**63},
+        "n-huge": {**good, "n": HUGE},
+        "best_of-huge": {**good, "best_of": HUGE, "n": 1},
+        "top_k-huge": {**good, "top_k": HUGE},
+        "top_k-2**31": {**good, "top_k": 2**31},
+        "top_k-2**63": {**good, "top_k": 2**63},
+        "seed-2**64": {**good, "seed": 2**64},
+        "logprobs-huge": {**good, "logprobs": HUGE},
         "min_tokens-huge": {**good, "min_tokens": HUGE},
         "repetition_penalty-1e308": {**good, "repetition_penalty": 1e308},
-        "temperature-5e-324": {**good, "temperature": 5e-324}, "top_p-5e-324": {**good, "top_p": 5e-324},
-        "min_p-1": {**good, "min_p": 1}, "prompt-ids-huge": {**good, "prompt": [HUGE]},
-        "prompt-ids-2**63": {**good, "prompt": [2 ** 63]}, "stop_token_ids-huge": {**good, "stop_token_ids": [HUGE]},
+        "temperature-5e-324": {**good, "temperature": 5e-324},
+        "top_p-5e-324": {**good, "top_p": 5e-324},
+        "min_p-1": {**good, "min_p": 1},
+        "prompt-ids-huge": {**good, "prompt": [HUGE]},
+        "prompt-ids-2**63": {**good, "prompt": [2**63]},
+        "stop_token_ids-huge": {**good, "stop_token_ids": [HUGE]},
         "allowed_token_ids-huge": {**good, "allowed_token_ids": [HUGE]},
         "max_tokens-context": {**good, "max_tokens": context},
         "prompt-over-context-ids": {**good, "prompt": [1] * (context + 1)},
@@ -1269,32 +1596,56 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
     for name, body in sizes.items():
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         post(f"size.{name}", "huge numbers and sizes", dumps(body), path, timeout=600)
-    post("size.over-body-limit", "huge numbers and sizes", dumps({**good, "prompt": "x" * (5 * 2 ** 20)}))
+    post("size.over-body-limit", "huge numbers and sizes", dumps({**good, "prompt": "x" * (5 * 2**20)}))
 
     # -- logit_bias keys -----------------------------------------------------------------------------------
-    for key in ["abc", "1.5", " 1", "1 ", "\u00b2", "\u0661", "1_0", "0x10", "+1", "-1", "", "7" * 5000,
-                "99999999999999999999", "1e3", "٣", "１"]:
+    for key in [
+        "abc",
+        "1.5",
+        " 1",
+        "1 ",
+        "\u00b2",
+        "\u0661",
+        "1_0",
+        "0x10",
+        "+1",
+        "-1",
+        "",
+        "7" * 5000,
+        "99999999999999999999",
+        "1e3",
+        "٣",
+        "１",
+    ]:
         post(f"logit_bias.key={key[:12]!r}", "logit_bias", dumps({**good, "logit_bias": {key: 1}}))
     for value in ["x", None, True, [1], {"a": 1}, 101, -101]:
         post(f"logit_bias.value={json.dumps(value)}", "logit_bias", dumps({**good, "logit_bias": {"1": value}}))
 
     # -- response_format / structured_outputs ---------------------------------------------------------------
     formats = [
-        {"type": "sound"}, "json", {"type": "json_schema"}, {"type": "json_schema", "json_schema": "x"},
+        {"type": "sound"},
+        "json",
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": "x"},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
         {"type": "json_schema", "json_schema": {"name": "a b", "schema": {"type": "object"}}},
         {"type": "json_schema", "json_schema": {"name": "x" * 1000, "schema": {"type": "object"}}},
-        {"type": "json_object", "schema": 123}, {"type": "json_object", "schema": {"type": "hiccup"}},
+        {"type": "json_object", "schema": 123},
+        {"type": "json_object", "schema": {"type": "hiccup"}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/nope"}}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}},
-                                                                         "$ref": "#/$defs/a"}}},
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+        },
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(a+)+$"}}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(" * 5000}}},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 10 ** 9}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 10**9}}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": HUGE}}},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
-                                                                         "maximum": 1}}},
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+        },
         {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep_schema(150)}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": False}},
@@ -1302,97 +1653,176 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
     for i, fmt in enumerate(formats):
         post(f"response_format.{i}:{json.dumps(fmt)[:40]}", "response_format", dumps({**good, "response_format": fmt}))
         if not quick:
-            post(f"response_format.chat.{i}", "response_format", dumps({**chat, "response_format": fmt}),
-                 "/v1/chat/completions")
-    structured = [{"regex": "a", "choice": ["a"]}, {}, {"regex": "a(b"}, {"choice": []}, {"choice": ["a", ""]},
-                  {"json": "{oops"}, {"grammar": "start: undefined_rule"}, {"structural_tag": "{}"},
-                  {"regex": "(" * 10000}, {"regex": "(a|aa)*" * 200}, {"regex": "a{1000000000}"},
-                  {"grammar": "start: " + " ".join(f"r{i}" for i in range(2000))},
-                  {"json": _deep_schema(150)}, {"choice": ["x" * 100] * 5000}, {"regex": 5}, {"json": 5},
-                  {"json_object": "yes"}, {"unknown": 1}]
+            post(
+                f"response_format.chat.{i}",
+                "response_format",
+                dumps({**chat, "response_format": fmt}),
+                "/v1/chat/completions",
+            )
+    structured = [
+        {"regex": "a", "choice": ["a"]},
+        {},
+        {"regex": "a(b"},
+        {"choice": []},
+        {"choice": ["a", ""]},
+        {"json": "{oops"},
+        {"grammar": "start: undefined_rule"},
+        {"structural_tag": "{}"},
+        {"regex": "(" * 10000},
+        {"regex": "(a|aa)*" * 200},
+        {"regex": "a{1000000000}"},
+        {"grammar": "start: " + " ".join(f"r{i}" for i in range(2000))},
+        {"json": _deep_schema(150)},
+        {"choice": ["x" * 100] * 5000},
+        {"regex": 5},
+        {"json": 5},
+        {"json_object": "yes"},
+        {"unknown": 1},
+    ]
     for i, so in enumerate(structured):
-        post(f"structured_outputs.{i}:{json.dumps(so)[:40]}", "structured_outputs",
-             dumps({**good, "structured_outputs": so}), timeout=300)
-    post("structured_outputs.stream", "structured_outputs",
-         dumps({**good, "stream": True, "structured_outputs": {"regex": "a(b"}}))
+        post(
+            f"structured_outputs.{i}:{json.dumps(so)[:40]}",
+            "structured_outputs",
+            dumps({**good, "structured_outputs": so}),
+            timeout=300,
+        )
+    post(
+        "structured_outputs.stream",
+        "structured_outputs",
+        dumps({**good, "stream": True, "structured_outputs": {"regex": "a(b"}}),
+    )
 
     # -- chat: messages and tools -------------------------------------------------------------------------
     fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     chats = {
-        "messages-empty": {"messages": []}, "messages-string": {"messages": "hi"},
+        "messages-empty": {"messages": []},
+        "messages-string": {"messages": "hi"},
         "role-unknown": {"messages": [{"role": "robot", "content": "x"}]},
-        "role-missing": {"messages": [{"content": "x"}]}, "content-missing": {"messages": [{"role": "user"}]},
+        "role-missing": {"messages": [{"content": "x"}]},
+        "content-missing": {"messages": [{"role": "user"}]},
         "content-number": {"messages": [{"role": "user", "content": 5}]},
-        "content-image": {"messages": [{"role": "user", "content": [{"type": "image_url",
-                                                                       "image_url": {"url": "http://x/y.png"}}]}]},
+        "content-image": {
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+        },
         "content-part-no-text": {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         "content-part-unknown": {"messages": [{"role": "user", "content": [{"type": "sound", "data": "x"}]}]},
         "tool-message-no-id": {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]},
-        "assistant-bad-tool_calls": {"messages": [{"role": "user", "content": "x"},
-                                                  {"role": "assistant", "tool_calls": [{"id": 1, "function": 5}]}]},
-        "assistant-args-not-json": {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
-        "tools-string": {"tools": "f"}, "tools-list-of-numbers": {"tools": [1]},
+        "assistant-bad-tool_calls": {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [{"id": 1, "function": 5}]},
+            ]
+        },
+        "assistant-args-not-json": {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+                },
+            ]
+        },
+        "tools-string": {"tools": "f"},
+        "tools-list-of-numbers": {"tools": [1]},
         "tools-no-function": {"tools": [{"type": "function"}]},
         "tools-empty-function": {"tools": [{"type": "function", "function": {}}]},
         "tools-type-unknown": {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
         "tools-duplicate": {"tools": [fn, fn]},
-        "tools-parameters-array": {"tools": [{"type": "function", "function": {"name": "f",
-                                                                                "parameters": {"type": "array"}}}]},
-        "tools-parameters-bad-schema": {"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "hiccup"}}}}}],
-            "tool_choice": "required"},
+        "tools-parameters-array": {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]
+        },
+        "tools-parameters-bad-schema": {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "hiccup"}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
         "tool_choice-unknown-name": {"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "g"}}},
         "tool_choice-string": {"tools": [fn], "tool_choice": "sometimes"},
         "tool_choice-required-no-tools": {"tool_choice": "required"},
-        "tool_choice-and-response_format": {"tools": [fn], "tool_choice": "required",
-                                            "response_format": {"type": "json_object"}},
-        "tools-1000": {"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
-                                 for i in range(1000)]},
+        "tool_choice-and-response_format": {
+            "tools": [fn],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "tools-1000": {
+            "tools": [
+                {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+                for i in range(1000)
+            ]
+        },
         "top_logprobs-without-logprobs": {"top_logprobs": 3},
     }
     for name, change in chats.items():
         post(f"chat.{name}", "chat", dumps({**chat, **change}), "/v1/chat/completions", timeout=300)
 
     # -- tokenizer routes ----------------------------------------------------------------------------------
-    for name, path, body in [("tokenize-number", "/tokenize", {"prompt": 5}),
-                             ("tokenize-messages-string", "/tokenize", {"messages": "x"}),
-                             ("tokenize-both", "/tokenize", {"prompt": "a", "messages": []}),
-                             ("detokenize-negative", "/detokenize", {"tokens": [-1]}),
-                             ("detokenize-huge", "/detokenize", {"tokens": [HUGE]}),
-                             ("detokenize-string", "/detokenize", {"tokens": "x"}),
-                             ("detokenize-nested", "/detokenize", {"tokens": [[1]]})]:
+    for name, path, body in [
+        ("tokenize-number", "/tokenize", {"prompt": 5}),
+        ("tokenize-messages-string", "/tokenize", {"messages": "x"}),
+        ("tokenize-both", "/tokenize", {"prompt": "a", "messages": []}),
+        ("detokenize-negative", "/detokenize", {"tokens": [-1]}),
+        ("detokenize-huge", "/detokenize", {"tokens": [HUGE]}),
+        ("detokenize-string", "/detokenize", {"tokens": "x"}),
+        ("detokenize-nested", "/detokenize", {"tokens": [[1]]}),
+    ]:
         post(f"tokenizer.{name}", "tokenizer routes", dumps(body), path)
 
     # -- HTTP: content types and encodings ------------------------------------------------------------------
     payload = dumps(good)
-    for name, ctype in [("text-plain", "text/plain"), ("form", "application/x-www-form-urlencoded"),
-                        ("multipart", "multipart/form-data; boundary=x"), ("xml", "application/xml"),
-                        ("latin1-charset", "application/json; charset=latin-1"), ("garbage", "\x7f/\x01")]:
-        cases.append(Case(f"http.content-type.{name}", "HTTP bodies",
-                          build("POST", "/v1/completions", payload, {"Content-Type": ctype})))
-    limit = 4 * 2 ** 20
+    for name, ctype in [
+        ("text-plain", "text/plain"),
+        ("form", "application/x-www-form-urlencoded"),
+        ("multipart", "multipart/form-data; boundary=x"),
+        ("xml", "application/xml"),
+        ("latin1-charset", "application/json; charset=latin-1"),
+        ("garbage", "\x7f/\x01"),
+    ]:
+        cases.append(
+            Case(
+                f"http.content-type.{name}",
+                "HTTP bodies",
+                build("POST", "/v1/completions", payload, {"Content-Type": ctype}),
+            )
+        )
+    limit = 4 * 2**20
     bombs = {
-        "gzip-bomb-64MiB": ("gzip", gzip.compress(b" " * (64 * 2 ** 20) + payload, 9)),
+        "gzip-bomb-64MiB": ("gzip", gzip.compress(b" " * (64 * 2**20) + payload, 9)),
         "gzip-bomb-just-over": ("gzip", gzip.compress(b" " * (limit + 1) + payload, 9)),
-        "deflate-bomb": ("deflate", zlib.compress(b" " * (64 * 2 ** 20) + payload, 9)),
-        "gzip-nested": ("gzip", gzip.compress(gzip.compress(b" " * (16 * 2 ** 20) + payload, 9), 9)),
+        "deflate-bomb": ("deflate", zlib.compress(b" " * (64 * 2**20) + payload, 9)),
+        "gzip-nested": ("gzip", gzip.compress(gzip.compress(b" " * (16 * 2**20) + payload, 9), 9)),
         "gzip-twice-declared": ("gzip, gzip", gzip.compress(gzip.compress(payload))),
         "gzip-invalid": ("gzip", b"\x1f\x8b not gzip at all"),
         "gzip-truncated": ("gzip", gzip.compress(payload)[:-12]),
         "gzip-empty": ("gzip", b""),
         "deflate-raw": ("deflate", zlib.compress(payload)[2:-4]),
-        "br": ("br", payload), "compress": ("compress", payload), "zstd": ("zstd", payload),
-        "identity-garbage": ("identity, gzip", payload), "encoding-nonascii": ("gzip\xff", payload),
+        "br": ("br", payload),
+        "compress": ("compress", payload),
+        "zstd": ("zstd", payload),
+        "identity-garbage": ("identity, gzip", payload),
+        "encoding-nonascii": ("gzip\xff", payload),
     }
     for name, (encoding, body) in bombs.items():
-        cases.append(Case(f"http.encoding.{name}", "HTTP bodies",
-                          build("POST", "/v1/completions", body, {**ct, "Content-Encoding": encoding})))
+        cases.append(
+            Case(
+                f"http.encoding.{name}",
+                "HTTP bodies",
+                build("POST", "/v1/completions", body, {**ct, "Content-Encoding": encoding}),
+            )
+        )
     head_chunked = build("POST", "/v1/completions", None, {**ct, "Transfer-Encoding": "chunked"})
     small = payload
     chunked = {
-        "not-hex": [b"ZZ\r\nabc\r\n0\r\n\r\n"], "negative": [b"-1\r\nabc\r\n0\r\n\r\n"],
-        "short-chunk": [b"10\r\nabc\r\n0\r\n\r\n"], "huge-size": [b"ffffffffffffffffffff\r\nabc\r\n0\r\n\r\n"],
+        "not-hex": [b"ZZ\r\nabc\r\n0\r\n\r\n"],
+        "negative": [b"-1\r\nabc\r\n0\r\n\r\n"],
+        "short-chunk": [b"10\r\nabc\r\n0\r\n\r\n"],
+        "huge-size": [b"ffffffffffffffffffff\r\nabc\r\n0\r\n\r\n"],
         "no-crlf-after-data": [b"%x\r\n%s0\r\n\r\n" % (len(small), small)],
         "extension": [b"%x;name=value\r\n%s\r\n0\r\n\r\n" % (len(small), small)],
         "trailer": [b"%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (len(small), small)],
@@ -1401,22 +1831,54 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
         "over-limit": [b"%x\r\n%s\r\n" % (65536, b" " * 65536)] * (limit // 65536 + 2),
     }
     for name, parts in chunked.items():
-        cases.append(Case(f"http.chunked.{name}", "HTTP bodies", [head_chunked, *parts], shut=True,
-                          may_close=name in ("no-final-chunk",)))
-    cases.append(Case("http.gzip-chunked-bomb", "HTTP bodies",
-                      [build("POST", "/v1/completions", None, {**ct, "Transfer-Encoding": "chunked",
-                                                               "Content-Encoding": "gzip"}),
-                       *(b"%x\r\n%s\r\n" % (len(p), p) for p in [gzip.compress(b" " * (32 * 2 ** 20) + payload, 9)]),
-                       b"0\r\n\r\n"]))
+        cases.append(
+            Case(
+                f"http.chunked.{name}",
+                "HTTP bodies",
+                [head_chunked, *parts],
+                shut=True,
+                may_close=name in ("no-final-chunk",),
+            )
+        )
+    cases.append(
+        Case(
+            "http.gzip-chunked-bomb",
+            "HTTP bodies",
+            [
+                build(
+                    "POST", "/v1/completions", None, {**ct, "Transfer-Encoding": "chunked", "Content-Encoding": "gzip"}
+                ),
+                *(b"%x\r\n%s\r\n" % (len(p), p) for p in [gzip.compress(b" " * (32 * 2**20) + payload, 9)]),
+                b"0\r\n\r\n",
+            ],
+        )
+    )
     # body shorter than announced, then the client half-closes: nothing to answer (the client is gone)
-    cases.append(Case("http.body-shorter-than-length", "HTTP bodies",
-                      build("POST", "/v1/completions", None, {**ct, "Content-Length": "100"}) + b'{"prompt"',
-                      shut=True, may_close=True))
-    cases.append(Case("http.413-from-content-length", "HTTP bodies",
-                      build("POST", "/v1/completions", None, {**ct, "Content-Length": "100000000"}) + b"{"))
-    cases.append(Case("http.expect-continue-then-silence", "HTTP bodies",
-                      build("POST", "/v1/completions", None, {**ct, "Content-Length": "40", "Expect": "100-continue"}),
-                      shut=True, may_close=True))
+    cases.append(
+        Case(
+            "http.body-shorter-than-length",
+            "HTTP bodies",
+            build("POST", "/v1/completions", None, {**ct, "Content-Length": "100"}) + b'{"prompt"',
+            shut=True,
+            may_close=True,
+        )
+    )
+    cases.append(
+        Case(
+            "http.413-from-content-length",
+            "HTTP bodies",
+            build("POST", "/v1/completions", None, {**ct, "Content-Length": "100000000"}) + b"{",
+        )
+    )
+    cases.append(
+        Case(
+            "http.expect-continue-then-silence",
+            "HTTP bodies",
+            build("POST", "/v1/completions", None, {**ct, "Content-Length": "40", "Expect": "100-continue"}),
+            shut=True,
+            may_close=True,
+        )
+    )
 
     # -- HTTP: protocol errors (gunicorn answers them itself) --------------------------------------------------
     protocol = {
@@ -1427,33 +1889,35 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
         "lowercase-method": b"get /health HTTP/1.1\r\nHost: x\r\n\r\n",
         "unknown-method": b"FROB /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         "method-with-nonascii": b"G\xc9T /health HTTP/1.1\r\nHost: x\r\n\r\n",
-        "garbage-line": b"GARBAGE\r\n\r\n", "empty-line-only": b"\r\n\r\n",
+        "garbage-line": b"GARBAGE\r\n\r\n",
+        "empty-line-only": b"\r\n\r\n",
         "tls-client-hello": bytes.fromhex("16030100a5010000a10303") + os.urandom(64),
         "binary": bytes(range(256)),
         "bad-content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
         "negative-content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
         "plus-content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: +5\r\n\r\n{}   ",
         "huge-content-length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999"
-                               b"\r\n\r\n{}",
+        b"\r\n\r\n{}",
         "two-content-lengths": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3"
-                               b"\r\n\r\n{}",
+        b"\r\n\r\n{}",
         "content-length-list": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2, 2\r\n\r\n{}",
         "cl-and-te": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked"
-                     b"\r\n\r\n0\r\n\r\n",
+        b"\r\n\r\n0\r\n\r\n",
         "te-gzip-chunked": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
-                           b"0\r\n\r\n",
+        b"0\r\n\r\n",
         "te-chunked-gzip": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, gzip\r\n\r\n"
-                           b"0\r\n\r\n",
+        b"0\r\n\r\n",
         "te-identity": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n",
         "te-xchunked": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
         "te-twice": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: "
-                    b"chunked\r\n\r\n0\r\n\r\n",
+        b"chunked\r\n\r\n0\r\n\r\n",
         "te-in-http-1.0": b"POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
         "long-request-line": b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
         "too-many-headers": b"GET /health HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(120)) + b"\r\n",
         "header-too-large": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
-        "headers-64KiB": b"GET /health HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"a" * 8000)
-                                                             for i in range(8)) + b"\r\n",
+        "headers-64KiB": b"GET /health HTTP/1.1\r\n"
+        + b"".join(b"X-H%d: %s\r\n" % (i, b"a" * 8000) for i in range(8))
+        + b"\r\n",
         "header-no-colon": b"GET /health HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
         "header-name-space": b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
         "header-obs-fold": b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n",
@@ -1471,9 +1935,9 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
         "path-long-model-id": b"GET /v1/models/" + b"m" * 4000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         "no-host-1.1": b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n",
         "expect-unknown": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Type: "
-                          b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
         "smuggle-cl-te": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nTransfer-Encoding: "
-                         b"chunked\r\n\r\n0\r\n\r\nG",
+        b"chunked\r\n\r\n0\r\n\r\nG",
         "smuggle-te-space": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
         "pipelined-bad-then-good": b"GARBAGE\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n",
         "proxy-protocol": b"PROXY TCP4 1.2.3.4 5.6.7.8 1 2\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -1483,14 +1947,33 @@ def bad_input_corpus(model: str, quick: bool = False, context: int = 2048) -> li
     # then dropped without an answer (kept open instead, it would be answered 408 after 10 s).
     never_complete = ("empty-line-only", "h2-preface", "tls-client-hello", "binary", "header-bare-lf")
     for name, data in protocol.items():
-        cases.append(Case(f"protocol.{name}", "protocol", data, shut=True, timeout=30, may_close=name in never_complete,
-                          allowed=(501,) if name == "te-xchunked" else ()))
+        cases.append(
+            Case(
+                f"protocol.{name}",
+                "protocol",
+                data,
+                shut=True,
+                timeout=30,
+                may_close=name in never_complete,
+                allowed=(501,) if name == "te-xchunked" else (),
+            )
+        )
 
     # -- routes and methods -----------------------------------------------------------------------------------
-    for method, path in [("GET", "/v1/completions"), ("PUT", "/v1/completions"), ("DELETE", "/v1/completions"),
-                         ("PATCH", "/v1/chat/completions"), ("POST", "/health"), ("POST", "/v1/models"),
-                         ("GET", "/nope"), ("GET", "/v1"), ("GET", "/v1/models/no-such-model"),
-                         ("TRACE", "/v1/completions"), ("OPTIONS", "/v1/completions"), ("CONNECT", "127.0.0.1:80")]:
+    for method, path in [
+        ("GET", "/v1/completions"),
+        ("PUT", "/v1/completions"),
+        ("DELETE", "/v1/completions"),
+        ("PATCH", "/v1/chat/completions"),
+        ("POST", "/health"),
+        ("POST", "/v1/models"),
+        ("GET", "/nope"),
+        ("GET", "/v1"),
+        ("GET", "/v1/models/no-such-model"),
+        ("TRACE", "/v1/completions"),
+        ("OPTIONS", "/v1/completions"),
+        ("CONNECT", "127.0.0.1:80"),
+    ]:
         cases.append(Case(f"route.{method} {path}", "routes", build(method, path, None)))
     return cases
 
@@ -1506,71 +1989,91 @@ def _deep_schema(depth: int) -> dict:
 # output
 # ---------------------------------------------------------------------------------------------------------------
 def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2 ** 20:.0f} MiB"
+    return "-" if value is None else f"{value / 2**20:.0f} MiB"
 
 
 def format_table(report: dict) -> str:
-    lines = [f"saker reliability ({'quick' if report['plan']['quick'] else 'full'}), "
-             f"{report['server']['model']}, {report['machine']['cpus']} CPUs, {report['started']}", ""]
+    lines = [
+        f"saker reliability ({'quick' if report['plan']['quick'] else 'full'}), "
+        f"{report['server']['model']}, {report['machine']['cpus']} CPUs, {report['started']}",
+        "",
+    ]
     load = report.get("load")
     if load and "levels" in load:
         lines.append("load with drops    clients  sent  answered  429/503  dropped  lost  settled  p50 s  max s")
         for x in load["levels"]:
-            lines.append(f"                   {x['clients']:>7}  {x['sent']:>4}  {x['answered']:>8}  "
-                         f"{x['busy_429_503']:>7}  {x['dropped_by_us']:>7}  {x['lost']:>4}  "
-                         f"{'yes' if x['settled'] else 'NO':>7}  {x['answered_latency_p50_s'] or '-':>5}  "
-                         f"{x['answered_latency_max_s'] or '-':>5}")
+            lines.append(
+                f"                   {x['clients']:>7}  {x['sent']:>4}  {x['answered']:>8}  "
+                f"{x['busy_429_503']:>7}  {x['dropped_by_us']:>7}  {x['lost']:>4}  "
+                f"{'yes' if x['settled'] else 'NO':>7}  {x['answered_latency_p50_s'] or '-':>5}  "
+                f"{x['answered_latency_max_s'] or '-':>5}"
+            )
         lines.append("")
     bad = report.get("bad")
     if bad and "tried" in bad:
-        lines.append(f"bad inputs         {bad['tried']} tried; by status {bad['by_status']}; "
-                     f"5xx {bad['answers_5xx']}; "
-                     f"errors not JSON {bad['errors_not_json']}; unanswered {bad['unexpected_no_answer']}; "
-                     f"normal request after: {bad['normal_request_after']}")
+        lines.append(
+            f"bad inputs         {bad['tried']} tried; by status {bad['by_status']}; "
+            f"5xx {bad['answers_5xx']}; "
+            f"errors not JSON {bad['errors_not_json']}; unanswered {bad['unexpected_no_answer']}; "
+            f"normal request after: {bad['normal_request_after']}"
+        )
         lines.append("")
     slow = report.get("slow")
     if slow and "slow_clients" in slow:
-        lines.append(f"slow clients       {slow['slow_clients']} connections, one header line every "
-                     f"{slow['line_every_s']:g} s for {slow['seconds']:g} s: held {slow['held_at_once']} at once "
-                     f"({slow['connections_opened']} opened, answers {slow['answers_to_slow_clients']}); normal "
-                     f"requests {slow['normal_answered']}/{slow['normal_sent']} answered; completion p50 "
-                     f"{slow['completion_latency_p50_s']} s, max {slow['completion_latency_max_s']} s (alone "
-                     f"{slow['completion_latency_alone_p50_s']} s); /health max {slow['health_latency_max_s']} s")
+        lines.append(
+            f"slow clients       {slow['slow_clients']} connections, one header line every "
+            f"{slow['line_every_s']:g} s for {slow['seconds']:g} s: held {slow['held_at_once']} at once "
+            f"({slow['connections_opened']} opened, answers {slow['answers_to_slow_clients']}); normal "
+            f"requests {slow['normal_answered']}/{slow['normal_sent']} answered; completion p50 "
+            f"{slow['completion_latency_p50_s']} s, max {slow['completion_latency_max_s']} s (alone "
+            f"{slow['completion_latency_alone_p50_s']} s); /health max {slow['health_latency_max_s']} s"
+        )
         lines.append("")
     memory = report.get("memory")
-    for part in ([memory, memory.get("small_budget")] if memory and "variants" in memory else []):
+    for part in [memory, memory.get("small_budget")] if memory and "variants" in memory else []:
         if not part:
             continue
-        lines.append(f"memory             KV budget {part['kv_budget_tokens']} tokens x "
-                     f"{part['kv_bytes_per_token']} B = "
-                     f"{_mib(part['kv_budget_bytes'])}; weights {_mib(part['weights_bytes_on_disk'])}; RSS at ready "
-                     f"{_mib(part['rss_at_ready'])}; bound {_mib(part['bound_bytes'])}")
+        lines.append(
+            f"memory             KV budget {part['kv_budget_tokens']} tokens x "
+            f"{part['kv_bytes_per_token']} B = "
+            f"{_mib(part['kv_budget_bytes'])}; weights {_mib(part['weights_bytes_on_disk'])}; RSS at ready "
+            f"{_mib(part['rss_at_ready'])}; bound {_mib(part['bound_bytes'])}"
+        )
         for name, v in part["variants"].items():
-            lines.append(f"  {name:<16} {v['status']} in {v['seconds']} s; RSS {_mib(v['baseline_rss'])} -> peak "
-                         f"{_mib(v['peak_rss'])} (+{_mib(v['peak_minus_baseline'])}; its KV "
-                         f"{_mib(v['request_kv_bytes'])}) -> after {_mib(v['after_rss'])}")
+            lines.append(
+                f"  {name:<16} {v['status']} in {v['seconds']} s; RSS {_mib(v['baseline_rss'])} -> peak "
+                f"{_mib(v['peak_rss'])} (+{_mib(v['peak_minus_baseline'])}; its KV "
+                f"{_mib(v['request_kv_bytes'])}) -> after {_mib(v['after_rss'])}"
+            )
         lines.append("")
     close = report.get("close")
     if close and "cases" in close:
-        lines.append(f"client close       one decode step {close['decode_step_ms']} ms, one prefill chunk "
-                     f"({close['prefill_chunk_tokens']} tokens) {close['prefill_chunk_ms']} ms")
+        lines.append(
+            f"client close       one decode step {close['decode_step_ms']} ms, one prefill chunk "
+            f"({close['prefill_chunk_tokens']} tokens) {close['prefill_chunk_ms']} ms"
+        )
         for name, c in close["cases"].items():
             if c.get("finished_before_close"):
                 lines.append(f"  {name:<17} finished before the close (not measured)")
                 continue
             if c.get("finished_before_noticed"):
-                lines.append(f"  {name:<17} closed after {c['seconds_open']} s, not noticed: ran to its end "
-                             f"({c['access_completion_tokens']} tokens), {c['ran_on_after_close_s']} s after the close")
+                lines.append(
+                    f"  {name:<17} closed after {c['seconds_open']} s, not noticed: ran to its end "
+                    f"({c['access_completion_tokens']} tokens), {c['ran_on_after_close_s']} s after the close"
+                )
                 continue
-            lines.append(f"  {name:<17} closed in {c['phase']} after {c['seconds_open']} s: running 0 after "
-                         f"{c['stop_s_metrics']} s, log line after {c['stop_s_log']} s"
-                         + (f", {c['tokens_after_close']} tokens after the close" if "tokens_after_close" in c else ""))
+            lines.append(
+                f"  {name:<17} closed in {c['phase']} after {c['seconds_open']} s: running 0 after "
+                f"{c['stop_s_metrics']} s, log line after {c['stop_s_log']} s"
+                + (f", {c['tokens_after_close']} tokens after the close" if "tokens_after_close" in c else "")
+            )
         lines.append("")
     lines.append("goals")
     for g in report.get("goals", []):
         mark = "ok " if g["met"] else ("n/a" if g["met"] is None else "NOT")
-        lines.append(f"  [{mark}] {g['section']:<7} {g['goal']}: {g['figure']}"
-                     + ("" if g["correctness"] else "  (reported)"))
+        lines.append(
+            f"  [{mark}] {g['section']:<7} {g['goal']}: {g['figure']}" + ("" if g["correctness"] else "  (reported)")
+        )
     return "\n".join(lines)
 
 
@@ -1578,28 +2081,52 @@ def format_table(report: dict) -> str:
 # command line
 # ---------------------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory to serve (default: the embedded SmolLM2-135M-Instruct, "
-                        "converted once into --cache-dir)")
+    parser.add_argument(
+        "--model",
+        help="model directory to serve (default: the embedded SmolLM2-135M-Instruct, converted once into --cache-dir)",
+    )
     parser.add_argument("--served-name", help="the model's name in requests (default: the folder's name)")
-    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where the embedded model is converted "
-                        "(default .cache/saker)")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON report (default "
-                        ".cache/reliability/reliability.json; the server's logs go next to it)")
-    parser.add_argument("--quick", action="store_true", help="the bounded form for CI: 16 and 64 clients for 5 s, "
-                        "fewer wrong values, 50 slow clients for 20 s, only the memory variant that fits, no "
-                        "close-during-prefill cases")
+    parser.add_argument(
+        "--cache-dir", default=str(DEFAULT_CACHE), help="where the embedded model is converted (default .cache/saker)"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT),
+        help="the JSON report (default .cache/reliability/reliability.json; the server's logs go next to it)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the bounded form for CI: 16 and 64 clients for 5 s, "
+        "fewer wrong values, 50 slow clients for 20 s, only the memory variant that fits, no "
+        "close-during-prefill cases",
+    )
     parser.add_argument("--only", metavar="SECTIONS", help=f"comma-separated sections: {','.join(SECTIONS)}")
     parser.add_argument("--clients", metavar="N,N,...", help="load levels (default 16,32,64; quick 16,64)")
     parser.add_argument("--load-seconds", type=float, default=None, help="seconds per load level (60; quick 5)")
     parser.add_argument("--slow-clients", type=int, default=None, help="slow connections (200; quick 50)")
     parser.add_argument("--slow-seconds", type=float, default=None, help="seconds of slow clients (60; quick 20)")
-    parser.add_argument("--close-cases", metavar="A,B", help="client-close cases to run (default stream-decode,"
-                        "plain-decode,plain-stop-decode,stream-prefill,plain-prefill; quick: the first two)")
-    parser.add_argument("--memory-budget-tokens", type=int, default=4096, metavar="N", help="full mode: also run "
-                        "a long prompt, then a request of 2 x SAKER_MAX_BATCH_SIZE short rows, on a second server "
-                        "with SAKER_KV_CACHE_TOKENS=N (default 4096; 0: skip)")
-    parser.add_argument("--server-env", action="append", metavar="KEY=VALUE", help="extra environment for the "
-                        "server, e.g. SAKER_MAX_QUEUE=4 (repeatable)")
+    parser.add_argument(
+        "--close-cases",
+        metavar="A,B",
+        help="client-close cases to run (default stream-decode,"
+        "plain-decode,plain-stop-decode,stream-prefill,plain-prefill; quick: the first two)",
+    )
+    parser.add_argument(
+        "--memory-budget-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="full mode: also run "
+        "a long prompt, then a request of 2 x SAKER_MAX_BATCH_SIZE short rows, on a second server "
+        "with SAKER_KV_CACHE_TOKENS=N (default 4096; 0: skip)",
+    )
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra environment for the server, e.g. SAKER_MAX_QUEUE=4 (repeatable)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

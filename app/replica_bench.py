@@ -15,6 +15,7 @@ The model is app/bench.py's GPT-2-small-shaped one (12 layers, 768 wide, random 
 nginx runs in the foreground as the current user with every path under ``--work-dir``; everything is stopped at
 the end. ``Router`` and ``render_replicas_conf`` are also what tests/test_replicas.py runs the shipped config with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 REPLICAS_CONF = ROOT / "deploy" / "nginx" / "saker-replicas.conf"
 
 # every request nginx answers, one JSON line: which replica(s) it went to (a retried request lists several)
-ROUTER_LOG_FORMAT = ("escape=json '{\"msec\":$msec,\"request_time\":$request_time,\"request_id\":\"$saker_request_id\","
-                     "\"session\":\"$http_x_session_id\",\"uri\":\"$uri\",\"status\":$status,"
-                     "\"upstream\":\"$upstream_addr\",\"upstream_status\":\"$upstream_status\"}'")
+ROUTER_LOG_FORMAT = (
+    'escape=json \'{"msec":$msec,"request_time":$request_time,"request_id":"$saker_request_id",'
+    '"session":"$http_x_session_id","uri":"$uri","status":$status,'
+    '"upstream":"$upstream_addr","upstream_status":"$upstream_status"}\''
+)
 
 _UPSTREAM = re.compile(r"^(upstream\s+[\w.-]+\s*\{)(.*?)(^\})", re.S | re.M)
 _SERVER_LINE = re.compile(r"^([ \t]*)server[ \t]+(\S+?)((?:[ \t]+[^;\n]*)?);[^\n]*\n", re.M)
@@ -56,8 +59,9 @@ def free_port() -> int:
 
 def nginx_binary() -> str | None:
     """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
-                                          if os.access(p, os.X_OK)), None)
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
 
 
 def render_replicas_conf(text: str, replicas: Sequence[str], listen: str) -> str:
@@ -78,7 +82,7 @@ def render_replicas_conf(text: str, replicas: Sequence[str], listen: str) -> str
         new = "".join(f"{indent}server {addr}{params};\n" for addr in replicas)
         out, at = [], 0
         for i, line in enumerate(lines):
-            out.append(body[at:line.start()])
+            out.append(body[at : line.start()])
             if i == 0:
                 out.append(new)
             at = line.end()
@@ -107,34 +111,40 @@ class Router:
         root.mkdir(parents=True, exist_ok=True)
         self.configure(replicas)
         user = ""
-        if os.geteuid() == 0:           # workers would otherwise switch to nobody and lose the temp paths
+        if os.geteuid() == 0:  # workers would otherwise switch to nobody and lose the temp paths
             import grp
             import pwd
+
             user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
-        temp = "\n".join(f"    {name}_temp_path {root / name};" for name in
-                         ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        temp = "\n".join(
+            f"    {name}_temp_path {root / name};" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
         (root / "nginx.conf").write_text(f"""
 daemon off;
 worker_processes {workers};
-pid {root / 'nginx.pid'};
-error_log {root / 'error.log'} info;
+pid {root / "nginx.pid"};
+error_log {root / "error.log"} info;
 {user}
 events {{ worker_connections 1024; }}
 http {{
     log_format saker_router {ROUTER_LOG_FORMAT};
-    access_log {root / 'access.log'} saker_router;
+    access_log {root / "access.log"} saker_router;
 {temp}
-    include {root / 'saker.conf'};
+    include {root / "saker.conf"};
 }}
 """)
-        self.proc = subprocess.Popen([self.binary, "-p", str(root), "-c", str(root / "nginx.conf"),
-                                      "-e", str(root / "error.log")],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [self.binary, "-p", str(root), "-c", str(root / "nginx.conf"), "-e", str(root / "error.log")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def configure(self, replicas: Sequence[str]) -> None:
         self.replicas = list(replicas)
-        (self.root / "saker.conf").write_text(render_replicas_conf(self.site.read_text(), self.replicas,
-                                                                   f"127.0.0.1:{self.port}"))
+        (self.root / "saker.conf").write_text(
+            render_replicas_conf(self.site.read_text(), self.replicas, f"127.0.0.1:{self.port}")
+        )
 
     def reload(self, replicas: Sequence[str], timeout: float = 15) -> None:
         """Point the upstreams at ``replicas`` and reload (SIGHUP, as ``nginx -s reload``); returns once the new
@@ -145,15 +155,28 @@ http {{
         os.kill(self.proc.pid, signal.SIGHUP)
         deadline = time.time() + timeout
         # the new workers run and the old ones have stopped accepting (they finish what they hold)
-        while (log := self.output()).count("start worker process") <= started or \
-                log.count("gracefully shutting down") <= stopping:
+        while (log := self.output()).count("start worker process") <= started or log.count(
+            "gracefully shutting down"
+        ) <= stopping:
             if time.time() > deadline or self.proc.poll() is not None:
                 raise RuntimeError(f"nginx did not reload: {self.output()[-2000:]}")
             time.sleep(0.05)
 
     def check_config(self) -> subprocess.CompletedProcess:
-        return subprocess.run([self.binary, "-t", "-p", str(self.root), "-c", str(self.root / "nginx.conf"),
-                               "-e", str(self.root / "error.log")], capture_output=True, text=True)
+        return subprocess.run(
+            [
+                self.binary,
+                "-t",
+                "-p",
+                str(self.root),
+                "-c",
+                str(self.root / "nginx.conf"),
+                "-e",
+                str(self.root / "error.log"),
+            ],
+            capture_output=True,
+            text=True,
+        )
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.time() + timeout
@@ -177,8 +200,11 @@ http {{
         log = self.root / "access.log"
         deadline = time.time() + timeout
         while True:
-            lines = [json.loads(line) for line in (log.read_text().splitlines() if log.exists() else [])
-                     if line.endswith("}")]
+            lines = [
+                json.loads(line)
+                for line in (log.read_text().splitlines() if log.exists() else [])
+                if line.endswith("}")
+            ]
             if not wait_for or time.time() > deadline or set(wait_for) <= {x["request_id"] for x in lines}:
                 return lines
             time.sleep(0.05)
@@ -197,17 +223,31 @@ class Replica:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.address}"
-        inherited = {k: v for k, v in os.environ.items()
-                     if not k.startswith("SAKER_") or k in ("SAKER_CACHE_DIR",)}
-        full_env = {**inherited, "SAKER_MODEL": str(model_dir), "SAKER_SERVED_MODEL_NAME": name,
-                    "SAKER_WORKERS": "1", "SAKER_LOG_LEVEL": "warning", "SAKER_ACCESS_LOG": "off",
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("SAKER_") or k in ("SAKER_CACHE_DIR",)}
+        full_env = {
+            **inherited,
+            "SAKER_MODEL": str(model_dir),
+            "SAKER_SERVED_MODEL_NAME": name,
+            "SAKER_WORKERS": "1",
+            "SAKER_LOG_LEVEL": "warning",
+            "SAKER_ACCESS_LOG": "off",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **env,
+        }
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"replica-{self.port}.log"
         self.log = open(self.log_path, "w+")
         gunicorn = str(Path(sys.executable).parent / "gunicorn")
-        self.proc = subprocess.Popen([gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, "wsgi:app"], cwd=ROOT,
-                                     env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, "wsgi:app"],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.time() + timeout
@@ -241,8 +281,10 @@ class Replica:
 # ---------------------------------------------------------------------------------------------------------------
 # measurements
 # ---------------------------------------------------------------------------------------------------------------
-PROMPT = ("The report describes how the service was deployed across the two data centres, which parts were moved "
-          "first, and what the operators learned from the migration about capacity, latency and cost.")
+PROMPT = (
+    "The report describes how the service was deployed across the two data centres, which parts were moved "
+    "first, and what the operators learned from the migration about capacity, latency and cost."
+)
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: dict) -> tuple[int, dict]:
@@ -265,7 +307,7 @@ class CpuWatch:
     @staticmethod
     def _busy() -> int:
         with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:9]]   # user nice system idle iowait irq softirq steal
+            values = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
         return sum(values) - values[3] - values[4]
 
     def _ours(self) -> int:
@@ -277,7 +319,7 @@ class CpuWatch:
             seen.add(pid)
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])             # utime + stime of all its threads
+                total += int(fields[11]) + int(fields[12])  # utime + stime of all its threads
                 todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
             except (OSError, ValueError, IndexError):
                 pass
@@ -290,12 +332,15 @@ class CpuWatch:
         wall, busy, ours = self._snapshot()
         elapsed = wall - self.begin[0]
         busy_s, ours_s = (busy - self.begin[1]) / self.hz, (ours - self.begin[2]) / self.hz
-        return {"our_cpu_cores": round(ours_s / elapsed, 2),
-                "other_processes_cpu_cores": round(max(busy_s - ours_s, 0.0) / elapsed, 2)}
+        return {
+            "our_cpu_cores": round(ours_s / elapsed, 2),
+            "other_processes_cpu_cores": round(max(busy_s - ours_s, 0.0) / elapsed, 2),
+        }
 
 
-def throughput(url: str, model: str, clients: int, seconds: float, warmup: float, max_tokens: int,
-               watch: Sequence[int] = ()) -> dict:
+def throughput(
+    url: str, model: str, clients: int, seconds: float, warmup: float, max_tokens: int, watch: Sequence[int] = ()
+) -> dict:
     """Generated tokens/s of ``clients`` closed loops (one kept-alive connection each) counted over ``seconds``
     after ``warmup``: the tokens of the requests that ended inside the window, divided by the window."""
     host, port = url.removeprefix("http://").split(":")
@@ -311,8 +356,13 @@ def throughput(url: str, model: str, clients: int, seconds: float, warmup: float
         try:
             while time.perf_counter() < window[1]:
                 # a distinct start per request: no two prompts share 16 tokens, so the prefix cache plays no part
-                body = {"model": model, "prompt": f"Client {i} request {n}. {PROMPT}", "max_tokens": max_tokens,
-                        "temperature": 0, "ignore_eos": True}
+                body = {
+                    "model": model,
+                    "prompt": f"Client {i} request {n}. {PROMPT}",
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 n += 1
                 try:
                     status, answer = _post(conn, "/v1/completions", body)
@@ -343,30 +393,44 @@ def throughput(url: str, model: str, clients: int, seconds: float, warmup: float
     for t in threads:
         t.join()
     inside = [tokens for at, tokens in done if window[0] <= at <= window[1]]
-    return {"clients": clients, "seconds": seconds, "requests": len(inside), "tokens": sum(inside),
-            "tokens_per_s": round(sum(inside) / seconds, 1), "requests_all": len(done),
-            "elapsed_s": round(time.perf_counter() - start, 1), "errors": len(errors),
-            "error_samples": sorted(set(errors))[:5], **cpu_use}
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "requests": len(inside),
+        "tokens": sum(inside),
+        "tokens_per_s": round(sum(inside) / seconds, 1),
+        "requests_all": len(done),
+        "elapsed_s": round(time.perf_counter() - start, 1),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:5],
+        **cpu_use,
+    }
 
 
 def router_latency(direct: str, routed: str, model: str, reps: int) -> dict:
     """p50/p90 round trips (ms) of ``GET /livez`` and of a 1-token completion, straight to a replica and through
     nginx, interleaved over one kept-alive connection each."""
+
     def connect(url: str) -> http.client.HTTPConnection:
         host, port = url.removeprefix("http://").split(":")
         return http.client.HTTPConnection(host, int(port), timeout=60)
 
     out = {}
     for name, method, path, body in (
-            ("livez", "GET", "/livez", None),
-            ("completion_1_token", "POST", "/v1/completions",
-             {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0})):
+        ("livez", "GET", "/livez", None),
+        (
+            "completion_1_token",
+            "POST",
+            "/v1/completions",
+            {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+        ),
+    ):
         conns = {"direct": connect(direct), "nginx": connect(routed)}
         times: dict[str, list[float]] = {"direct": [], "nginx": []}
         payload = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
         for i in range(reps + 10):
-            for side in (("direct", "nginx") if i % 2 == 0 else ("nginx", "direct")):
+            for side in ("direct", "nginx") if i % 2 == 0 else ("nginx", "direct"):
                 conn = conns[side]
                 t0 = time.perf_counter()
                 conn.request(method, path, body=payload, headers=headers)
@@ -375,15 +439,17 @@ def router_latency(direct: str, routed: str, model: str, reps: int) -> dict:
                 elapsed = (time.perf_counter() - t0) * 1000
                 if resp.status != 200:
                     raise RuntimeError(f"{side} {path}: {resp.status}")
-                if i >= 10:                 # the first ones open connections (nginx's to the replica too)
+                if i >= 10:  # the first ones open connections (nginx's to the replica too)
                     times[side].append(elapsed)
         for conn in conns.values():
             conn.close()
         row = {}
         for side, values in times.items():
             values.sort()
-            row[side] = {"p50_ms": round(statistics.median(values), 3),
-                         "p90_ms": round(values[int(0.9 * (len(values) - 1))], 3)}
+            row[side] = {
+                "p50_ms": round(statistics.median(values), 3),
+                "p90_ms": round(values[int(0.9 * (len(values) - 1))], 3),
+            }
         row["added_p50_ms"] = round(row["nginx"]["p50_ms"] - row["direct"]["p50_ms"], 3)
         out[name] = row
     return out
@@ -391,17 +457,29 @@ def router_latency(direct: str, routed: str, model: str, reps: int) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.replica_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("small", "tiny"), default="small",
-                        help="app/bench.py's GPT-2-small-shaped model (default) or the tests' tiny one")
+    parser.add_argument(
+        "--model",
+        choices=("small", "tiny"),
+        default="small",
+        help="app/bench.py's GPT-2-small-shaped model (default) or the tests' tiny one",
+    )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window per configuration")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="torch threads per replica (default: half the cores)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads per replica (default: half the cores)",
+    )
     parser.add_argument("--latency-reps", type=int, default=300)
-    parser.add_argument("--no-whole-machine", dest="whole_machine", action="store_false",
-                        help="skip the comparison with one replica given every core")
+    parser.add_argument(
+        "--no-whole-machine",
+        dest="whole_machine",
+        action="store_false",
+        help="skip the comparison with one replica given every core",
+    )
     parser.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "replica-bench")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -413,13 +491,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("nginx is not installed (apt-get install nginx)")
         return 2
     from app.bench import DEFAULT_CACHE, GPT2_SMALL, GPT2_TINY, ensure_model
+
     spec = GPT2_SMALL if args.model == "small" else GPT2_TINY
     model_dir = ensure_model(spec, DEFAULT_CACHE, log)
     name = spec.name
     threads = str(args.torch_threads)
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           # every client must get in (8 generate together by default, the others wait): no 429s
-           "SAKER_MAX_QUEUE": str(args.clients), "SAKER_THREADS": str(2 * args.clients + 8)}
+    env = {
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        # every client must get in (8 generate together by default, the others wait): no 429s
+        "SAKER_MAX_QUEUE": str(args.clients),
+        "SAKER_THREADS": str(2 * args.clients + 8),
+    }
     shutil.rmtree(args.work_dir, ignore_errors=True)
     replicas: list[Replica] = []
     routers: list[Router] = []
@@ -434,33 +517,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         routers.append(two)
         for router in routers:
             router.wait_ready()
-        figures: dict = {"model": name, "cpu_count": os.cpu_count(), "torch_threads_per_replica": args.torch_threads,
-                         "clients": args.clients, "max_tokens": args.max_tokens}
+        figures: dict = {
+            "model": name,
+            "cpu_count": os.cpu_count(),
+            "torch_threads_per_replica": args.torch_threads,
+            "clients": args.clients,
+            "max_tokens": args.max_tokens,
+        }
         log(f"throughput, 1 replica behind nginx, {args.clients} clients, {args.seconds:g} s")
         watch = [r.proc.pid for r in replicas] + [router.proc.pid for router in routers]
-        figures["one_replica"] = throughput(one.url, name, args.clients, args.seconds, args.warmup, args.max_tokens,
-                                            watch)
+        figures["one_replica"] = throughput(
+            one.url, name, args.clients, args.seconds, args.warmup, args.max_tokens, watch
+        )
         log(f"  {figures['one_replica']}")
         log(f"throughput, 2 replicas behind nginx, {args.clients} clients, {args.seconds:g} s")
-        figures["two_replicas"] = throughput(two.url, name, args.clients, args.seconds, args.warmup,
-                                             args.max_tokens, watch)
+        figures["two_replicas"] = throughput(
+            two.url, name, args.clients, args.seconds, args.warmup, args.max_tokens, watch
+        )
         log(f"  {figures['two_replicas']}")
-        figures["ratio"] = round(figures["two_replicas"]["tokens_per_s"] /
-                                 max(figures["one_replica"]["tokens_per_s"], 1e-9), 2)
+        figures["ratio"] = round(
+            figures["two_replicas"]["tokens_per_s"] / max(figures["one_replica"]["tokens_per_s"], 1e-9), 2
+        )
         cores = os.cpu_count() or 1
         if args.whole_machine and cores > args.torch_threads:
             # for comparison: one replica given every core (what a CPU-only host would run instead of two)
             log(f"throughput, 1 replica with {cores} torch threads behind nginx (the other two idle)")
-            whole = Replica(model_dir, name, {**env, "OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores)},
-                            args.work_dir)
+            whole = Replica(
+                model_dir, name, {**env, "OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores)}, args.work_dir
+            )
             replicas.append(whole)
             whole.wait_ready()
             router = Router(args.work_dir / "nginx-whole", [whole.address])
             routers.append(router)
             router.wait_ready()
-            figures["one_replica_all_cores"] = {"torch_threads": cores, **throughput(
-                router.url, name, args.clients, args.seconds, args.warmup, args.max_tokens,
-                watch + [whole.proc.pid, router.proc.pid])}
+            figures["one_replica_all_cores"] = {
+                "torch_threads": cores,
+                **throughput(
+                    router.url,
+                    name,
+                    args.clients,
+                    args.seconds,
+                    args.warmup,
+                    args.max_tokens,
+                    watch + [whole.proc.pid, router.proc.pid],
+                ),
+            }
             log(f"  {figures['one_replica_all_cores']}")
             whole.stop()
         log(f"router latency, {args.latency_reps} interleaved round trips per side")
@@ -476,19 +577,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.stop()
     print(json.dumps(figures, indent=2))
     lat = figures["router_latency"]
+
     def row(label: str, f: dict) -> str:
-        return (f"{label}: {f['tokens_per_s']} tok/s ({f['requests']} requests in {f['seconds']:g} s; this run's "
-                f"processes used {f['our_cpu_cores']} cores, other processes {f['other_processes_cpu_cores']})")
+        return (
+            f"{label}: {f['tokens_per_s']} tok/s ({f['requests']} requests in {f['seconds']:g} s; this run's "
+            f"processes used {f['our_cpu_cores']} cores, other processes {f['other_processes_cpu_cores']})"
+        )
+
     print()
     print(row("1 replica", figures["one_replica"]))
     print(row("2 replicas", figures["two_replicas"]))
     print(f"ratio {figures['ratio']} (goal >= 1.7)")
     if "one_replica_all_cores" in figures:
-        print(row(f"1 replica, {figures['one_replica_all_cores']['torch_threads']} torch threads",
-                  figures["one_replica_all_cores"]))
+        print(
+            row(
+                f"1 replica, {figures['one_replica_all_cores']['torch_threads']} torch threads",
+                figures["one_replica_all_cores"],
+            )
+        )
     for key, row in lat.items():
-        print(f"{key}: direct p50 {row['direct']['p50_ms']} ms, through nginx p50 {row['nginx']['p50_ms']} ms, "
-              f"added {row['added_p50_ms']} ms (goal <= 2 ms)")
+        print(
+            f"{key}: direct p50 {row['direct']['p50_ms']} ms, through nginx p50 {row['nginx']['p50_ms']} ms, "
+            f"added {row['added_p50_ms']} ms (goal <= 2 ms)"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

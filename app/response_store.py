@@ -1,6 +1,7 @@
 """The Responses API's store: responses kept for ``GET /v1/responses/{id}`` and ``previous_response_id``, bounded
 in count and bytes, least recently used first out, per worker process (``SAKER_RESPONSES_STORE_ITEMS``,
 ``SAKER_RESPONSES_STORE_BYTES``). Nothing is written to disk; a restart forgets everything."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 
 @dataclass
 class StoredResponse:
-    response: dict            # the response object as it was answered
-    messages: list[dict]      # the conversation as chat messages (input and output, instructions aside)
-    size: int                 # bytes it counts against the store's limit
+    response: dict  # the response object as it was answered
+    messages: list[dict]  # the conversation as chat messages (input and output, instructions aside)
+    size: int  # bytes it counts against the store's limit
 
 
 class ResponseStore:

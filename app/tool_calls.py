@@ -11,6 +11,7 @@ Hermes, Qwen 2.5/3 and SmolLM3 templates::
 ``ToolCallStream`` is the one reader: text in (in any pieces), content and finished calls out. A whole answer
 is read by feeding it at once, so a streamed answer carries the same content and calls as the plain one.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,10 @@ from app.engine.json_schemas import JSON_OPTIONS, closed_objects
 PARSERS = ("hermes",)
 
 
-
 @dataclass
 class ToolCall:
     name: str
-    arguments: str                                  # a JSON text, as OpenAI sends it
+    arguments: str  # a JSON text, as OpenAI sends it
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     def as_openai(self) -> dict:
@@ -41,15 +41,23 @@ class HermesFormat:
         function, or of any of ``tools``; each call's arguments follow that function's JSON schema (read as
         structured outputs read schemas: ``json_schemas``)."""
         chosen = [t for t in tools if name is None or t["name"] == name]
-        branches = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                      "arguments": t.get("parameters") or {"type": "object"}},
-                     "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+        branches = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["name"]}, "arguments": t.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in chosen
+        ]
         schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
         schema = {**closed_objects(schema), "x-guidance": JSON_OPTIONS}
-        calls = "call (\"\\n\" call)*" if parallel and name is None else "call"
-        return (f"start: {calls}\n"
-                f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"
-                f"body: %json {json.dumps(schema)}\n")
+        calls = 'call ("\\n" call)*' if parallel and name is None else "call"
+        return (
+            f"start: {calls}\n"
+            f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"
+            f"body: %json {json.dumps(schema)}\n"
+        )
 
     def read_call(self, body: str) -> ToolCall | None:
         """One call's text between the tags, or None when it is not a call (then it stays content)."""
@@ -86,8 +94,8 @@ class ToolCallStream:
         self.fmt = fmt
         self.buffer = ""
         self.in_call = False
-        self.started = False          # content has begun (leading whitespace is dropped before)
-        self.pending_space = ""       # whitespace held until content follows it
+        self.started = False  # content has begun (leading whitespace is dropped before)
+        self.pending_space = ""  # whitespace held until content follows it
         self.calls = 0
 
     def _content(self, text: str) -> str:
@@ -98,7 +106,7 @@ class ToolCallStream:
             self.started = True
         stripped = text.rstrip()
         out = self.pending_space + stripped if stripped else ""
-        self.pending_space = (self.pending_space if not stripped else "") + text[len(stripped):]
+        self.pending_space = (self.pending_space if not stripped else "") + text[len(stripped) :]
         return out
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -110,8 +118,8 @@ class ToolCallStream:
                 at = self.buffer.find(start)
                 if at < 0:
                     keep = partial_suffix(self.buffer, start)
-                    content += self._content(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    content += self._content(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
                 content += self._content(self.buffer[:at])
                 self.buffer = self.buffer[at:]
@@ -119,13 +127,13 @@ class ToolCallStream:
             at = self.buffer.find(end)
             if at < 0:
                 break
-            raw = self.buffer[:at + len(end)]
-            call = self.fmt.read_call(raw[len(start):at])
+            raw = self.buffer[: at + len(end)]
+            call = self.fmt.read_call(raw[len(start) : at])
             if call is None:
                 content += self._content(raw)
             else:
                 calls.append(call)
-            self.buffer = self.buffer[at + len(end):]
+            self.buffer = self.buffer[at + len(end) :]
             self.in_call = False
         self.calls += len(calls)
         return content, calls
@@ -135,7 +143,7 @@ class ToolCallStream:
         body is a whole call."""
         rest, self.buffer = self.buffer, ""
         if self.in_call:
-            call = self.fmt.read_call(rest[len(self.fmt.start):])
+            call = self.fmt.read_call(rest[len(self.fmt.start) :])
             if call is not None:
                 self.calls += 1
                 return "", [call]

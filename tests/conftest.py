@@ -4,6 +4,7 @@
 - ``llama_dir``: Llama (2 layers) with a sentencepiece BPE (byte_fallback) so CJK/emoji span tokens.
 - ``smollm2_dir``: the embedded default model, converted once into a session cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,12 +44,21 @@ def build_gpt2(path: Path) -> Path:
     bpe.train_from_iterator(_corpus_lines(), vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
     path.mkdir(parents=True, exist_ok=True)
     bpe.save_model(str(path))
-    tok = GPT2TokenizerFast.from_pretrained(str(path), bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                            unk_token="<|endoftext|>", add_bos_token=False)
+    tok = GPT2TokenizerFast.from_pretrained(
+        str(path), bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>", add_bos_token=False
+    )
     tok.save_pretrained(path)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.2)
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        initializer_range=0.2,
+    )
     model = GPT2LMHeadModel(config).eval()
     model.save_pretrained(path)
     return path
@@ -63,24 +73,53 @@ def build_llama(path: Path) -> Path:
     text_file = path / "corpus.txt"
     text_file.write_text("\n".join(_corpus_lines()), encoding="utf-8")
     spm.SentencePieceTrainer.train(
-        input=str(text_file), model_prefix=str(path / "tokenizer"), vocab_size=420, model_type="bpe",
-        byte_fallback=True, character_coverage=0.99, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        add_dummy_prefix=True, minloglevel=2)
+        input=str(text_file),
+        model_prefix=str(path / "tokenizer"),
+        vocab_size=420,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.99,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        add_dummy_prefix=True,
+        minloglevel=2,
+    )
     text_file.unlink()
     (path / "tokenizer.vocab").unlink()
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 256,
-        "legacy": False,
-        "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "add_bos_token": True,
+                "add_eos_token": False,
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 256,
+                "legacy": False,
+                "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+            }
+        )
+    )
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.save_pretrained(path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return path
@@ -111,12 +150,14 @@ def saker_cache() -> Path:
 
 def make_settings(**values):
     from app.settings import Settings
+
     return Settings(**values)
 
 
 def make_worker(settings):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     return Worker.from_loaded(tuple(settings.model_names), load_model(settings))
 
 
@@ -132,6 +173,7 @@ def llama_worker(llama_dir):
 
 def _app(settings, worker):
     from app import create_app
+
     app = create_app(settings, engine=worker)
     app.config["TESTING"] = True
     return app
@@ -170,6 +212,7 @@ def tiny(request):
 def one_torch_thread():
     """Tiny forwards are dominated by intra-op thread hand-offs on a busy 2-core box; one thread is faster."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -185,10 +228,10 @@ def reference():
         key = str(path)
         if key not in cache:
             from transformers import AutoModelForCausalLM, AutoTokenizer
+
             tok = AutoTokenizer.from_pretrained(key)
             model = AutoModelForCausalLM.from_pretrained(key, dtype="float32").eval()
             cache[key] = (model, tok)
         return cache[key]
+
     return get
-
-

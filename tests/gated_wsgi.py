@@ -1,6 +1,7 @@
 """gunicorn entry point for tests: ``wsgi:app`` whose decode steps wait while the file named by
 ``TEST_DECODE_GATE`` exists, so a test can hold requests in flight (and let them go) without timing; with
 ``TEST_DECODE_COUNT`` each step also adds a line to that file (how many steps ran)."""
+
 import os
 import time
 

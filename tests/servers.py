@@ -1,4 +1,5 @@
 """A real gunicorn on 127.0.0.1 for integration tests."""
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,14 @@ class Gunicorn:
         self.log_path = ROOT / ".cache" / f"gunicorn-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([gunicorn, "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{self.port}", *args,
-                                      app], cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [gunicorn, "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{self.port}", *args, app],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.time() + timeout
@@ -62,8 +68,10 @@ class Gunicorn:
 def nginx_binary() -> str | None:
     """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
     import shutil
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
-                                          if os.access(p, os.X_OK)), None)
+
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
 
 
 class Nginx:
@@ -73,6 +81,7 @@ class Nginx:
 
     def __init__(self, root: Path, upstream: str, site: Path = ROOT / "deploy" / "nginx" / "saker.conf"):
         import re
+
         self.binary = nginx_binary()
         assert self.binary, "nginx is not installed"
         self.root = root
@@ -85,32 +94,49 @@ class Nginx:
         assert n_up == 1 and n_listen == 1, "deploy/nginx/saker.conf changed shape"
         (root / "saker.conf").write_text(conf)
         user = ""
-        if os.geteuid() == 0:           # workers would otherwise switch to nobody and lose the temp paths
+        if os.geteuid() == 0:  # workers would otherwise switch to nobody and lose the temp paths
             import grp
             import pwd
+
             user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
-        temp = "\n".join(f"    {name}_temp_path {root / name};" for name in
-                         ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        temp = "\n".join(
+            f"    {name}_temp_path {root / name};" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
         (root / "nginx.conf").write_text(f"""
 daemon off;
 worker_processes 1;
-pid {root / 'nginx.pid'};
-error_log {root / 'error.log'} info;
+pid {root / "nginx.pid"};
+error_log {root / "error.log"} info;
 {user}
 events {{ worker_connections 256; }}
 http {{
-    access_log {root / 'access.log'};
+    access_log {root / "access.log"};
 {temp}
-    include {root / 'saker.conf'};
+    include {root / "saker.conf"};
 }}
 """)
-        self.proc = subprocess.Popen([self.binary, "-p", str(root), "-c", str(root / "nginx.conf"),
-                                      "-e", str(root / "error.log")],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [self.binary, "-p", str(root), "-c", str(root / "nginx.conf"), "-e", str(root / "error.log")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def check_config(self) -> subprocess.CompletedProcess:
-        return subprocess.run([self.binary, "-t", "-p", str(self.root), "-c", str(self.root / "nginx.conf"),
-                               "-e", str(self.root / "error.log")], capture_output=True, text=True)
+        return subprocess.run(
+            [
+                self.binary,
+                "-t",
+                "-p",
+                str(self.root),
+                "-c",
+                str(self.root / "nginx.conf"),
+                "-e",
+                str(self.root / "error.log"),
+            ],
+            capture_output=True,
+            text=True,
+        )
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.time() + timeout

@@ -1,4 +1,5 @@
 """app/engine/admission.py without a model: slots, the bounded queue (429), the queue timeout (503), order."""
+
 from __future__ import annotations
 
 import threading
@@ -37,7 +38,7 @@ class Waiter(threading.Thread):
                 self.log.append(self.name_)
                 self.entered.set()
                 self.release.wait(10)
-        except Exception as exc:    # noqa: BLE001 - inspected by the test
+        except Exception as exc:
             self.error = exc
             self.entered.set()
 
@@ -106,7 +107,7 @@ def test_waiting_longer_than_the_timeout_is_503():
     assert err.status == 503 and err.code == "queue_timeout" and err.type == "service_unavailable"
     assert "SAKER_QUEUE_TIMEOUT=0.05" in err.message and "Retry-After" in err.headers
     assert admission.snapshot() == {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 1}
-    with admission.slot():                  # nothing leaked
+    with admission.slot():  # nothing leaked
         pass
 
 
@@ -209,11 +210,11 @@ def test_newcomer_queues_behind_the_waiter_the_slot_was_handed_to(max_queue):
     room (not the 429 a full queue gives) and queues behind it."""
     admission = Admission(max_queue=max_queue, timeout=30)
     log: list[str] = []
-    admission.acquire()                       # the running request
+    admission.acquire()  # the running request
     queued = Waiter(admission, "queued", log)
     queued.start()
     wait_for(lambda: admission.waiting == 1)
-    with admission._cond:                     # the slot moves on; the newcomer arrives before the waiter runs
+    with admission._cond:  # the slot moves on; the newcomer arrives before the waiter runs
         admission.release()
         assert admission.waiting == 0 and admission.active == 1
         newcomer = Waiter(admission, "newcomer", log)

@@ -4,6 +4,7 @@ In process through ``app.batch.main(argv, service=...)`` on the session's tiny m
 the Flask test client of the same worker; one real ``python -m app batch`` subprocess for the exit code, the
 progress bar and the summary line.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,18 @@ from app.service import CompletionService
 from tests.conftest import make_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-SUMMARY_FIELDS = ["status", "run_id", "request_count", "response_count", "error_count", "run_time_sec",
-                  "prompt_tokens", "total_tokens_generated", "tokens_per_sec", "seed"]
+SUMMARY_FIELDS = [
+    "status",
+    "run_id",
+    "request_count",
+    "response_count",
+    "error_count",
+    "run_time_sec",
+    "prompt_tokens",
+    "total_tokens_generated",
+    "tokens_per_sec",
+    "seed",
+]
 VOLATILE = ("id", "created", "timing", "request_time")
 
 # The seed's example request (FM inference data format), verbatim.
@@ -41,9 +52,20 @@ SEED_PROMPT = (
     "\nQuestion: How do you go from the bathroom to the hallway?\nAnswer: east north\n\nPassage: The bedroom is "
     "north of the bathroom.\nThe bedroom is east of the office.\nThe kitchen is east of the bedroom.\nThe garden is "
     "west of the bathroom.\nThe hallway is south of the bathroom.\nQuestion: How do you go from the bathroom to the "
-    "office?\nAnswer:")
-SEED_REQUEST = {"best_of": 1, "echo": False, "engine": "gpt-j-6b", "logprobs": 1, "max_tokens": 2, "n": 1,
-                "prompt": SEED_PROMPT, "stop": ["\n"], "temperature": 0.0, "top_p": 1}
+    "office?\nAnswer:"
+)
+SEED_REQUEST = {
+    "best_of": 1,
+    "echo": False,
+    "engine": "gpt-j-6b",
+    "logprobs": 1,
+    "max_tokens": 2,
+    "n": 1,
+    "prompt": SEED_PROMPT,
+    "stop": ["\n"],
+    "temperature": 0.0,
+    "top_p": 1,
+}
 
 # Mixed sampling settings; every line is reproducible (greedy or seeded), each prompt unique to its line.
 MIXED = [
@@ -53,10 +75,25 @@ MIXED = [
     {"prompt": "line 4: one two three", "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 7},
     {"prompt": "line 5: The quick brown fox", "max_tokens": 4, "best_of": 3, "n": 2, "seed": 11, "logprobs": 2},
     {"prompt": [[76, 77, 78], [80, 81]], "max_tokens": 3, "temperature": 0, "logprobs": 0},
-    {"prompt": "line 7: def add(a, b):", "max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 3,
-     "stop": [" ", "\n"]},
-    {"prompt": "line 8: Numbers 0 1 2", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 5,
-     "presence_penalty": 0.5, "frequency_penalty": 0.5, "logprobs": 1, "stream": True},
+    {
+        "prompt": "line 7: def add(a, b):",
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "top_k": 20,
+        "seed": 3,
+        "stop": [" ", "\n"],
+    },
+    {
+        "prompt": "line 8: Numbers 0 1 2",
+        "max_tokens": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 5,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "logprobs": 1,
+        "stream": True,
+    },
 ]
 
 
@@ -121,8 +158,7 @@ class CountingService:
 
 @pytest.fixture(scope="module")
 def gpt2_service(gpt2_dir, gpt2_worker):
-    return CompletionService(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2,gpt2-alias"),
-                             gpt2_worker)
+    return CompletionService(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2,gpt2-alias"), gpt2_worker)
 
 
 @pytest.fixture(scope="module")
@@ -135,15 +171,25 @@ def long_gpt2(gpt2_dir, tmp_path_factory):
 
     from app import create_app
     from tests.conftest import make_worker
+
     path = tmp_path_factory.mktemp("long-gpt2")
     for item in gpt2_dir.iterdir():
         if "token" in item.name or item.name in ("vocab.json", "merges.txt"):
             shutil.copy(item, path / item.name)
     reference = GPT2Config.from_pretrained(gpt2_dir)
     torch.manual_seed(1)
-    GPT2LMHeadModel(GPT2Config(vocab_size=reference.vocab_size, n_positions=1024, n_embd=32, n_layer=1, n_head=2,
-                               bos_token_id=reference.bos_token_id, eos_token_id=reference.eos_token_id,
-                               initializer_range=0.2)).eval().save_pretrained(path)
+    GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=reference.vocab_size,
+            n_positions=1024,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=reference.bos_token_id,
+            eos_token_id=reference.eos_token_id,
+            initializer_range=0.2,
+        )
+    ).eval().save_pretrained(path)
     settings = make_settings(model=str(path), served_model_name="tiny-gpt2-1k")
     worker = make_worker(settings)
     app = create_app(settings, engine=worker)
@@ -177,7 +223,7 @@ def test_seed_example_answered_in_seed_output_shape(tmp_path, long_gpt2, capsys)
     assert code == 0
     [line] = read_jsonl(tmp_path / "output_request_0.jsonl")
     assert list(line) == ["line", "request", "result"]
-    assert line["line"] == 1 and line["request"] == SEED_REQUEST       # the request as read, engine included
+    assert line["line"] == 1 and line["request"] == SEED_REQUEST  # the request as read, engine included
     result = line["result"]
     assert result["object"] == "text_completion" and result["model"] == "tiny-gpt2-1k"  # the loaded model answers
     [choice] = result["choices"]
@@ -186,8 +232,8 @@ def test_seed_example_answered_in_seed_output_shape(tmp_path, long_gpt2, capsys)
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert "".join(lp["tokens"]) == choice["text"] and "\n" not in choice["text"]
     assert 1 <= len(lp["tokens"]) <= 2 and choice["finish_reason"] in ("stop", "length")
-    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
-        assert len(top) == 1 and max(top.values()) == pytest.approx(logprob)   # greedy: the chosen is the top one
+    for logprob, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 1 and max(top.values()) == pytest.approx(logprob)  # greedy: the chosen is the top one
     assert set(result["request_time"]) == {"batch_time", "batch_size"}
     assert result["request_time"]["batch_size"] == 1 and result["request_time"]["batch_time"] > 0
     assert result["usage"]["prompt_tokens"] > 256 and result["usage"]["completion_tokens"] == len(lp["tokens"])
@@ -204,13 +250,13 @@ def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_serv
     monkeypatch.setattr(gpt2_service, "prepare", lambda request: prepared.append(request) or real_prepare(request))
     sizes, rows_seen = {}, {}
     scheduler = getattr(gpt2_service.worker, "scheduler", None)
-    for budget in (1, 64, 10 ** 6):
+    for budget in (1, 64, 10**6):
         out = tmp_path / f"out_{budget}.jsonl"
         if scheduler is not None:
             scheduler.max_rows_seen = 0
         code, counting = run_batch(gpt2_service, src, "-o", out, "--max-batch-tokens", budget)
         assert code == 0 and len(counting.calls) == len(MIXED)
-        assert len(prepared) == len(MIXED)      # each line is prepared (tokenized, checked) once, not twice
+        assert len(prepared) == len(MIXED)  # each line is prepared (tokenized, checked) once, not twice
         prepared.clear()
         lines = read_jsonl(out)
         assert [line["line"] for line in lines] == list(range(1, len(MIXED) + 1))
@@ -218,12 +264,12 @@ def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_serv
         assert_same([stable(line["result"]) for line in lines], expected, f"budget {budget}")
         sizes[budget] = [line["result"]["request_time"]["batch_size"] for line in lines]
         rows_seen[budget] = scheduler.max_rows_seen if scheduler is not None else None
-    assert sizes[1] == [1] * len(MIXED)                       # every request over the budget goes alone
-    assert sizes[10 ** 6] == [len(MIXED)] * len(MIXED)        # one batch
+    assert sizes[1] == [1] * len(MIXED)  # every request over the budget goes alone
+    assert sizes[10**6] == [len(MIXED)] * len(MIXED)  # one batch
     # costs (prompt + max_tokens) x sequences: 17, 10, 15, 57 (n=3), 57 (best_of=3), 11 (2 prompts), 28, 22
     assert sizes[64] == [3, 3, 3, 1, 1, 3, 3, 3]
-    if scheduler is not None:       # the engine decoded a batch's requests together (best_of=3 alone: 3 rows)
-        assert rows_seen[1] <= 3 < rows_seen[10 ** 6]
+    if scheduler is not None:  # the engine decoded a batch's requests together (best_of=3 alone: 3 rows)
+        assert rows_seen[1] <= 3 < rows_seen[10**6]
     n4 = read_jsonl(tmp_path / "out_1.jsonl")[3]["result"]
     assert [c["index"] for c in n4["choices"]] == [0, 1, 2]
     multi = read_jsonl(tmp_path / "out_1.jsonl")[5]["result"]
@@ -231,9 +277,17 @@ def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_serv
 
 
 def test_chat_lines_answered_as_chat_completions(tmp_path, llama_service, llama_client):
-    rows = [{"model": "gpt-4o", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
-             "temperature": 0, "logprobs": True, "top_logprobs": 2},
-            {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}]
+    rows = [
+        {
+            "model": "gpt-4o",
+            "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0},
+    ]
     src = write_jsonl(tmp_path / "chat.jsonl", rows)
     code, _ = run_batch(llama_service, src)
     assert code == 0
@@ -247,24 +301,29 @@ def test_chat_lines_answered_as_chat_completions(tmp_path, llama_service, llama_
 # -- errors ---------------------------------------------------------------------------------------------------
 def test_malformed_lines_and_invalid_requests_become_error_lines(tmp_path, gpt2_service, capsys):
     src = tmp_path / "bad.jsonl"
-    src.write_bytes(b"\n".join([
-        b'{"prompt": "ok one", "max_tokens": 2, "temperature": 0}',
-        b'{"prompt": "truncated", "max_tok',
-        b"",                                                           # blank: skipped, no output line
-        b'["a list"]',
-        b'{"prompt": "too hot", "temperature": 5}',
-        b'{"prompt": "\xff\xfe not utf-8"}',
-        b'{"prompt": "long", "max_tokens": 100000}',
-        b'{"prompt": "nan", "temperature": NaN}',
-        b'{"model": "some-other-model", "prompt": "ok two", "max_tokens": 2, "temperature": 0}',
-    ]) + b"\n")
+    src.write_bytes(
+        b"\n".join(
+            [
+                b'{"prompt": "ok one", "max_tokens": 2, "temperature": 0}',
+                b'{"prompt": "truncated", "max_tok',
+                b"",  # blank: skipped, no output line
+                b'["a list"]',
+                b'{"prompt": "too hot", "temperature": 5}',
+                b'{"prompt": "\xff\xfe not utf-8"}',
+                b'{"prompt": "long", "max_tokens": 100000}',
+                b'{"prompt": "nan", "temperature": NaN}',
+                b'{"model": "some-other-model", "prompt": "ok two", "max_tokens": 2, "temperature": 0}',
+            ]
+        )
+        + b"\n"
+    )
     code, counting = run_batch(gpt2_service, src)
     assert code == 1
     lines = read_jsonl(tmp_path / "output_bad.jsonl")
     assert [line["line"] for line in lines] == [1, 2, 4, 5, 6, 7, 8, 9]
     by_line = {line["line"]: line for line in lines}
     assert "result" in by_line[1] and "result" in by_line[9] and len(counting.calls) == 2
-    assert by_line[9]["result"]["model"] == "tiny-gpt2"             # model is informational in a batch
+    assert by_line[9]["result"]["model"] == "tiny-gpt2"  # model is informational in a batch
     for number in (2, 4, 5, 6, 7, 8):
         error = by_line[number]["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
@@ -272,10 +331,14 @@ def test_malformed_lines_and_invalid_requests_become_error_lines(tmp_path, gpt2_
     assert by_line[2]["request"] is None and by_line[2]["raw"] == '{"prompt": "truncated", "max_tok'
     assert by_line[5]["error"]["param"] == "temperature" and by_line[5]["request"]["temperature"] == 5
     assert by_line[7]["error"]["code"] == "context_length_exceeded"
-    assert by_line[8]["request"] is None                            # NaN is not JSON
+    assert by_line[8]["request"] is None  # NaN is not JSON
     summary = summary_of(capsys)
-    assert (summary["status"], summary["request_count"], summary["response_count"], summary["error_count"]) == \
-        ("COMPLETED_WITH_ERRORS", 8, 2, 6)
+    assert (summary["status"], summary["request_count"], summary["response_count"], summary["error_count"]) == (
+        "COMPLETED_WITH_ERRORS",
+        8,
+        2,
+        6,
+    )
     # a rerun does not retry request errors (they would only repeat) and still exits 1
     code, counting = run_batch(gpt2_service, src)
     assert code == 1 and counting.calls == [] and len(read_jsonl(tmp_path / "output_bad.jsonl")) == 8
@@ -285,14 +348,14 @@ def test_usage_errors_exit_2_and_run_nothing(tmp_path, gpt2_service, capsys):
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a", "max_tokens": 1}])
     two = write_jsonl(tmp_path / "two.jsonl", [{"prompt": "b", "max_tokens": 1}])
     cases = [
-        [],                                                       # no INPUT
+        [],  # no INPUT
         [tmp_path / "missing.jsonl"],
-        [tmp_path / "nothing-*.jsonl"],                           # a glob that matches nothing
-        [one, two, "-o", tmp_path / "x.jsonl"],                   # -o takes one input
+        [tmp_path / "nothing-*.jsonl"],  # a glob that matches nothing
+        [one, two, "-o", tmp_path / "x.jsonl"],  # -o takes one input
         [one, "-o", tmp_path / "x.jsonl", "--output-dir", tmp_path],
         [one, "--max-batch-tokens", "0"],
-        [one, "--dtype", "float8"],                               # a bad setting
-        [one, "-o", one],                                         # the output would overwrite the input
+        [one, "--dtype", "float8"],  # a bad setting
+        [one, "-o", one],  # the output would overwrite the input
     ]
     for args in cases:
         code, counting = run_batch(gpt2_service, *args)
@@ -311,20 +374,19 @@ def test_usage_errors_exit_2_and_run_nothing(tmp_path, gpt2_service, capsys):
 
 # -- resume and interruption ------------------------------------------------------------------------------------
 def test_resume_recomputes_only_missing_lines(tmp_path, gpt2_service):
-    rows = [{"prompt": f"line {i}: Hello world", "max_tokens": 3, "temperature": 0, "logprobs": 1}
-            for i in range(1, 9)]
+    rows = [{"prompt": f"line {i}: Hello world", "max_tokens": 3, "temperature": 0, "logprobs": 1} for i in range(1, 9)]
     src = write_jsonl(tmp_path / "resume.jsonl", rows)
     out = tmp_path / "output_resume.jsonl"
     assert run_batch(gpt2_service, src)[0] == 0
     full = read_jsonl(out)
     text = out.read_text(encoding="utf-8").splitlines(keepends=True)
-    out.write_text("".join(text[:5]), encoding="utf-8")              # delete the last three lines
+    out.write_text("".join(text[:5]), encoding="utf-8")  # delete the last three lines
     code, counting = run_batch(gpt2_service, src, "--max-batch-tokens", 40)
     assert code == 0
     assert [c.prompt for c in counting.calls] == [f"line {i}: Hello world" for i in (6, 7, 8)]
     resumed = read_jsonl(out)
     assert [line["line"] for line in resumed] == list(range(1, 9))
-    assert resumed[:5] == full[:5]                                    # kept as written
+    assert resumed[:5] == full[:5]  # kept as written
     assert_same([stable(a["result"]) for a in resumed], [stable(b["result"]) for b in full])
     # a torn last line (power cut mid-write) is cut off and that line alone is answered again
     out.write_text("".join(text[:7]) + text[7][:25], encoding="utf-8")
@@ -338,7 +400,7 @@ def test_resume_recomputes_only_missing_lines(tmp_path, gpt2_service):
     assert out.read_text(encoding="utf-8") == before
 
 
-@pytest.mark.parametrize("budget", [1, 10 ** 6])
+@pytest.mark.parametrize("budget", [1, 10**6])
 def test_sigterm_leaves_whole_lines_and_resume_finishes(tmp_path, gpt2_service, capsys, budget):
     rows = [{"prompt": f"line {i}: one two three", "max_tokens": 4, "temperature": 0} for i in range(1, 7)]
     src = write_jsonl(tmp_path / "stop.jsonl", rows)
@@ -353,9 +415,9 @@ def test_sigterm_leaves_whole_lines_and_resume_finishes(tmp_path, gpt2_service, 
     code, _ = run_batch(counting, src, "--max-batch-tokens", budget)
     assert code == 128 + signal.SIGTERM
     assert summary_of(capsys)["status"] == "INTERRUPTED"
-    lines = read_jsonl(out)                                            # every line parses: whole lines only
+    lines = read_jsonl(out)  # every line parses: whole lines only
     assert [line["line"] for line in lines] == ([1, 2, 3] if budget == 1 else [])
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL         # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     code, counting = run_batch(gpt2_service, src)
     assert code == 0
     assert sorted(c.prompt for c in counting.calls) == [f"line {i}: one two three" for i in range(len(lines) + 1, 7)]
@@ -379,14 +441,15 @@ def test_internal_errors_are_retried_by_a_rerun(tmp_path, gpt2_service, capsys):
     assert code == 0 and [c.prompt for c in counting.calls] == ["line 2: Hello"]
     summary = summary_of(capsys)
     assert (summary["status"], summary["response_count"], summary["error_count"]) == ("SUCCESS", 4, 0)
-    assert [line["line"] for line in read_jsonl(out)] == [1, 3, 4, 2]    # a retried line comes last
+    assert [line["line"] for line in read_jsonl(out)] == [1, 3, 4, 2]  # a retried line comes last
 
 
 def test_a_second_run_on_the_same_output_leaves_it_alone(tmp_path, gpt2_service, capsys):
     import fcntl
+
     src = write_jsonl(tmp_path / "busy.jsonl", [{"prompt": "a", "max_tokens": 1}])
     with open(tmp_path / "output_busy.jsonl", "ab") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)                      # another run is writing it
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another run is writing it
         code, counting = run_batch(gpt2_service, src)
     assert code == 1 and counting.calls == []
     assert summary_of(capsys)["status"] == "INCOMPLETE"
@@ -401,7 +464,7 @@ def test_a_signal_during_a_write_waits_for_the_write(tmp_path):
         with open(path, "ab") as handle, pytest.raises(batch.Interrupted):
             with guard.writing_lines():
                 handle.write(b'{"line": 1')
-                os.kill(os.getpid(), signal.SIGINT)                    # arrives mid-line: deferred
+                os.kill(os.getpid(), signal.SIGINT)  # arrives mid-line: deferred
                 handle.write(b"}\n")
                 handle.flush()
         assert path.read_bytes() == b'{"line": 1}\n'
@@ -417,8 +480,11 @@ def test_globs_output_dir_and_outputs_not_taken_as_inputs(tmp_path, gpt2_service
         write_jsonl(data / f"request_{i}.jsonl", [{"prompt": f"file {i}", "max_tokens": 2, "temperature": 0}])
     code, _ = run_batch(gpt2_service, str(data / "request_*.jsonl"), "--output-dir", tmp_path / "outs")
     assert code == 0
-    assert sorted(p.name for p in (tmp_path / "outs").iterdir()) == \
-        ["output_request_0.jsonl", "output_request_1.jsonl", "output_request_10.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "outs").iterdir()) == [
+        "output_request_0.jsonl",
+        "output_request_1.jsonl",
+        "output_request_10.jsonl",
+    ]
     # outputs beside the inputs, then a rerun over data/*.jsonl: the outputs are not read as requests
     assert run_batch(gpt2_service, str(data / "*.jsonl"))[0] == 0
     code, counting = run_batch(gpt2_service, str(data / "*.jsonl"))
@@ -453,24 +519,42 @@ def test_summary_line_fields_and_seed(tmp_path, gpt2_service, capsys):
     assert run_batch(gpt2_service, src, "--seed", 42, "-o", tmp_path / "b.jsonl")[0] == 0
     again = read_jsonl(tmp_path / "b.jsonl")
     assert_same([stable(a["result"]) for a in lines], [stable(b["result"]) for b in again])
-    assert lines[0]["request"] == rows[0]                              # the request as read, no seed added
+    assert lines[0]["request"] == rows[0]  # the request as read, no seed added
 
 
 def test_python_m_app_batch_subprocess(tmp_path, gpt2_dir):
-    rows = [{"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0},
-            {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 1}]
+    rows = [
+        {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0},
+        {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 1},
+    ]
     write_jsonl(tmp_path / "request_0.jsonl", rows)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAKER_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "app", "batch", "--model", str(gpt2_dir), "--served-model-name", "tiny-gpt2",
-         "--device", "cpu", str(tmp_path / "request_*.jsonl")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "batch",
+            "--model",
+            str(gpt2_dir),
+            "--served-model-name",
+            "tiny-gpt2",
+            "--device",
+            "cpu",
+            str(tmp_path / "request_*.jsonl"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout.splitlines()) == 1                          # stdout holds the summary alone
+    assert len(proc.stdout.splitlines()) == 1  # stdout holds the summary alone
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert list(summary) == SUMMARY_FIELDS and summary["status"] == "SUCCESS"
     assert summary["request_count"] == summary["response_count"] == 2 and summary["total_tokens_generated"] == 5
-    assert "req/s" in proc.stderr and "tok/s" in proc.stderr          # the progress bar
+    assert "req/s" in proc.stderr and "tok/s" in proc.stderr  # the progress bar
     lines = read_jsonl(tmp_path / "output_request_0.jsonl")
     assert [line["line"] for line in lines] == [1, 2]
     assert lines[1]["result"]["choices"][0]["logprobs"]["tokens"]
@@ -482,13 +566,20 @@ def test_an_interrupted_command_line_run_exits_with_its_signal_code(gpt2_dir, tm
     """``python -m app batch`` as a real process, interrupted while requests are in flight: the summary says
     INTERRUPTED, the output holds whole lines, and the exit code is 128 + the signal (not an abort, 134)."""
     import time
+
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps({"prompt": f"Hello {i}", "max_tokens": 150, "ignore_eos": True}) + "\n"
-                              for i in range(400)))
+    source.write_text(
+        "".join(json.dumps({"prompt": f"Hello {i}", "max_tokens": 150, "ignore_eos": True}) + "\n" for i in range(400))
+    )
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "app", "batch", str(source), "-o", str(out), "--no-progress"],
-                            env={**os.environ, "SAKER_MODEL": str(gpt2_dir)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "batch", str(source), "-o", str(out), "--no-progress"],
+        env={**os.environ, "SAKER_MODEL": str(gpt2_dir)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.stat().st_size < 2000):
         time.sleep(0.2)

@@ -1,5 +1,6 @@
 """Continuous batching keeps fidelity: a request's greedy text and logprobs are the same (within 1e-4 in
 float32) whether it ran alone or in a batch with others of different lengths, settings and arrival times."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ def batch_worker(request):
     from app.engine import optimize
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     kind, _, packed = request.param.partition("-")
     path = request.getfixturevalue(f"{kind}_dir")
     settings = make_settings(model=str(path))
@@ -40,9 +42,14 @@ def batched(worker, requests, late=()):
     """Submit ``requests`` [(ids, params)] together (one scheduler iteration admits them all), then the
     ``late`` ones after the first tokens are out (they join the running batch; or once the first have ended,
     when those end before that many events)."""
+
     def submit(items, first_tag):
-        return worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256, tag=first_tag + i)
-                                        for i, (ids, params) in enumerate(items)])
+        return worker.scheduler.submit(
+            [
+                RequestGroup(worker.runner, ids, params, max_length=256, tag=first_tag + i)
+                for i, (ids, params) in enumerate(items)
+            ]
+        )
 
     ticket = submit(requests, 0)
     per = {i: [] for i in range(len(requests) + len(late))}
@@ -78,10 +85,18 @@ def same(a, b):
 def test_greedy_requests_of_different_lengths_match_alone(batch_worker, reference):
     worker, path = batch_worker
     model, tok = reference(path)
-    texts = ["Hello", "Once upon a time there was", "The capital of France is Paris. The capital of Italy is",
-             "東京 🙂", "a", "Passage: The bedroom is north of the garden. Question: How do you go"]
-    requests = [(tok(t).input_ids, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, logprobs=2, ignore_eos=True))
-                for i, t in enumerate(texts)]
+    texts = [
+        "Hello",
+        "Once upon a time there was",
+        "The capital of France is Paris. The capital of Italy is",
+        "東京 🙂",
+        "a",
+        "Passage: The bedroom is north of the garden. Question: How do you go",
+    ]
+    requests = [
+        (tok(t).input_ids, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, logprobs=2, ignore_eos=True))
+        for i, t in enumerate(texts)
+    ]
     before = worker.scheduler.max_rows_seen
     results = batched(worker, requests)
     assert worker.scheduler.max_rows_seen >= len(texts) or before >= len(texts)
@@ -99,18 +114,25 @@ def test_late_joiners_mixed_settings_and_n(batch_worker, reference):
     worker, path = batch_worker
     _, tok = reference(path)
     first = [
-        (tok("Once upon a time").input_ids, SamplingParams(max_tokens=20, temperature=0.0, logprobs=1,
-                                                           ignore_eos=True)),
+        (
+            tok("Once upon a time").input_ids,
+            SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True),
+        ),
         (tok("Hello").input_ids, SamplingParams(max_tokens=12, temperature=0.9, seed=11, n=3, top_k=20)),
-        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=10, temperature=0.0,
-                                                                   repetition_penalty=1.3, logprobs=0,
-                                                                   stop=("e",))),
+        (
+            tok("The capital of France is").input_ids,
+            SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, logprobs=0, stop=("e",)),
+        ),
     ]
     late = [
-        (tok("Passage: The bedroom is north of the garden. Question:").input_ids,
-         SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, echo=True, ignore_eos=True)),
-        (tok("x").input_ids, SamplingParams(max_tokens=15, temperature=0.7, seed=5, best_of=3, n=2, top_p=0.9,
-                                            logprobs=0)),
+        (
+            tok("Passage: The bedroom is north of the garden. Question:").input_ids,
+            SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, echo=True, ignore_eos=True),
+        ),
+        (
+            tok("x").input_ids,
+            SamplingParams(max_tokens=15, temperature=0.7, seed=5, best_of=3, n=2, top_p=0.9, logprobs=0),
+        ),
     ]
     results = batched(worker, first, late)
     for (ids, params), result in zip(first + late, results):
@@ -122,8 +144,12 @@ def test_cancelled_request_leaves_the_others_intact(batch_worker, reference):
     _, tok = reference(path)
     keep_ids = tok("Once upon a time").input_ids
     keep_params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True)
-    doomed = RequestGroup(worker.runner, tok("Hello there").input_ids,
-                          SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), max_length=256)
+    doomed = RequestGroup(
+        worker.runner,
+        tok("Hello there").input_ids,
+        SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
+        max_length=256,
+    )
     kept = RequestGroup(worker.runner, keep_ids, keep_params, max_length=256)
     doomed_ticket = worker.scheduler.submit([doomed])
     kept_ticket = worker.scheduler.submit([kept])
@@ -140,6 +166,7 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
     before it, the tokens counted are those up to the one that completed it, and the engine's row leaves within
     a step or two (not at max_tokens), while a longer request in the same batch goes on unaffected."""
     from dataclasses import replace
+
     worker, path = batch_worker
     _, tok = reference(path)
     ids = tok("Once upon a time").input_ids
@@ -159,8 +186,8 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
     out = collect(per[0], stopped)
     assert out.choices[0].text == "".join(pieces[:at])
     assert out.choices[0].finish_reason == "stop"
-    assert out.completion_tokens == at + 1                      # up to the token that completed the stop
-    assert at + 1 <= group.tokens_made <= at + 3                 # the row left a step or two later, not at 40
+    assert out.completion_tokens == at + 1  # up to the token that completed the stop
+    assert at + 1 <= group.tokens_made <= at + 3  # the row left a step or two later, not at 40
     same(collect(per[1], other), alone(worker, other_ids, other))
 
 
@@ -169,6 +196,7 @@ def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
     joins beside it (up to max_batch_size rows of its own) and ends long before it. Both equal their runs alone."""
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=4)
     _, tok = reference(gpt2_dir)
     big_ids, small_ids = tok("Once upon a time").input_ids, tok("Hello").input_ids
@@ -177,19 +205,19 @@ def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
     big = RequestGroup(worker.runner, big_ids, big_params, max_length=256)
     big_ticket = worker.scheduler.submit([big])
     big_events = iter(big_ticket)
-    first = [next(big_events) for _ in range(7)]          # the prompt and the first tokens: it is running
+    first = [next(big_events) for _ in range(7)]  # the prompt and the first tokens: it is running
     small = worker.scheduler.submit([RequestGroup(worker.runner, small_ids, small_params, max_length=256)])
     small_events = [event for _, event in small]
-    assert big.tokens_made < 6 * 40                        # the small one ended while the big one ran
+    assert big.tokens_made < 6 * 40  # the small one ended while the big one ran
     assert worker.scheduler.max_rows_seen == 7
     same(collect(small_events, small_params), alone(worker, small_ids, small_params))
-    same(collect([e for _, e in first] + [e for _, e in big_events], big_params),
-         alone(worker, big_ids, big_params))
+    same(collect([e for _, e in first] + [e for _, e in big_events], big_params), alone(worker, big_ids, big_params))
 
 
 def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=1)
     _, tok = reference(gpt2_dir)
     requests = [(tok(t).input_ids, SamplingParams(max_tokens=6, temperature=0.0)) for t in ("Hello", "Once upon")]
@@ -204,8 +232,10 @@ def test_kv_budget_holds_back_what_would_not_fit(gpt2_dir, reference):
     request reaching 70 positions is served alone. Every answer equals its run alone."""
     from app.engine.loader import load_model
     from app.engine.worker import Worker
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=8,
-                                kv_cache_tokens=80)
+
+    worker = Worker.from_loaded(
+        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=8, kv_cache_tokens=80
+    )
     _, tok = reference(gpt2_dir)
     ids = tok("Once upon a time").input_ids
     short = SamplingParams(max_tokens=30 - len(ids), temperature=0.0, ignore_eos=True)
@@ -218,7 +248,7 @@ def test_kv_budget_holds_back_what_would_not_fit(gpt2_dir, reference):
     results = batched(worker, [(ids, long), (ids, short)])
     assert worker.scheduler.max_rows_seen == 1
     same(results[0], alone(worker, ids, long))
-    assert worker.scheduler.kv_usage == 0.0                  # everything left: nothing held
+    assert worker.scheduler.kv_usage == 0.0  # everything left: nothing held
 
 
 def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
@@ -226,6 +256,7 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     from app import create_app
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
     worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_size=8, kv_cache_tokens=100)
     client = create_app(settings, engine=worker).test_client()
@@ -236,7 +267,7 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     assert error["param"] == "n" and "KV" in error["message"] and "136" in error["message"]
     long = client.post("/v1/completions", json={**body, "max_tokens": 120})
     assert long.status_code == 400 and long.get_json()["error"]["param"] == "max_tokens"
-    ok = client.post("/v1/completions", json={**body, "n": 2})              # 2 x 34 = 68 positions
+    ok = client.post("/v1/completions", json={**body, "n": 2})  # 2 x 34 = 68 positions
     assert ok.status_code == 200 and len(ok.get_json()["choices"]) == 2
 
 
@@ -246,12 +277,14 @@ class InjectedOOM:
 
     def __init__(self, model, rows: int, times: int | None):
         import torch
+
         self.rows, self.times, self.raised = rows, times, 0
         block = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[1]
         self.handle = block.register_forward_pre_hook(self)
 
     def __call__(self, module, args):
         import torch
+
         hidden = args[0]
         if hidden.shape[1] == 1 and hidden.shape[0] >= self.rows and (self.times is None or self.raised < self.times):
             self.raised += 1
@@ -266,7 +299,7 @@ def run_tickets(worker, requests):
     for (_, params), ticket in zip(requests, tickets):
         try:
             out.append(collect([event for _, event in ticket], params))
-        except Exception as exc:   # noqa: BLE001
+        except Exception as exc:
             out.append(exc)
     return out
 
@@ -276,10 +309,13 @@ def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, ref
     """One OOM in a 3-row step fails the newest request; the others are rewound and go on with the numbers
     they get alone. With OOMs at every multi-row step, requests fail newest first until one is left."""
     import torch
+
     worker, path = batch_worker
     _, tok = reference(path)
-    requests = [(tok(text).input_ids, SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True))
-                for text in ("Once upon a time there was", "Hello", "The capital of France is")]
+    requests = [
+        (tok(text).input_ids, SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True))
+        for text in ("Once upon a time there was", "Hello", "The capital of France is")
+    ]
     expected = [alone(worker, ids, params) for ids, params in requests]
     inject = InjectedOOM(worker.runner.model, rows=3 if times == 1 else 2, times=times)
     try:
@@ -293,7 +329,7 @@ def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, ref
     for result in results[survivors:]:
         assert isinstance(result, torch.OutOfMemoryError)
     assert worker.scheduler.batch.groups == []
-    same(run_tickets(worker, requests[-1:])[0], expected[-1])      # the server goes on
+    same(run_tickets(worker, requests[-1:])[0], expected[-1])  # the server goes on
 
 
 @pytest.fixture()
@@ -306,6 +342,7 @@ def shared_prefill(batch_worker, monkeypatch):
     def recording(prompts, all_logits):
         calls.append([len(p) for p in prompts])
         return real(prompts, all_logits)
+
     monkeypatch.setattr(worker.runner, "prefill_together", recording)
     monkeypatch.setattr(worker.scheduler, "prefill_tokens", 4096)
     return worker, path, calls
@@ -317,13 +354,19 @@ def test_prompts_prefilled_together_match_alone(shared_prefill, reference):
     worker, path, calls = shared_prefill
     _, tok = reference(path)
     requests = [
-        (tok("Once upon a time there").input_ids, SamplingParams(max_tokens=12, temperature=0.0, logprobs=2,
-                                                                 ignore_eos=True)),
+        (
+            tok("Once upon a time there").input_ids,
+            SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        ),
         (tok("The capital of France").input_ids, SamplingParams(max_tokens=0, echo=True, logprobs=3)),
-        (tok("Hello world, this is").input_ids, SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2,
-                                                               logprobs=0, ignore_eos=True)),
-        (tok("def add(a, b):").input_ids, SamplingParams(max_tokens=6, temperature=0.0, echo=True, logprobs=1,
-                                                         ignore_eos=True)),
+        (
+            tok("Hello world, this is").input_ids,
+            SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2, logprobs=0, ignore_eos=True),
+        ),
+        (
+            tok("def add(a, b):").input_ids,
+            SamplingParams(max_tokens=6, temperature=0.0, echo=True, logprobs=1, ignore_eos=True),
+        ),
         (tok("東京 🙂 x").input_ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
     ]
     lengths = [len(ids) for ids, _ in requests]
@@ -339,29 +382,34 @@ def test_shared_prefill_chunks_bound_padding(shared_prefill, reference):
     """A prompt much longer than the others does not share their prefill (at most a third padding)."""
     worker, path, calls = shared_prefill
     _, tok = reference(path)
-    text = tok("Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the "
-               "office? Answer: east east").input_ids
+    text = tok(
+        "Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the "
+        "office? Answer: east east"
+    ).input_ids
     short = [text[:6], text[3:9], text[5:10]]
     longer = text[:30]
     requests = [(ids, SamplingParams(max_tokens=3, temperature=0.0)) for ids in short + [longer]]
     results = batched(worker, requests)
-    assert calls == [[6, 6, 5]]                  # the 30-token prompt is prefilled alone
+    assert calls == [[6, 6, 5]]  # the 30-token prompt is prefilled alone
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
 
 
 def test_failed_shared_prefill_falls_back_to_one_at_a_time(shared_prefill, reference, monkeypatch):
     import torch
+
     worker, path, calls = shared_prefill
     _, tok = reference(path)
 
     def out_of_memory(prompts, all_logits):
         calls.append([len(p) for p in prompts])
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
+
     monkeypatch.setattr(worker.runner, "prefill_together", out_of_memory)
     text = tok("Once upon a time there was a garden north of the office").input_ids
-    requests = [(ids, SamplingParams(max_tokens=4, temperature=0.0, logprobs=1))
-                for ids in (text[:6], text[2:8], text[4:9])]
+    requests = [
+        (ids, SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)) for ids in (text[:6], text[2:8], text[4:9])
+    ]
     results = batched(worker, requests)
     assert calls == [[6, 6, 5]]
     for (ids, params), result in zip(requests, results):
@@ -374,8 +422,10 @@ def test_shared_prefill_padding_is_cut_from_a_request_decoding_alone(shared_pref
     worker, path, calls = shared_prefill
     _, tok = reference(path)
     text = tok("Once upon a time there was a garden north of the office").input_ids
-    requests = [(text[:6], SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)),
-                (text[:8], SamplingParams(max_tokens=0, echo=True, logprobs=2))]
+    requests = [
+        (text[:6], SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)),
+        (text[:8], SamplingParams(max_tokens=0, echo=True, logprobs=2)),
+    ]
     results = batched(worker, requests)
     assert calls == [[6, 8]]
     for (ids, params), result in zip(requests, results):
@@ -391,16 +441,31 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
 
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     rng = random.Random(seed)
     path = gpt2_dir if seed % 2 == 0 else llama_dir
     _, tok = reference(path)
     settings = make_settings(model=str(path))
-    fast = Worker.from_loaded(("m",), load_model(settings), max_batch_size=16, prefix_cache_tokens=2048,
-                              prefill_batch_tokens=4096, prefill_chunk_tokens=rng.choice([7, 16, 512]))
-    plain = Worker.from_loaded(("m",), load_model(settings), max_batch_size=1, prefix_cache_tokens=0,
-                               prefill_batch_tokens=0, prefill_chunk_tokens=0)
-    base = tok("Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
-               "do you go from the bathroom to the office? Answer: east east").input_ids
+    fast = Worker.from_loaded(
+        ("m",),
+        load_model(settings),
+        max_batch_size=16,
+        prefix_cache_tokens=2048,
+        prefill_batch_tokens=4096,
+        prefill_chunk_tokens=rng.choice([7, 16, 512]),
+    )
+    plain = Worker.from_loaded(
+        ("m",),
+        load_model(settings),
+        max_batch_size=1,
+        prefix_cache_tokens=0,
+        prefill_batch_tokens=0,
+        prefill_chunk_tokens=0,
+    )
+    base = tok(
+        "Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
+        "do you go from the bathroom to the office? Answer: east east"
+    ).input_ids
     vocab = len(tok)
 
     def prompt():
@@ -410,18 +475,24 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     def params():
         kind = rng.choice(["greedy", "seeded", "echo", "score"])
         if kind == "greedy":
-            return SamplingParams(max_tokens=rng.randint(1, 10), temperature=0.0, logprobs=rng.choice([None, 0, 2]),
-                                  ignore_eos=True)
+            return SamplingParams(
+                max_tokens=rng.randint(1, 10), temperature=0.0, logprobs=rng.choice([None, 0, 2]), ignore_eos=True
+            )
         if kind == "seeded":
-            return SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.8, seed=rng.randrange(100),
-                                  n=rng.choice([1, 2]), logprobs=1, ignore_eos=True)
+            return SamplingParams(
+                max_tokens=rng.randint(1, 8),
+                temperature=0.8,
+                seed=rng.randrange(100),
+                n=rng.choice([1, 2]),
+                logprobs=1,
+                ignore_eos=True,
+            )
         if kind == "echo":
-            return SamplingParams(max_tokens=rng.randint(1, 5), temperature=0.0, echo=True, logprobs=1,
-                                  ignore_eos=True)
+            return SamplingParams(max_tokens=rng.randint(1, 5), temperature=0.0, echo=True, logprobs=1, ignore_eos=True)
         return SamplingParams(max_tokens=0, echo=True, logprobs=2)
 
     greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
-    warm = [(base + [5, 6], greedy)] + [(prompt(), params()) for _ in range(2)]      # fill the prefix cache
+    warm = [(base + [5, 6], greedy)] + [(prompt(), params()) for _ in range(2)]  # fill the prefix cache
     first = [(base[:20] + [7], greedy)] + [(prompt(), params()) for _ in range(rng.randint(1, 4))]
     rng.shuffle(first)
     late = [(prompt(), params()) for _ in range(rng.randint(0, 3))]
@@ -447,17 +518,20 @@ def chunked(batch_worker, monkeypatch):
     def decode(*args, **kwargs):
         calls.append(("decode", args[0].shape[0]))
         return real_decode(*args, **kwargs)
+
     monkeypatch.setattr(worker.runner, "extend", extend)
     monkeypatch.setattr(worker.runner, "slot_step", decode)
     monkeypatch.setattr(worker.scheduler, "prefill_chunk", 5)
     if worker.runner.prefix_cache is not None:
-        worker.runner.prefix_cache.clear()     # a kept prompt would leave too little to chunk
+        worker.runner.prefix_cache.clear()  # a kept prompt would leave too little to chunk
     return worker, path, calls
 
 
 def long_ids(tok):
-    return tok("Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How do "
-               "you go from the bathroom to the office? Answer: east east").input_ids
+    return tok(
+        "Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How do "
+        "you go from the bathroom to the office? Answer: east east"
+    ).input_ids
 
 
 def test_chunked_prefill_matches_a_whole_prefill(chunked, reference):
@@ -470,7 +544,7 @@ def test_chunked_prefill_matches_a_whole_prefill(chunked, reference):
         (ids, SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)),
         (ids[3:] + ids[:4], SamplingParams(max_tokens=3, temperature=0.0, echo=True, logprobs=1, ignore_eos=True)),
         (ids[::-1], SamplingParams(max_tokens=6, temperature=0.9, seed=4, n=2, logprobs=0, ignore_eos=True)),
-        (ids[:4], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),        # short: not chunked
+        (ids[:4], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),  # short: not chunked
     ]
     results = batched(worker, requests)
     assert sum(1 for kind, _ in calls if kind == "chunk") >= 3 * (len(ids) // 5)
@@ -488,14 +562,15 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(chunked, re
     results = batched(worker, [running], [late])
     chunk_at = [i for i, (kind, _) in enumerate(calls) if kind == "chunk"]
     assert len(chunk_at) >= len(ids) // 5
-    between = [kind for kind, _ in calls[chunk_at[0]:chunk_at[-1]]]
-    assert between.count("decode") >= len(chunk_at) - 1            # a decode step after every chunk
+    between = [kind for kind, _ in calls[chunk_at[0] : chunk_at[-1]]]
+    assert between.count("decode") >= len(chunk_at) - 1  # a decode step after every chunk
     for (prompt, params), result in zip([running, late], results):
         same(result, alone(worker, prompt, params))
 
 
 def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
     import torch
+
     worker, path, calls = chunked
     _, tok = reference(path)
     ids = long_ids(tok)
@@ -507,6 +582,7 @@ def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
         if seen["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(cache, chunk_ids, all_logits)
+
     monkeypatch.setattr(worker.runner, "extend", failing)
     short = (ids[:4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     results = run_tickets(worker, [short, (ids[11:] + ids[:11], SamplingParams(max_tokens=4, temperature=0.0))])
@@ -517,30 +593,34 @@ def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
 
 def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, reference, monkeypatch):
     import threading
+
     worker, path, calls = chunked
     _, tok = reference(path)
     ids = long_ids(tok)
     started, go = threading.Event(), threading.Event()
     logged_extend = worker.runner.extend
 
-    def gated(cache, chunk_ids, all_logits):           # hold the scheduler after the doomed prompt's first chunk
+    def gated(cache, chunk_ids, all_logits):  # hold the scheduler after the doomed prompt's first chunk
         out = logged_extend(cache, chunk_ids, all_logits)
         if len(chunk_ids) == 5 and not started.is_set():
             started.set()
             go.wait(10)
         return out
+
     monkeypatch.setattr(worker.runner, "extend", gated)
-    running = RequestGroup(worker.runner, ids[:4], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                           max_length=256)
-    doomed = RequestGroup(worker.runner, ids[5:] + ids[:5], SamplingParams(max_tokens=4, temperature=0.0),
-                          max_length=256)
+    running = RequestGroup(
+        worker.runner, ids[:4], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), max_length=256
+    )
+    doomed = RequestGroup(
+        worker.runner, ids[5:] + ids[:5], SamplingParams(max_tokens=4, temperature=0.0), max_length=256
+    )
     running_ticket = worker.scheduler.submit([running])
-    _, first = next(iter(running_ticket))              # it is decoding
+    _, first = next(iter(running_ticket))  # it is decoding
     doomed_ticket = worker.scheduler.submit([doomed])
-    assert started.wait(10)                            # its chunked prefill has started
+    assert started.wait(10)  # its chunked prefill has started
     doomed_ticket.cancel()
     go.set()
-    assert list(doomed_ticket) == []                   # it ends without a token
+    assert list(doomed_ticket) == []  # it ends without a token
     events = [first] + [event for _, event in running_ticket]
     same(collect(events, running.params), alone(worker, ids[:4], running.params))
     assert not worker.scheduler._prefilling
@@ -550,10 +630,11 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
 def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, reference, monkeypatch):
     """Behind another long prompt, a cancelled one is dropped at the next iteration, not when its turn comes."""
     import threading
+
     worker, path, calls = chunked
     _, tok = reference(path)
     ids = long_ids(tok)
-    held = [threading.Event(), threading.Event()]      # set when the scheduler is held at the first two chunks
+    held = [threading.Event(), threading.Event()]  # set when the scheduler is held at the first two chunks
     release = [threading.Event(), threading.Event()]
     logged_extend = worker.runner.extend
 
@@ -564,6 +645,7 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
             held[n - 1].set()
             release[n - 1].wait(10)
         return out
+
     monkeypatch.setattr(worker.runner, "extend", gated)
     forgotten_at = {}
     real_forget = worker.scheduler._forget
@@ -571,20 +653,21 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
     def forget(group):
         forgotten_at[id(group)] = sum(1 for kind, _ in calls if kind == "chunk")
         return real_forget(group)
+
     monkeypatch.setattr(worker.scheduler, "_forget", forget)
     first_prompt, second_prompt = ids[9:] + ids[:9], ids[13:] + ids[:13]
     params = SamplingParams(max_tokens=3, temperature=0.0)
     first = worker.scheduler.submit([RequestGroup(worker.runner, first_prompt, params, max_length=256)])
-    assert held[0].wait(10)                            # held in the first one's first chunk
+    assert held[0].wait(10)  # held in the first one's first chunk
     doomed = RequestGroup(worker.runner, second_prompt, params, max_length=256)
     second = worker.scheduler.submit([doomed])
     release[0].set()
-    assert held[1].wait(10)                            # second chunk: the second prompt now waits for its turn
+    assert held[1].wait(10)  # second chunk: the second prompt now waits for its turn
     assert any(job.group is doomed for job in worker.scheduler._prefilling)
     second.cancel()
     release[1].set()
     assert list(second) == []
-    assert forgotten_at[id(doomed)] == 2               # dropped before the first one's third chunk
+    assert forgotten_at[id(doomed)] == 2  # dropped before the first one's third chunk
     events = [event for _, event in first]
     same(collect(events, params), alone(worker, first_prompt, params))
     assert not worker.scheduler._prefilling

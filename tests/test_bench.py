@@ -2,6 +2,7 @@
 against a real gunicorn and writes the JSON it promises; part S (structured outputs) runs on the embedded SmolLM2.
 Timings are never asserted (tests do not judge wall-clock time); docs/performance.md holds the measured figures.
 The report's table and the parts' options are checked without running anything."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,26 @@ from servers import ROOT
 def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "app", "bench", "--quick", "--size", "tiny", "--only", "A,B,C,T,L,R,E",
-         "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "bench",
+            "--quick",
+            "--size",
+            "tiny",
+            "--only",
+            "A,B,C,T,L,R,E",
+            "--out-dir",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "bench.json").read_text())
 
@@ -42,7 +60,7 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     for key in ("server_ms_per_token", "generate_ms_per_token", "paired_ratio"):
         stats(a[key])
     assert isinstance(a["ratio"], float) and isinstance(a["met"], bool)
-    assert a["same_text_as_generate"] is True           # the server's greedy text is generate()'s
+    assert a["same_text_as_generate"] is True  # the server's greedy text is generate()'s
     assert "prefill_ms" in a["server_timing_ms"] and "decode_ms" in a["server_timing_ms"]
 
     b = results["B"]
@@ -75,12 +93,12 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     r = results["R"]
     for key in ("on_request_ms", "off_request_ms", "on_prefill_ms", "off_prefill_ms", "paired_ratio"):
         stats(r[key])
-    assert r["off_cached_prompt_tokens"]["max"] == 0                 # the main server runs with the cache off
+    assert r["off_cached_prompt_tokens"]["max"] == 0  # the main server runs with the cache off
     assert r["on_cached_prompt_tokens"]["min"] >= r["context_tokens"]  # every measured request reused the context
     assert isinstance(r["ratio"], float)
 
     assert "| A | ratio server / generate() (median of pairs)" in report["table_markdown"]
-    assert "ratio 8 / 1" in proc.stdout                  # the printed table
+    assert "ratio 8 / 1" in proc.stdout  # the printed table
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
 
@@ -90,18 +108,35 @@ def test_quick_bench_structured_outputs(tmp_path, saker_cache):
     """Part S on SmolLM2 (the converted folder the other SmolLM2 tests use, linked into the bench's cache)."""
     from app.engine.loader import ensure_default_model
     from app.settings import Settings
+
     smol = ensure_default_model(Settings(cache_dir=str(saker_cache)))
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / smol.name).symlink_to(smol, target_is_directory=True)
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "bench", "--quick", "--only", "S", "--out-dir", str(out),
-         "--cache-dir", str(cache)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "bench",
+            "--quick",
+            "--only",
+            "S",
+            "--out-dir",
+            str(out),
+            "--cache-dir",
+            str(cache),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=540)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)          # the bench stops its gunicorn on Ctrl-C (not on a kill)
+        proc.send_signal(signal.SIGINT)  # the bench stops its gunicorn on Ctrl-C (not on a kill)
         stdout, stderr = proc.communicate(timeout=60)
         pytest.fail(f"bench --quick --only S ran past 540 s:\n{stderr[-4000:]}")
     assert proc.returncode == 0, stderr[-4000:]
@@ -158,14 +193,16 @@ def test_plan_s_full_and_quick():
 def test_s_schemas_are_valid_and_compile():
     from app.engine.grammar import grammar_text
     from app.protocol import json_constraint
+
     big = bench.compile_schema()
-    assert 1900 <= len(json.dumps(big)) <= 2200                 # "a 2 kB schema"
+    assert 1900 <= len(json.dumps(big)) <= 2200  # "a 2 kB schema"
     if importlib.util.find_spec("jsonschema") is not None:
         import jsonschema
+
         for schema in (big, bench.S_SCHEMA):
             jsonschema.Draft202012Validator.check_schema(schema)
     for schema in (big, bench.S_SCHEMA):
-        assert grammar_text(json_constraint(schema))            # llguidance takes both
+        assert grammar_text(json_constraint(schema))  # llguidance takes both
 
 
 def _summary(median, n=3):
@@ -173,28 +210,64 @@ def _summary(median, n=3):
 
 
 def test_table_rows_for_s():
-    side = {"tokens_per_s": _summary(20.0), "mean_completion_tokens": 71.5, "requests": 9,
-            "finish_reasons": {"stop": 9}, "valid_json": 9, "decode_ms_per_token": _summary(40.0)}
-    levels = [{"clients": c, "json": side, "free": {**side, "tokens_per_s": _summary(21.0)}, "same": side, "ratio": r,
-               "paired_ratio": _summary(r), "goal": 0.9, "met": r >= 0.9, "decode_step_ratio": 1.0,
-               "ratio_same_lengths": 0.97, "paired_ratio_same_lengths": _summary(0.97)}
-              for c, r in ((1, 0.95), (8, 0.85))]
-    report = {"results": {"S": {
-        "levels": levels,
-        "compile": {"schema_bytes": 2137, "vocab": 49152, "tokenizer_build_ms": _summary(300.0),
-                    "first_ms": _summary(2.5), "cached_ms": _summary(0.004), "row_matcher_ms": _summary(0.07),
-                    "first_mask_ms": _summary(0.1), "new_schema_warm_ms": _summary(2.1)},
-        "per_step": {"mask_us": _summary(16.0), "sampler_mask_ms": {"1": _summary(0.06), "8": _summary(0.3)}}}},
-        "errors": {}}
+    side = {
+        "tokens_per_s": _summary(20.0),
+        "mean_completion_tokens": 71.5,
+        "requests": 9,
+        "finish_reasons": {"stop": 9},
+        "valid_json": 9,
+        "decode_ms_per_token": _summary(40.0),
+    }
+    levels = [
+        {
+            "clients": c,
+            "json": side,
+            "free": {**side, "tokens_per_s": _summary(21.0)},
+            "same": side,
+            "ratio": r,
+            "paired_ratio": _summary(r),
+            "goal": 0.9,
+            "met": r >= 0.9,
+            "decode_step_ratio": 1.0,
+            "ratio_same_lengths": 0.97,
+            "paired_ratio_same_lengths": _summary(0.97),
+        }
+        for c, r in ((1, 0.95), (8, 0.85))
+    ]
+    report = {
+        "results": {
+            "S": {
+                "levels": levels,
+                "compile": {
+                    "schema_bytes": 2137,
+                    "vocab": 49152,
+                    "tokenizer_build_ms": _summary(300.0),
+                    "first_ms": _summary(2.5),
+                    "cached_ms": _summary(0.004),
+                    "row_matcher_ms": _summary(0.07),
+                    "first_mask_ms": _summary(0.1),
+                    "new_schema_warm_ms": _summary(2.1),
+                },
+                "per_step": {"mask_us": _summary(16.0), "sampler_mask_ms": {"1": _summary(0.06), "8": _summary(0.3)}},
+            }
+        },
+        "errors": {},
+    }
     rows = bench.table_rows(report)
     assert all(row[0] == "S" for row in rows)
     goals = {row[1]: row[4] for row in rows}
     assert goals["1 client: ratio constrained / free (median of rounds)"] == ">= 0.9: met"
     assert goals["8 clients: ratio constrained / free (median of rounds)"] == ">= 0.9: NOT met"
     measures = " ".join(row[1] for row in rows)
-    for words in ("1 client: constrained (JSON schema) tokens/s", "8 clients: free (ignore_eos) tokens/s",
-                  "tokenizer build", "2137-byte schema: first", "(cached)", "next mask",
-                  "8 clients: ratio constrained / free with the same lengths"):
+    for words in (
+        "1 client: constrained (JSON schema) tokens/s",
+        "8 clients: free (ignore_eos) tokens/s",
+        "tokenizer build",
+        "2137-byte schema: first",
+        "(cached)",
+        "next mask",
+        "8 clients: ratio constrained / free with the same lengths",
+    ):
         assert words in measures
     assert "| S | 8 clients: ratio constrained / free (median of rounds) | 0.85 |" in bench.markdown_table(report)
     assert "0.95" in bench.format_table(report)

@@ -1,5 +1,6 @@
 """The terminal chat client (``python -m app chat``): commands, /params validation, SSE parsing, conversation
 bookkeeping, against a tiny fake OpenAI-compatible server (http.server on 127.0.0.1) answering canned SSE."""
+
 from __future__ import annotations
 
 import io
@@ -14,13 +15,27 @@ from pathlib import Path
 
 import pytest
 
-from app.chat_client import (ChatError, ChatShell, Command, HTTPClient, Message, Params, Reply, format_error,
-                             iter_chat_stream, iter_sse, parse_line, parse_params, printable)
+from app.chat_client import (
+    ChatError,
+    ChatShell,
+    Command,
+    HTTPClient,
+    Message,
+    Params,
+    Reply,
+    format_error,
+    iter_chat_stream,
+    iter_sse,
+    parse_line,
+    parse_params,
+    printable,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- a fake server -----------------------------------------------------------------------------------------
+
 
 def chunk(content=None, *, role=None, finish=None, index=0) -> bytes:
     delta = {}
@@ -28,8 +43,13 @@ def chunk(content=None, *, role=None, finish=None, index=0) -> bytes:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
-    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "fake",
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "fake",
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
+    }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -37,9 +57,14 @@ DONE = b"data: [DONE]\n\n"
 
 
 def completion(content: str, finish: str = "stop") -> dict:
-    return {"id": "chatcmpl-2", "object": "chat.completion", "created": 1, "model": "fake",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    return {
+        "id": "chatcmpl-2",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "fake",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -60,7 +85,7 @@ class SSE:
 
 class FakeServer:
     def __init__(self, routes: dict):
-        self.routes = routes                   # (method, path) -> function(body) -> JSON | SSE
+        self.routes = routes  # (method, path) -> function(body) -> JSON | SSE
         self.requests: list[dict] = []
         server = self
 
@@ -74,8 +99,9 @@ class FakeServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 body = json.loads(raw) if raw else None
-                server.requests.append({"method": method, "path": self.path, "body": body,
-                                        "headers": dict(self.headers)})
+                server.requests.append(
+                    {"method": method, "path": self.path, "body": body, "headers": dict(self.headers)}
+                )
                 route = server.routes.get((method, self.path))
                 answer = route(body) if route else JSON(error_body(f"no route {self.path}"), 404)
                 if isinstance(answer, JSON):
@@ -133,6 +159,7 @@ def fake():
         server = FakeServer(routes)
         servers.append(server)
         return server
+
     yield make
     for server in servers:
         server.close()
@@ -143,8 +170,9 @@ def streaming_echo(body):
     text = body["messages"][-1]["content"]
     if not body.get("stream"):
         return JSON(completion(f"you said: {text}"))
-    return SSE(chunk(role="assistant", content=""), chunk("you "), chunk("said: "), chunk(text),
-               chunk(finish="stop"), DONE)
+    return SSE(
+        chunk(role="assistant", content=""), chunk("you "), chunk("said: "), chunk(text), chunk(finish="stop"), DONE
+    )
 
 
 def shell_for(server, **kwargs) -> tuple[ChatShell, io.StringIO]:
@@ -162,10 +190,12 @@ def reader(lines, out):
             return next(iterator)
         except StopIteration:
             raise EOFError from None
+
     return read_line
 
 
 # -- commands and /params ----------------------------------------------------------------------------------
+
 
 def test_parse_line_commands_messages_and_escapes():
     assert parse_line("") is None and parse_line("   \n") is None
@@ -181,9 +211,14 @@ def test_parse_line_commands_messages_and_escapes():
 def test_params_set_show_and_defaults():
     params = parse_params("temperature=0.7 top_k=40 top_p=0.9 max_tokens=128 repetition_penalty=1.1", Params())
     assert params == Params(temperature=0.7, top_k=40, top_p=0.9, max_tokens=128, repetition_penalty=1.1)
-    assert params.request_fields() == {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "max_tokens": 128,
-                                       "repetition_penalty": 1.1}
-    assert Params().request_fields() == {}          # nothing sent: the server's defaults
+    assert params.request_fields() == {
+        "temperature": 0.7,
+        "top_k": 40,
+        "top_p": 0.9,
+        "max_tokens": 128,
+        "repetition_penalty": 1.1,
+    }
+    assert Params().request_fields() == {}  # nothing sent: the server's defaults
     # spaces around '=', dashes, aliases, case; default goes back to the server's value
     again = parse_params("Temperature = 0  max-new-tokens=5 top_k=default", params)
     assert again == Params(temperature=0.0, top_k=None, top_p=0.9, max_tokens=5, repetition_penalty=1.1)
@@ -191,25 +226,30 @@ def test_params_set_show_and_defaults():
     assert parse_params("temperature=2", Params()).temperature == 2
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("temp=hot", "temperature must be a number, not 'hot'"),
-    ("temperature=2.5", "temperature must be between 0 and 2"),
-    ("temperature=-0.1", "temperature must be between 0 and 2"),
-    ("temperature=nan", "finite"),
-    ("top_p=0", "top_p must be more than 0 and at most 1"),
-    ("top_p=1.5", "top_p must be more than 0 and at most 1"),
-    ("top_k=40.5", "top_k must be a whole number, not '40.5'"),
-    ("top_k=-2", "top_k must be a positive whole number, or 0 or -1 for off"),
-    ("max_tokens=0", "max_tokens must be at least 1"),
-    ("max_tokens=lots", "max_tokens must be a whole number"),
-    ("repetition_penalty=0", "repetition_penalty must be more than 0"),
-    ("temperatur=0.5", "unknown parameter 'temperatur'; known: temperature, top_k, top_p, max_tokens, "
-                       "repetition_penalty"),
-    ("temperature", "write temperature=VALUE (for example temperature=0.7)"),
-    ("top_k=", "write top_k=VALUE"),
-    ("top_k=1 top_k=2", "top_k is given twice"),
-    ("   ", "nothing to set"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("temp=hot", "temperature must be a number, not 'hot'"),
+        ("temperature=2.5", "temperature must be between 0 and 2"),
+        ("temperature=-0.1", "temperature must be between 0 and 2"),
+        ("temperature=nan", "finite"),
+        ("top_p=0", "top_p must be more than 0 and at most 1"),
+        ("top_p=1.5", "top_p must be more than 0 and at most 1"),
+        ("top_k=40.5", "top_k must be a whole number, not '40.5'"),
+        ("top_k=-2", "top_k must be a positive whole number, or 0 or -1 for off"),
+        ("max_tokens=0", "max_tokens must be at least 1"),
+        ("max_tokens=lots", "max_tokens must be a whole number"),
+        ("repetition_penalty=0", "repetition_penalty must be more than 0"),
+        (
+            "temperatur=0.5",
+            "unknown parameter 'temperatur'; known: temperature, top_k, top_p, max_tokens, repetition_penalty",
+        ),
+        ("temperature", "write temperature=VALUE (for example temperature=0.7)"),
+        ("top_k=", "write top_k=VALUE"),
+        ("top_k=1 top_k=2", "top_k is given twice"),
+        ("   ", "nothing to set"),
+    ],
+)
 def test_params_validation_messages(text, fragment):
     with pytest.raises(ValueError) as err:
         parse_params(text, Params())
@@ -222,9 +262,8 @@ def test_params_command_applies_all_or_nothing():
     assert shell.params == Params(temperature=0.5, top_k=40)
     assert "set temperature=0.5, top_k=40" in shell.out.getvalue()
     shell.handle("/params temperature=0.9 top_p=7")
-    assert shell.params == Params(temperature=0.5, top_k=40)          # nothing changed
-    assert "/params: top_p must be more than 0 and at most 1 (1 = off), not 7 (nothing changed)" \
-        in shell.out.getvalue()
+    assert shell.params == Params(temperature=0.5, top_k=40)  # nothing changed
+    assert "/params: top_p must be more than 0 and at most 1 (1 = off), not 7 (nothing changed)" in shell.out.getvalue()
     shell.out = io.StringIO()
     shell.handle("/params")
     shown = shell.out.getvalue()
@@ -244,9 +283,12 @@ def test_help_system_reset_and_unknown_commands():
     shell.handle("/system")
     assert shell.out.getvalue() == "system prompt: You are terse.\n"
     shell.history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    assert shell.messages("c") == [{"role": "system", "content": "You are terse."},
-                                   {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                                   {"role": "user", "content": "c"}]
+    assert shell.messages("c") == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     shell.handle("/reset")
     assert shell.history == [] and shell.system_prompt == "You are terse."
     shell.handle("/system --clear")
@@ -266,30 +308,45 @@ def test_bad_url_is_one_clear_error():
 
 # -- SSE and error bodies ----------------------------------------------------------------------------------
 
+
 def test_iter_sse_follows_the_event_stream_rules():
-    raw = (b": a comment, skipped\r\n"
-           b"event: message\r\nid: 7\r\ndata: one\r\n\r\n"          # CRLF
-           b"data:two\n\n"                                          # no space after the colon
-           b"data: three\rdata:  four\r\r"                          # lone CR; only one leading space is dropped
-           b"retry: 100\n\n"                                        # an event without data: nothing
-           b"data\n\n"                                              # a bare field name: empty data
-           + "data: caf\u00e9 \U0001f642\n\n".encode()              # UTF-8
-           + b"data: cut off")                                        # no blank line at the end
+    raw = (
+        b": a comment, skipped\r\n"
+        b"event: message\r\nid: 7\r\ndata: one\r\n\r\n"  # CRLF
+        b"data:two\n\n"  # no space after the colon
+        b"data: three\rdata:  four\r\r"  # lone CR; only one leading space is dropped
+        b"retry: 100\n\n"  # an event without data: nothing
+        b"data\n\n"  # a bare field name: empty data
+        + "data: caf\u00e9 \U0001f642\n\n".encode()  # UTF-8
+        + b"data: cut off"
+    )  # no blank line at the end
     assert list(iter_sse(io.BytesIO(raw))) == ["one", "two", "three\n four", "", "caf\u00e9 \U0001f642", "cut off"]
 
 
 def test_iter_chat_stream_collects_content_and_stops_at_done():
     usage = {"id": "x", "object": "chat.completion.chunk", "choices": [], "usage": {"total_tokens": 5}}
-    raw = (chunk(role="assistant", content="") + chunk("Hel") + chunk("lo") + chunk("other", index=1)
-           + chunk(finish="length") + b"data: " + json.dumps(usage).encode() + b"\n\n" + DONE + chunk("after"))
+    raw = (
+        chunk(role="assistant", content="")
+        + chunk("Hel")
+        + chunk("lo")
+        + chunk("other", index=1)
+        + chunk(finish="length")
+        + b"data: "
+        + json.dumps(usage).encode()
+        + b"\n\n"
+        + DONE
+        + chunk("after")
+    )
     reply = Reply()
     assert list(iter_chat_stream(io.BytesIO(raw), reply)) == ["Hel", "lo"]
     assert reply == Reply("Hello", "length")
 
 
 def test_iter_chat_stream_error_frame_and_garbage():
-    raw = chunk("Hi") + b'data: {"error": {"message": "worker\\ncrashed", "type": "server_error", "param": null, ' \
-                        b'"code": null}}\n\n' + DONE
+    raw = (
+        chunk("Hi") + b'data: {"error": {"message": "worker\\ncrashed", "type": "server_error", "param": null, '
+        b'"code": null}}\n\n' + DONE
+    )
     stream = iter_chat_stream(io.BytesIO(raw))
     assert next(stream) == "Hi"
     with pytest.raises(ChatError) as err:
@@ -305,20 +362,27 @@ def test_control_characters_are_shown_escaped(fake):
     shell, out = shell_for(server)
     shell.handle("hi")
     assert out.getvalue() == "red \\x1b[31m!\n"
-    assert shell.history[-1]["content"] == "red \x1b[31m!"       # the conversation keeps the text as it came
+    assert shell.history[-1]["content"] == "red \x1b[31m!"  # the conversation keeps the text as it came
 
 
 def test_format_error_is_one_line():
-    assert format_error(400, json.dumps(error_body("temperature must be\nat most 2", "temperature"))) == \
-        "error 400 (invalid_request_error, param=temperature): temperature must be at most 2"
-    assert format_error(404, error_body("no such model", "model", "model_not_found")) == \
-        "error 404 (invalid_request_error, param=model, code=model_not_found): no such model"
-    assert format_error(502, b"<html>\n<h1>Bad Gateway</h1>\n</html>") == "error 502: <html> <h1>Bad Gateway</h1> </html>"
+    assert (
+        format_error(400, json.dumps(error_body("temperature must be\nat most 2", "temperature")))
+        == "error 400 (invalid_request_error, param=temperature): temperature must be at most 2"
+    )
+    assert (
+        format_error(404, error_body("no such model", "model", "model_not_found"))
+        == "error 404 (invalid_request_error, param=model, code=model_not_found): no such model"
+    )
+    assert (
+        format_error(502, b"<html>\n<h1>Bad Gateway</h1>\n</html>") == "error 502: <html> <h1>Bad Gateway</h1> </html>"
+    )
     assert format_error(500, '{"error": "boom"}') == "error 500: boom"
     assert format_error(503, b"") == "error 503: (empty body)"
 
 
 # -- against the fake server -------------------------------------------------------------------------------
+
 
 def test_conversation_streams_and_keeps_history(fake):
     server = fake({("POST", "/v1/chat/completions"): streaming_echo})
@@ -329,17 +393,26 @@ def test_conversation_streams_and_keeps_history(fake):
     shell.handle("and again")
     assert "you said: hello\n" in out.getvalue() and "you said: and again\n" in out.getvalue()
     first, second = server.chat_requests()
-    assert first == {"model": "fake-model", "stream": True, "temperature": 0.0, "max_tokens": 8,
-                     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]}
-    assert second["messages"] == [{"role": "system", "content": "Be brief."},
-                                  {"role": "user", "content": "hello"},
-                                  {"role": "assistant", "content": "you said: hello"},
-                                  {"role": "user", "content": "and again"}]
+    assert first == {
+        "model": "fake-model",
+        "stream": True,
+        "temperature": 0.0,
+        "max_tokens": 8,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+    }
+    assert second["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "you said: hello"},
+        {"role": "user", "content": "and again"},
+    ]
     assert server.requests[0]["headers"]["Accept"] == "text/event-stream"
     shell.handle("/reset")
     shell.handle("fresh")
-    assert server.chat_requests()[-1]["messages"] == [{"role": "system", "content": "Be brief."},
-                                                      {"role": "user", "content": "fresh"}]
+    assert server.chat_requests()[-1]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "fresh"},
+    ]
 
 
 def test_reply_is_printed_token_by_token(fake):
@@ -350,8 +423,13 @@ def test_reply_is_printed_token_by_token(fake):
     def wait_for_client():
         seen["before_second"] = printed_first.wait(10)
 
-    server = fake({("POST", "/v1/chat/completions"):
-                   lambda body: SSE(chunk("first "), wait_for_client, chunk("second"), chunk(finish="stop"), DONE)})
+    server = fake(
+        {
+            ("POST", "/v1/chat/completions"): lambda body: SSE(
+                chunk("first "), wait_for_client, chunk("second"), chunk(finish="stop"), DONE
+            )
+        }
+    )
 
     class Out(io.StringIO):
         def write(self, text):
@@ -381,6 +459,7 @@ def test_falls_back_to_plain_requests_when_streaming_is_refused(fake):
         if body.get("stream"):
             return JSON(error_body("streaming is not supported", "stream"), 400)
         return JSON(completion("whole reply"))
+
     server = fake({("POST", "/v1/chat/completions"): no_streams})
     shell, out = shell_for(server)
     shell.handle("hi")
@@ -396,13 +475,14 @@ def test_server_errors_are_one_line_and_the_turn_is_dropped(fake):
         if body.get("temperature", 0) > 1:
             return JSON(error_body("temperature must be at most 1 here", "temperature"), 400)
         return streaming_echo(body)
+
     server = fake({("POST", "/v1/chat/completions"): picky})
     shell, out = shell_for(server)
     shell.handle("/params temperature=1.5")
     shell.handle("hi")
     lines = out.getvalue().splitlines()
     assert "error 400 (invalid_request_error, param=temperature): temperature must be at most 1 here" in lines
-    assert shell.history == [] and shell.stream is True        # a 400 on both tries is not about streaming
+    assert shell.history == [] and shell.stream is True  # a 400 on both tries is not about streaming
     assert len(server.chat_requests()) == 2
     shell.handle("/params temperature=default")
     shell.handle("hi")
@@ -410,13 +490,16 @@ def test_server_errors_are_one_line_and_the_turn_is_dropped(fake):
 
 
 def test_error_after_the_stream_began(fake):
-    broken = SSE(chunk("par"), b'data: {"error": {"message": "out of memory", "type": "server_error", '
-                               b'"param": null, "code": null}}\n\n', DONE)
+    broken = SSE(
+        chunk("par"),
+        b'data: {"error": {"message": "out of memory", "type": "server_error", "param": null, "code": null}}\n\n',
+        DONE,
+    )
     server = fake({("POST", "/v1/chat/completions"): lambda body: broken})
     shell, out = shell_for(server)
     assert shell.send("hi") is None
     assert out.getvalue() == "par\nerror (server_error): out of memory\n"
-    assert shell.history == [] and len(server.chat_requests()) == 1   # not retried
+    assert shell.history == [] and len(server.chat_requests()) == 1  # not retried
 
 
 def test_a_server_that_ignores_stream_true(fake):
@@ -436,8 +519,9 @@ def test_unreachable_server_keeps_the_shell(fake):
 
 
 def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(fake):
-    server = fake({("POST", "/v1/chat/completions"):
-                   lambda body: SSE(chunk("one "), chunk("two "), *[chunk("x")] * 50, DONE)})
+    server = fake(
+        {("POST", "/v1/chat/completions"): lambda body: SSE(chunk("one "), chunk("two "), *[chunk("x")] * 50, DONE)}
+    )
 
     class Out(io.StringIO):
         def write(self, text):
@@ -459,17 +543,27 @@ def test_prompt_via_tokenize_and_detokenize(fake):
     def detokenize(body):
         return JSON({"prompt": "<|system|>\nBe brief.\n<|user|>\nhello\n<|assistant|>\n"})
 
-    server = fake({("POST", "/v1/chat/completions"): streaming_echo, ("POST", "/tokenize"): tokenize,
-                   ("POST", "/detokenize"): detokenize})
+    server = fake(
+        {
+            ("POST", "/v1/chat/completions"): streaming_echo,
+            ("POST", "/tokenize"): tokenize,
+            ("POST", "/detokenize"): detokenize,
+        }
+    )
     shell, out = shell_for(server)
     shell.handle("/system Be brief.")
     shell.handle("/prompt")
     tok, detok = [r for r in server.requests if r["path"] in ("/tokenize", "/detokenize")]
-    assert tok["body"] == {"model": "fake-model", "add_generation_prompt": True,
-                           "messages": [{"role": "system", "content": "Be brief."}]}
+    assert tok["body"] == {
+        "model": "fake-model",
+        "add_generation_prompt": True,
+        "messages": [{"role": "system", "content": "Be brief."}],
+    }
     assert detok["body"] == {"model": "fake-model", "tokens": [1, 2, 3, 4]}
-    assert ("--- prompt: 4 tokens (the model takes 256) ---\n<|system|>\nBe brief.\n<|user|>\nhello\n"
-            "<|assistant|>\n--- end of prompt ---\n") in out.getvalue()
+    assert (
+        "--- prompt: 4 tokens (the model takes 256) ---\n<|system|>\nBe brief.\n<|user|>\nhello\n"
+        "<|assistant|>\n--- end of prompt ---\n"
+    ) in out.getvalue()
 
 
 def test_prompt_without_tokenize_shows_the_messages(fake):
@@ -480,9 +574,12 @@ def test_prompt_without_tokenize_shows_the_messages(fake):
     shell.handle("/prompt")
     text = out.getvalue()
     assert "this server has no /tokenize and /detokenize endpoints (error 404" in text
-    shown = text[text.index("the messages sent are:\n") + len("the messages sent are:\n"):]
-    assert json.loads(shown) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
-                                 {"role": "assistant", "content": "you said: hello"}]
+    shown = text[text.index("the messages sent are:\n") + len("the messages sent are:\n") :]
+    assert json.loads(shown) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "you said: hello"},
+    ]
 
 
 def test_prompt_error_from_tokenize_is_shown(fake):
@@ -493,24 +590,37 @@ def test_prompt_error_from_tokenize_is_shown(fake):
     assert server.requests == []
     shell.system_prompt = "x"
     shell.handle("/prompt")
-    assert "error 400 (invalid_request_error): the model has no chat template; the messages sent are:\n[\n" \
+    assert (
+        "error 400 (invalid_request_error): the model has no chat template; the messages sent are:\n[\n"
         in out.getvalue()
+    )
 
 
 def test_prompt_that_fills_the_context_is_flagged(fake):
-    server = fake({("POST", "/tokenize"): lambda body: JSON({"count": 9, "max_model_len": 8, "tokens": [5] * 9}),
-                   ("POST", "/detokenize"): lambda body: JSON({"prompt": "long \x1b[2J"})})
+    server = fake(
+        {
+            ("POST", "/tokenize"): lambda body: JSON({"count": 9, "max_model_len": 8, "tokens": [5] * 9}),
+            ("POST", "/detokenize"): lambda body: JSON({"prompt": "long \x1b[2J"}),
+        }
+    )
     shell, out = shell_for(server)
     shell.system_prompt = "x"
     shell.handle("/prompt")
-    assert out.getvalue() == ("--- prompt: 9 tokens (the model takes 8) ---\nlong \\x1b[2J\n--- end of prompt ---\n"
-                              "the prompt already fills the model's 8 tokens: the next message will be refused "
-                              "(/reset starts a new conversation)\n")
+    assert out.getvalue() == (
+        "--- prompt: 9 tokens (the model takes 8) ---\nlong \\x1b[2J\n--- end of prompt ---\n"
+        "the prompt already fills the model's 8 tokens: the next message will be refused "
+        "(/reset starts a new conversation)\n"
+    )
 
 
 def test_model_from_the_models_list_and_api_key(fake):
-    server = fake({("GET", "/v1/models"): lambda body: JSON({"object": "list", "data": [
-        {"id": "first", "object": "model"}, {"id": "second", "object": "model"}]})})
+    server = fake(
+        {
+            ("GET", "/v1/models"): lambda body: JSON(
+                {"object": "list", "data": [{"id": "first", "object": "model"}, {"id": "second", "object": "model"}]}
+            )
+        }
+    )
     client = HTTPClient(server.url, api_key="sk-test")
     assert client.first_model() == "first"
     assert server.requests[0]["headers"]["Authorization"] == "Bearer sk-test"
@@ -526,20 +636,31 @@ def test_run_loop_ends_on_quit_eof_and_ctrl_c(fake):
     assert len(server.chat_requests()) == 1
     assert out.getvalue().startswith(f"saker chat with fake-model at {server.url}. Type /help or /? to list")
     assert out.getvalue().endswith(">>> you said: hi\n>>> >>> ")
-    assert shell.run(reader([], out)) == 0                                      # EOF
+    assert shell.run(reader([], out)) == 0  # EOF
 
     def interrupted(prompt):
         raise KeyboardInterrupt
+
     assert shell.run(interrupted) == 0
 
 
 def test_python_m_app_chat_with_piped_input(fake):
     """The CLI end to end (argparse, model discovery, input() on a pipe) against the fake server."""
-    server = fake({("GET", "/v1/models"): lambda body: JSON({"object": "list", "data": [{"id": "fake-1"}]}),
-                   ("POST", "/v1/chat/completions"): streaming_echo})
-    result = subprocess.run([sys.executable, "-m", "app", "chat", "--url", server.url],
-                            input="hello\n/params top_k=abc\n/reset\n/quit\n", capture_output=True, text=True,
-                            cwd=ROOT, timeout=60, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    server = fake(
+        {
+            ("GET", "/v1/models"): lambda body: JSON({"object": "list", "data": [{"id": "fake-1"}]}),
+            ("POST", "/v1/chat/completions"): streaming_echo,
+        }
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "chat", "--url", server.url],
+        input="hello\n/params top_k=abc\n/reset\n/quit\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "saker chat with fake-1" in result.stdout
@@ -550,13 +671,20 @@ def test_python_m_app_chat_with_piped_input(fake):
 
 
 def test_python_m_app_chat_without_a_server():
-    result = subprocess.run([sys.executable, "-m", "app", "chat", "--url", "http://127.0.0.1:9/v1"],
-                            input="", capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "chat", "--url", "http://127.0.0.1:9/v1"],
+        input="",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert result.returncode == 1
     assert result.stderr.startswith("saker chat: error: cannot reach http://127.0.0.1:9/v1/models")
 
 
 # -- against a real gunicorn -------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_chat_shell_against_real_gunicorn(llama_dir, reference):
@@ -565,18 +693,24 @@ def test_chat_shell_against_real_gunicorn(llama_dir, reference):
 
     from servers import Gunicorn
 
-    server = Gunicorn({"SAKER_MODEL": str(llama_dir), "SAKER_SERVED_MODEL_NAME": "tiny-llama",
-                       "SAKER_THREADS": "2"})
+    server = Gunicorn({"SAKER_MODEL": str(llama_dir), "SAKER_SERVED_MODEL_NAME": "tiny-llama", "SAKER_THREADS": "2"})
     try:
         server.wait_ready()
-        script = ("hello\n/params temperature=0\n/system be brief\n/prompt\n/reset\n/prompt\n/params max_tokens=8\n"
-                  "What is the capital of France?\n/quit\n")
-        result = subprocess.run([sys.executable, "-m", "app", "chat", "--url", server.url + "/v1"], input=script.encode(),
-                                capture_output=True, cwd=ROOT, timeout=300,
-                                env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+        script = (
+            "hello\n/params temperature=0\n/system be brief\n/prompt\n/reset\n/prompt\n/params max_tokens=8\n"
+            "What is the capital of France?\n/quit\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-m", "app", "chat", "--url", server.url + "/v1"],
+            input=script.encode(),
+            capture_output=True,
+            cwd=ROOT,
+            timeout=300,
+            env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        )
     finally:
         server.stop()
-    out = result.stdout.decode("utf-8")           # bytes: a CR in the sampled reply must stay a CR
+    out = result.stdout.decode("utf-8")  # bytes: a CR in the sampled reply must stay a CR
     assert result.returncode == 0, (out, result.stderr.decode())
     assert result.stderr == b""
     parts = out.split(">>> ")
@@ -595,8 +729,12 @@ def test_chat_shell_against_real_gunicorn(llama_dir, reference):
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
     def prompt_block(text):
-        match = re.fullmatch(r"--- prompt: (\d+) tokens \(the model takes 256\) ---\n(.*)\n--- end of prompt ---\n"
-                             r"(the prompt already fills.*\n)?", text, re.S)
+        match = re.fullmatch(
+            r"--- prompt: (\d+) tokens \(the model takes 256\) ---\n(.*)\n--- end of prompt ---\n"
+            r"(the prompt already fills.*\n)?",
+            text,
+            re.S,
+        )
         assert match, text
         return int(match.group(1)), match.group(2) + "\n"
 
@@ -606,11 +744,14 @@ def test_chat_shell_against_real_gunicorn(llama_dir, reference):
     count, text = prompt_block(parts[4])
     head, tail = "<s><|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n", "\n<|assistant|>\n"
     assert text.startswith(head) and text.endswith(tail)
-    shown_reply = text[len(head):-len(tail)]
+    shown_reply = text[len(head) : -len(tail)]
     assert first_reply in (shown_reply, shown_reply + "\n")
-    if "\\x" not in shown_reply:                   # no escaped control characters: the text is exact
-        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-                    {"role": "assistant", "content": shown_reply}]
+    if "\\x" not in shown_reply:  # no escaped control characters: the text is exact
+        messages = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": shown_reply},
+        ]
         assert count == len(rendered(messages))
 
     # after /reset only the system prompt is left
@@ -619,12 +760,14 @@ def test_chat_shell_against_real_gunicorn(llama_dir, reference):
     assert tok.decode(ids) == "<s><|system|>\nbe brief\n<|assistant|>\n"
 
     # temperature=0, max_tokens=8 and the system prompt reached the server: the reply is generate()'s greedy text
-    ids = rendered([{"role": "system", "content": "be brief"},
-                    {"role": "user", "content": "What is the capital of France?"}])
-    generated = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                               pad_token_id=tok.eos_token_id)[0].tolist()
-    new = generated[len(ids):]
-    expected = tok.decode(generated, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
+    ids = rendered(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is the capital of France?"}]
+    )
+    generated = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)[
+        0
+    ].tolist()
+    new = generated[len(ids) :]
+    expected = tok.decode(generated, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)) :]
     shown = printable(expected) or "(empty reply)"
     shown += "" if shown.endswith("\n") else "\n"
     if len(new) == 8 and new[-1] != tok.eos_token_id:

@@ -2,12 +2,12 @@
 for torch.compile (``fullgraph=True``: no graph break) and is not compiled again while requests join and leave
 the batch (only a new batch bucket would be); compiled answers equal eager ones (greedy text, logprobs within
 1e-4). The CUDA-graph replay of the same step is checked on a GPU (tests/test_models.py)."""
+
 from __future__ import annotations
 
 import contextlib
 
 import pytest
-import torch
 
 from app.engine.generate import RequestGroup, bucket
 from app.engine.output import collect
@@ -23,6 +23,7 @@ def workers(gpt2_dir):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
     import torch._dynamo
+
     torch._dynamo.reset()
     settings = make_settings(model=str(gpt2_dir))
     compiled = Worker.from_loaded(("m",), load_model(settings), max_batch_size=2, compile=True)
@@ -33,8 +34,9 @@ def workers(gpt2_dir):
 
 def run(worker, requests):
     """Submit ``requests`` [(ids, params)] together; their outputs."""
-    groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, (ids, params) in
-              enumerate(requests)]
+    groups = [
+        RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, (ids, params) in enumerate(requests)
+    ]
     per = {i: [] for i in range(len(requests))}
     for tag, event in worker.scheduler.submit(groups):
         per[tag].append(event)
@@ -46,6 +48,7 @@ def no_new_graphs():
     """Nothing in the body compiles a graph (dynamo's counters are global; its config is per thread, so
     ``error_on_recompile`` would not reach the scheduler's thread)."""
     from torch._dynamo.utils import counters
+
     before = counters["stats"]["unique_graphs"]
     yield
     assert counters["stats"]["unique_graphs"] == before, "a join or leave compiled a new graph"
@@ -59,6 +62,7 @@ def count_calls(runner, monkeypatch) -> dict[int, int]:
     def counted(tokens, *args, **kwargs):
         calls[tokens.shape[0]] = calls.get(tokens.shape[0], 0) + 1
         return step(tokens, *args, **kwargs)
+
     monkeypatch.setattr(runner, "compiled_step", counted)
     return calls
 
@@ -67,21 +71,27 @@ def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 5, 9, 17, 25, 32, 33, 64, 65)] == [1, 2, 4, 8, 16, 24, 32, 32, 40, 64, 72]
 
 
-def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(workers, reference, gpt2_dir,
-                                                                           monkeypatch):
-    import torch._dynamo
+def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(workers, reference, gpt2_dir, monkeypatch):
     compiled, eager = workers
     assert compiled.runner.compiled_step is not None and eager.runner.compiled_step is None
     _, tok = reference(gpt2_dir)
     calls = count_calls(compiled.runner, monkeypatch)
-    requests = [(tok("Once upon a time").input_ids, SamplingParams(max_tokens=12, temperature=0.0, logprobs=2,
-                                                                   ignore_eos=True)),
-                (tok("Hello").input_ids, SamplingParams(max_tokens=5, temperature=0.0, logprobs=0,
-                                                        ignore_eos=True)),           # leaves early
-                (tok("The capital of France is").input_ids, SamplingParams(max_tokens=7, temperature=0.8, seed=3,
-                                                                           logprobs=1, ignore_eos=True))]
-    for _ in range(2):                              # the third joins when the second leaves; then all again
-        with no_new_graphs():                       # warm-up compiled every bucket
+    requests = [
+        (
+            tok("Once upon a time").input_ids,
+            SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        ),
+        (
+            tok("Hello").input_ids,
+            SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True),
+        ),  # leaves early
+        (
+            tok("The capital of France is").input_ids,
+            SamplingParams(max_tokens=7, temperature=0.8, seed=3, logprobs=1, ignore_eos=True),
+        ),
+    ]
+    for _ in range(2):  # the third joins when the second leaves; then all again
+        with no_new_graphs():  # warm-up compiled every bucket
             got = run(compiled, requests)
         want = run(eager, requests)
         for a, b in zip(got, want):
@@ -89,20 +99,21 @@ def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(worke
             for x, y in zip(a.choices, b.choices):
                 assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=TOL)
     assert compiled.scheduler.max_rows_seen == 2
-    assert calls == {1: calls[1], 2: calls[2]} and calls[1] and calls[2]     # both buckets ran, compiled
+    assert calls == {1: calls[1], 2: calls[2]} and calls[1] and calls[2]  # both buckets ran, compiled
 
 
 def test_n_candidates_fill_one_bucket(workers, reference, gpt2_dir, monkeypatch):
     import torch._dynamo
+
     compiled, eager = workers
     _, tok = reference(gpt2_dir)
     calls = count_calls(compiled.runner, monkeypatch)
-    request = [(tok("Hello there").input_ids, SamplingParams(max_tokens=6, temperature=0.7, seed=9, n=2,
-                                                             logprobs=1))]
+    request = [(tok("Hello there").input_ids, SamplingParams(max_tokens=6, temperature=0.7, seed=9, n=2, logprobs=1))]
     with no_new_graphs():
         (a,) = run(compiled, request)
     (b,) = run(eager, request)
-    assert calls[2] == 5                                                 # 6 tokens: 1 from the prefill
+    assert calls[2] == 5  # 6 tokens: 1 from the prefill
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert torch.tensor([c.logprobs.token_logprobs[0] for c in a.choices]).allclose(
-        torch.tensor([c.logprobs.token_logprobs[0] for c in b.choices]), atol=TOL)
+        torch.tensor([c.logprobs.token_logprobs[0] for c in b.choices]), atol=TOL
+    )

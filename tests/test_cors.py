@@ -1,19 +1,25 @@
 """CORS (SAKER_CORS_ORIGINS, flask-cors): closed by default; with an origin allowed, a browser's preflight is
 answered without an API key, and answers (errors too) carry the origin and expose saker's headers."""
+
 from __future__ import annotations
 
 from conftest import make_settings
 
 ORIGIN = "https://app.example.com"
-PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type"}
+PREFLIGHT = {
+    "Origin": ORIGIN,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
 BODY = {"model": "tiny-gpt2", "prompt": "Hi", "max_tokens": 1}
 
 
 def client_for(gpt2_dir, gpt2_worker, **settings):
     from app import create_app
-    return create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", **settings),
-                      engine=gpt2_worker).test_client()
+
+    return create_app(
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", **settings), engine=gpt2_worker
+    ).test_client()
 
 
 def test_closed_by_default(gpt2_client):
@@ -24,8 +30,7 @@ def test_closed_by_default(gpt2_client):
 
 
 def test_an_allowed_origin(gpt2_dir, gpt2_worker):
-    client = client_for(gpt2_dir, gpt2_worker, cors_origins=f"{ORIGIN}, http://localhost:3000",
-                        api_keys="cors-key")
+    client = client_for(gpt2_dir, gpt2_worker, cors_origins=f"{ORIGIN}, http://localhost:3000", api_keys="cors-key")
     pre = client.options("/v1/completions", headers=PREFLIGHT)
     assert pre.status_code == 200, pre.get_data(as_text=True)
     assert pre.headers["Access-Control-Allow-Origin"] == ORIGIN
@@ -40,7 +45,7 @@ def test_an_allowed_origin(gpt2_dir, gpt2_worker):
     assert denied.status_code == 401 and denied.headers["Access-Control-Allow-Origin"] == ORIGIN
     other = client.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
     assert "Access-Control-Allow-Origin" not in other.headers
-    plain_options = client.options("/v1/completions")       # not a preflight: the key is still required
+    plain_options = client.options("/v1/completions")  # not a preflight: the key is still required
     assert plain_options.status_code == 401
 
 

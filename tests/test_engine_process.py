@@ -1,6 +1,7 @@
 """SAKER_ENGINE_PROCESS: the model loop in a process of its own. Answers equal the in-process engine's (greedy
 text and logprobs, seeded samples with stop strings and n), a cancelled stream stops the engine's work, and a
 dead engine fails the requests that were waiting with a clear error instead of hanging them."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def workers(gpt2_dir):
     from app.engine.worker import Worker
+
     remote = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True))
     remote.load()
     local = Worker.from_settings(make_settings(model=str(gpt2_dir)))
@@ -27,8 +29,14 @@ REQUESTS = [
     SamplingParams(max_tokens=10, temperature=0.8, seed=5, n=3, stop=("e", "a"), logprobs=0),
     SamplingParams(max_tokens=6, temperature=0.0, echo=True, logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=8, temperature=0.7, seed=2, best_of=3, n=2, top_p=0.9),
-    SamplingParams(max_tokens=30, temperature=0.9, seed=4, n=2, logprobs=1,
-                   constraint=Constraint("regex", "[a-z]{2,8}@[a-z]{2,5}\\.com")),
+    SamplingParams(
+        max_tokens=30,
+        temperature=0.9,
+        seed=4,
+        n=2,
+        logprobs=1,
+        constraint=Constraint("regex", "[a-z]{2,8}@[a-z]{2,5}\\.com"),
+    ),
 ]
 
 
@@ -46,8 +54,9 @@ def test_answers_equal_the_in_process_engine(workers, params):
         for x, y in zip(a.choices, b.choices):
             if x.logprobs is not None:
                 assert x.logprobs.tokens == y.logprobs.tokens
-                assert [list(d or {}) for d in x.logprobs.top_logprobs] == \
-                    [list(d or {}) for d in y.logprobs.top_logprobs]
+                assert [list(d or {}) for d in x.logprobs.top_logprobs] == [
+                    list(d or {}) for d in y.logprobs.top_logprobs
+                ]
                 for dx, dy in zip(x.logprobs.top_logprobs, y.logprobs.top_logprobs):
                     assert list((dx or {}).values()) == pytest.approx(list((dy or {}).values()), abs=TOL)
                 assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=TOL)
@@ -59,30 +68,37 @@ def test_a_dropped_stream_stops_the_engine(workers):
     ids = remote.encode("Hello")
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     from app.engine.params import Timings
+
     stream = remote.stream([ids], params, 256, Timings())
     for n, _ in enumerate(stream):
         if n == 3:
             break
-    stream.close()                                   # the client went away
+    stream.close()  # the client went away
     steps = remote.scheduler.steps
     (after,), _ = remote.complete([ids], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 256)
     assert after.completion_tokens == 2
-    assert remote.scheduler.steps - steps < 150      # the dropped request did not run on to 200 tokens
+    assert remote.scheduler.steps - steps < 150  # the dropped request did not run on to 200 tokens
 
 
 def test_a_dead_engine_fails_waiting_requests(gpt2_dir):
     from app.engine.worker import Worker
+
     worker = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True))
     worker.load()
     ids = worker.encode("Hello")
-    events = worker.events([ids], SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True), 256,
-                           __import__("app.engine.params", fromlist=["Timings"]).Timings())
-    next(events)                                     # running
+    events = worker.events(
+        [ids],
+        SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True),
+        256,
+        __import__("app.engine.params", fromlist=["Timings"]).Timings(),
+    )
+    next(events)  # running
     worker.scheduler.process.kill()
     with pytest.raises(RuntimeError, match="engine process exited"):
         for _ in events:
             pass
     from app.errors import ModelNotReadyError
-    assert not worker.ready                          # /health turns 503 and new requests are refused
+
+    assert not worker.ready  # /health turns 503 and new requests are refused
     with pytest.raises(ModelNotReadyError, match="engine process exited"):
         worker.require_ready()

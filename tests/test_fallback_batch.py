@@ -2,6 +2,7 @@
 layers keep only the window, so rows cannot be written per slot). Such a model decodes in the left-padded batch,
 one request at a time, and its answers still equal transformers' own: greedy text = ``generate()``, logprobs = a
 plain forward's log-softmax."""
+
 from __future__ import annotations
 
 import shutil
@@ -21,16 +22,27 @@ WINDOW = 8
 @pytest.fixture(scope="module")
 def mistral_dir(llama_dir, tmp_path_factory):
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
     path = tmp_path_factory.mktemp("tiny-mistral")
     for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
         if (llama_dir / name).exists():
             shutil.copy(llama_dir / name, path / name)
     tok = AutoTokenizer.from_pretrained(str(path))
     torch.manual_seed(1)
-    config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                           sliding_window=WINDOW, bos_token_id=1, eos_token_id=2, initializer_range=0.2,
-                           tie_word_embeddings=False)
+    config = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     MistralForCausalLM(config).eval().save_pretrained(path)
     return path
 
@@ -39,6 +51,7 @@ def mistral_dir(llama_dir, tmp_path_factory):
 def worker(mistral_dir):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
+
     return Worker.from_loaded(("m",), load_model(make_settings(model=str(mistral_dir))), max_batch_size=8)
 
 
@@ -50,7 +63,7 @@ def test_sliding_window_model_uses_the_padded_batch(worker):
 def test_answers_equal_transformers_and_requests_run_one_at_a_time(worker, mistral_dir, reference):
     model, tok = reference(mistral_dir)
     prompts = [tok("Once upon a time there was a small model").input_ids, tok("Hello").input_ids]
-    assert len(prompts[0]) > WINDOW                            # the window matters within the prompt
+    assert len(prompts[0]) > WINDOW  # the window matters within the prompt
     params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
     groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, ids in enumerate(prompts)]
     per = {0: [], 1: []}
@@ -60,7 +73,7 @@ def test_answers_equal_transformers_and_requests_run_one_at_a_time(worker, mistr
     for i, ids in enumerate(prompts):
         choice = collect(per[i], params).choices[0]
         full = ref_greedy(model, tok, ids, 20)
-        assert choice.token_ids == full[len(ids):]
+        assert choice.token_ids == full[len(ids) :]
         assert choice.text == continuation(tok, ids, full)
         lp = ref_logprobs(model, full)
         want = [lp[p - 1, full[p]].item() for p in range(len(ids), len(full))]

@@ -1,5 +1,6 @@
 """Fidelity against independent references: ``model.generate()`` for greedy text, one plain float32 forward's
 log-softmax for every logprob, the tokenizer itself for text, offsets and counts. Both tiny models."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,10 +26,13 @@ def test_greedy_text_and_logprobs_match_references(tiny, reference, prompt):
     body = post(client, model=name, prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
     choice = body["choices"][0]
     ref_ids = ref_greedy(model, tok, prompt_ids, 12)
-    gen_ids = ref_ids[len(prompt_ids):]
+    gen_ids = ref_ids[len(prompt_ids) :]
     assert choice["text"] == continuation(tok, prompt_ids, ref_ids)
-    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen_ids),
-                             "total_tokens": len(prompt_ids) + len(gen_ids)}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(gen_ids),
+        "total_tokens": len(prompt_ids) + len(gen_ids),
+    }
 
     lp = ref_logprobs(model, ref_ids)
     logprobs = choice["logprobs"]
@@ -63,15 +67,16 @@ def test_echo_scoring_of_token_id_prompts(tiny, reference, prompt):
     for i in range(1, len(ids)):
         assert logprobs["token_logprobs"][i] == pytest.approx(lp[i - 1, ids[i]].item(), abs=TOL)
         top = logprobs["top_logprobs"][i]
-        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(torch.topk(lp[i - 1], 2).values.tolist(),
-                                                                       abs=TOL)
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(
+            torch.topk(lp[i - 1], 2).values.tolist(), abs=TOL
+        )
         assert len(set(top)) == len(top)
     assert choice["text"] == tok.decode(ids, skip_special_tokens=True)
     assert "".join(logprobs["tokens"]) == choice["text"]
     assert "\ufffd" not in choice["text"]
     offsets = logprobs["text_offset"]
     for token, offset in zip(logprobs["tokens"], offsets):
-        assert choice["text"][offset:offset + len(token)] == token
+        assert choice["text"][offset : offset + len(token)] == token
     assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 0
 
 
@@ -121,7 +126,7 @@ def test_top_logprobs_keys_are_distinct_and_complete(tiny):
     client, path, name = tiny
     body = post(client, model=name, prompt="東京 Hello", max_tokens=8, temperature=0, logprobs=10, echo=True)
     for top in body["choices"][0]["logprobs"]["top_logprobs"][1:]:
-        assert len(top) in (10, 11)   # dict keys are unique by construction: no candidate was lost
+        assert len(top) in (10, 11)  # dict keys are unique by construction: no candidate was lost
 
 
 @pytest.mark.parametrize("model_kind", ["gpt2", "llama"])
@@ -134,8 +139,11 @@ def test_stop_string_spanning_tokens(request, reference, model_kind):
     # a stop string made of the end of one token and the start of the next
     boundary = None
     for i in range(2, len(tokens) - 1):
-        if tokens[i] and tokens[i + 1] and text.find(tokens[i][-1] + tokens[i + 1][0]) == \
-                sum(len(t) for t in tokens[:i + 1]) - 1:
+        if (
+            tokens[i]
+            and tokens[i + 1]
+            and text.find(tokens[i][-1] + tokens[i + 1][0]) == sum(len(t) for t in tokens[: i + 1]) - 1
+        ):
             boundary = i
             break
     assert boundary is not None, tokens
@@ -147,9 +155,16 @@ def test_stop_string_spanning_tokens(request, reference, model_kind):
     assert choice["finish_reason"] == "stop"
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
     assert body["usage"]["completion_tokens"] == boundary + 2
-    inc = post(client, model=name, prompt="Once upon a time", max_tokens=16, temperature=0, stop=stop,
-               include_stop_str_in_output=True)
-    assert inc["choices"][0]["text"] == text[:cut + len(stop)]
+    inc = post(
+        client,
+        model=name,
+        prompt="Once upon a time",
+        max_tokens=16,
+        temperature=0,
+        stop=stop,
+        include_stop_str_in_output=True,
+    )
+    assert inc["choices"][0]["text"] == text[: cut + len(stop)]
 
 
 def test_stop_only_cuts_sampled_output(tiny):
@@ -179,17 +194,17 @@ def test_n_best_of_counts_indexes_and_ordering(tiny):
     body = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     every = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=4, logprobs=0)
-    best = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2, best_of=4,
-                logprobs=0)
+    best = post(client, model=name, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2, best_of=4, logprobs=0)
     assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3]
 
     def mean(choice):
         lps = choice["logprobs"]["token_logprobs"]
         return sum(lps) / len(lps)
+
     for p in range(2):
-        candidates = every["choices"][p * 4:(p + 1) * 4]
+        candidates = every["choices"][p * 4 : (p + 1) * 4]
         expected = sorted(candidates, key=lambda c: -mean(c))[:2]
-        got = best["choices"][p * 2:(p + 1) * 2]
+        got = best["choices"][p * 2 : (p + 1) * 2]
         assert [c["text"] for c in got] == [c["text"] for c in expected]
         assert mean(got[0]) >= mean(got[1])
     # usage counts every candidate that was generated
@@ -200,20 +215,21 @@ def test_eos_counts_and_contributes_empty_token(tiny, reference):
     client, path, name = tiny
     _, tok = reference(path)
     eos = tok.eos_token_id
-    body = post(client, model=name, prompt="Hello", max_tokens=5, temperature=0, logprobs=1,
-                logit_bias={str(eos): 100})
+    body = post(client, model=name, prompt="Hello", max_tokens=5, temperature=0, logprobs=1, logit_bias={str(eos): 100})
     choice = body["choices"][0]
     assert choice["text"] == "" and choice["finish_reason"] == "stop"
     assert choice["logprobs"]["tokens"] == [""]
     assert body["usage"]["completion_tokens"] == 1
     # the reported logprob is raw: the +100 bias shaped the choice, not the number
     assert choice["logprobs"]["token_logprobs"][0] < -0.5
-    ignored = post(client, model=name, prompt="Hello", max_tokens=5, temperature=0, ignore_eos=True,
-                   logit_bias={str(eos): 100})
+    ignored = post(
+        client, model=name, prompt="Hello", max_tokens=5, temperature=0, ignore_eos=True, logit_bias={str(eos): 100}
+    )
     assert ignored["choices"][0]["finish_reason"] == "length"
     assert ignored["usage"]["completion_tokens"] == 5
-    delayed = post(client, model=name, prompt="Hello", max_tokens=8, temperature=0, min_tokens=3,
-                   logit_bias={str(eos): 100})
+    delayed = post(
+        client, model=name, prompt="Hello", max_tokens=8, temperature=0, min_tokens=3, logit_bias={str(eos): 100}
+    )
     assert delayed["usage"]["completion_tokens"] == 4
     assert delayed["choices"][0]["finish_reason"] == "stop"
 
@@ -222,7 +238,7 @@ def test_stop_token_ids(tiny, reference):
     client, path, name = tiny
     model, tok = reference(path)
     ids = tok("Once upon a time").input_ids
-    gen = ref_greedy(model, tok, ids, 6)[len(ids):]
+    gen = ref_greedy(model, tok, ids, 6)[len(ids) :]
     target = gen[2]
     first = gen.index(target)
     body = post(client, model=name, prompt="Once upon a time", max_tokens=6, temperature=0, stop_token_ids=[target])
@@ -236,8 +252,18 @@ def test_bias_and_penalties_shape_sampling_but_not_logprobs(tiny, reference):
     model, tok = reference(path)
     ids = tok("Hello").input_ids
     forced = tok(" the", add_special_tokens=False).input_ids[-1]
-    body = post(client, model=name, prompt="Hello", max_tokens=4, temperature=0, logprobs=0,
-                logit_bias={str(forced): 100}, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)
+    body = post(
+        client,
+        model=name,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        logprobs=0,
+        logit_bias={str(forced): 100},
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+    )
     lps = body["choices"][0]["logprobs"]["token_logprobs"]
     all_ids = ids + [forced] * 4
     lp = ref_logprobs(model, all_ids)
@@ -254,8 +280,16 @@ def test_allowed_token_ids_and_processed_logprobs_against_a_plain_forward(tiny, 
     model, tok = reference(path)
     ids = tok("Hello").input_ids
     allowed = [5, 17, 42, 99, 123]
-    body = post(client, model=name, prompt=ids, max_tokens=5, temperature=0, logprobs=1, allowed_token_ids=allowed,
-                ignore_eos=True)
+    body = post(
+        client,
+        model=name,
+        prompt=ids,
+        max_tokens=5,
+        temperature=0,
+        logprobs=1,
+        allowed_token_ids=allowed,
+        ignore_eos=True,
+    )
     got = body["choices"][0]["logprobs"]
     seq = list(ids)
     for step in range(5):
@@ -264,18 +298,28 @@ def test_allowed_token_ids_and_processed_logprobs_against_a_plain_forward(tiny, 
         assert got["token_logprobs"][step] == pytest.approx(torch.log_softmax(logits, -1)[token].item(), abs=TOL)
         seq.append(token)
     assert body["choices"][0]["text"] == continuation(tok, ids, seq)
-    processed = post(client, model=name, prompt=ids, max_tokens=5, temperature=0, logprobs=1,
-                     allowed_token_ids=allowed, logprobs_mode="processed_logprobs", ignore_eos=True)
-    assert processed["choices"][0]["text"] == body["choices"][0]["text"]      # the same tokens
+    processed = post(
+        client,
+        model=name,
+        prompt=ids,
+        max_tokens=5,
+        temperature=0,
+        logprobs=1,
+        allowed_token_ids=allowed,
+        logprobs_mode="processed_logprobs",
+        ignore_eos=True,
+    )
+    assert processed["choices"][0]["text"] == body["choices"][0]["text"]  # the same tokens
     mask = torch.full((model.config.vocab_size,), float("-inf"))
     mask[allowed] = 0.0
     got = processed["choices"][0]["logprobs"]
     for step in range(5):
-        logits = model(torch.tensor([seq[:len(ids) + step]])).logits[0, -1].float().detach()
-        within = torch.log_softmax(logits + mask, -1)                # greedy: no temperature, only the mask
+        logits = model(torch.tensor([seq[: len(ids) + step]])).logits[0, -1].float().detach()
+        within = torch.log_softmax(logits + mask, -1)  # greedy: no temperature, only the mask
         assert got["token_logprobs"][step] == pytest.approx(within[seq[len(ids) + step]].item(), abs=TOL)
         assert sorted(got["top_logprobs"][step].values(), reverse=True) == pytest.approx(
-            sorted({within[seq[len(ids) + step]].item(), within.max().item()}, reverse=True), abs=TOL)
+            sorted({within[seq[len(ids) + step]].item(), within.max().item()}, reverse=True), abs=TOL
+        )
 
 
 def test_empty_prompt_is_conditioned_on_the_start_token(tiny, reference):

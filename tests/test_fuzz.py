@@ -4,6 +4,7 @@ Each body mixes plausible values (that reach generation) with wrong types, out-o
 JSON. Whatever comes in: no 5xx, every error is an OpenAI error object, a stream is well-formed frames ending
 in [DONE], and a 200 has the response's shape. Runs are derandomized (the same examples every run) and bounded.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,29 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
-FUZZ = settings(max_examples=100, deadline=None, derandomize=True, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 # strings may hold lone surrogates (JSON's "\ud800"), which are not Unicode
 chars = st.characters() | st.characters(categories=["Cs"])
-scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.integers(-3, 3)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(chars, max_size=12))
-any_json = st.recursive(scalars, lambda children: st.lists(children, max_size=3)
-                        | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=8)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(-3, 3)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(chars, max_size=12)
+)
+any_json = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=8,
+)
 
 
 def field(plausible) -> st.SearchStrategy:
@@ -34,23 +48,25 @@ def field(plausible) -> st.SearchStrategy:
 token_ids = st.lists(st.integers(-3, 450), min_size=0, max_size=8)
 text = st.text(chars, max_size=24) | st.sampled_from(["Hello", "Once upon a time", "東京🙂", "", " ", "\n\n"])
 stops = st.text(chars, min_size=0, max_size=4) | st.lists(st.text(chars, max_size=4), max_size=6)
-tiny = st.floats(0, 1e-4, allow_nan=False, allow_subnormal=True)       # overflow when logits are divided
+tiny = st.floats(0, 1e-4, allow_nan=False, allow_subnormal=True)  # overflow when logits are divided
 small_float = st.floats(-3, 3, allow_nan=False) | tiny
 
 COMMON = {
-    "max_tokens": field(st.integers(-2, 8) | st.none() | st.integers(200, 10 ** 6)),
+    "max_tokens": field(st.integers(-2, 8) | st.none() | st.integers(200, 10**6)),
     "temperature": field(small_float | st.none()),
     "top_p": field(st.floats(-0.5, 1.5, allow_nan=False)),
     "n": field(st.integers(-1, 3) | st.none()),
     "stream": field(st.booleans()),
-    "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": field(st.booleans())})
-                            | st.none()),
+    "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": field(st.booleans())}) | st.none()),
     "stop": field(stops),
     "presence_penalty": field(small_float),
     "frequency_penalty": field(small_float),
-    "logit_bias": field(st.dictionaries(st.integers(-5, 500).map(str) | st.text(max_size=3),
-                                        st.floats(-150, 150, allow_nan=False), max_size=3)),
-    "seed": field(st.integers(-2 ** 65, 2 ** 65)),
+    "logit_bias": field(
+        st.dictionaries(
+            st.integers(-5, 500).map(str) | st.text(max_size=3), st.floats(-150, 150, allow_nan=False), max_size=3
+        )
+    ),
+    "seed": field(st.integers(-(2**65), 2**65)),
     "user": field(st.text(max_size=8)),
     "top_k": field(st.integers(-3, 60)),
     "min_p": field(st.floats(-0.5, 1.5, allow_nan=False)),
@@ -64,28 +80,37 @@ COMMON = {
 
 completion_bodies = st.fixed_dictionaries(
     {"prompt": field(text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3))},
-    optional={**COMMON,
-              "model": field(st.sampled_from(["tiny-gpt2", "gpt2-alias", "nope"])),
-              "engine": field(st.sampled_from(["tiny-gpt2", "x"])),
-              "suffix": field(st.text(max_size=3) | st.none()),
-              "logprobs": field(st.integers(-1, 22) | st.none()),
-              "echo": field(st.booleans()),
-              "best_of": field(st.integers(-1, 4) | st.none()),
-              "some_unknown_field": any_json})
+    optional={
+        **COMMON,
+        "model": field(st.sampled_from(["tiny-gpt2", "gpt2-alias", "nope"])),
+        "engine": field(st.sampled_from(["tiny-gpt2", "x"])),
+        "suffix": field(st.text(max_size=3) | st.none()),
+        "logprobs": field(st.integers(-1, 22) | st.none()),
+        "echo": field(st.booleans()),
+        "best_of": field(st.integers(-1, 4) | st.none()),
+        "some_unknown_field": any_json,
+    },
+)
 
 part = st.fixed_dictionaries({"type": field(st.just("text")), "text": field(text)})
 message = st.fixed_dictionaries(
-    {"role": field(st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"])),
-     "content": field(text | st.lists(part, max_size=2) | st.none())},
-    optional={"name": field(st.text(max_size=5))})
+    {
+        "role": field(st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"])),
+        "content": field(text | st.lists(part, max_size=2) | st.none()),
+    },
+    optional={"name": field(st.text(max_size=5))},
+)
 chat_bodies = st.fixed_dictionaries(
     {"messages": field(st.lists(message, min_size=0, max_size=3))},
-    optional={**COMMON,
-              "model": field(st.sampled_from(["tiny-llama", "nope"])),
-              "max_completion_tokens": field(st.integers(-1, 8) | st.none()),
-              "logprobs": field(st.booleans() | st.none()),
-              "top_logprobs": field(st.integers(-1, 22) | st.none()),
-              "add_generation_prompt": field(st.booleans())})
+    optional={
+        **COMMON,
+        "model": field(st.sampled_from(["tiny-llama", "nope"])),
+        "max_completion_tokens": field(st.integers(-1, 8) | st.none()),
+        "logprobs": field(st.booleans() | st.none()),
+        "top_logprobs": field(st.integers(-1, 22) | st.none()),
+        "add_generation_prompt": field(st.booleans()),
+    },
+)
 
 
 def assert_error_object(body) -> None:
@@ -112,7 +137,7 @@ def check(client, url: str, body) -> None:
         assert frames[-1] == "" and frames[-2] == "data: [DONE]", raw
         for frame in frames[:-2]:
             assert frame.startswith("data: "), raw
-            chunk = json.loads(frame[len("data: "):])
+            chunk = json.loads(frame[len("data: ") :])
             if "error" in chunk:
                 assert_error_object(chunk)
                 assert chunk["error"]["type"] != "server_error", (chunk, body)

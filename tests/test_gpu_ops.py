@@ -1,5 +1,6 @@
 """Out of memory on a real GPU (skipped without CUDA): a real CUDA allocation failure during a request is a
 503, the memory of the failed request comes back, and the server goes on; /metrics reports GPU memory."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ URL = "/v1/completions"
 @pytest.fixture(scope="module")
 def cuda_app(gpt2_dir):
     from app import create_app
+
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", device="cuda", access_log="off")
     worker = make_worker(settings)
     assert worker.runner.input_device.type == "cuda"
@@ -27,20 +29,26 @@ def cuda_app(gpt2_dir):
 def test_real_cuda_out_of_memory_is_503_and_memory_comes_back(cuda_app, monkeypatch, stream):
     client = cuda_app.test_client()
     runner = cuda_app.extensions["saker.service"].worker.runner
-    body = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "n": 4}
+    body = {
+        "model": "tiny-gpt2",
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 4,
+    }
     expected = client.post(URL, json=body).get_json()["choices"]
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    step = "compiled_step" if runner.compiled_step is not None else "slot_step"   # the decode step in use
+    step = "compiled_step" if runner.compiled_step is not None else "slot_step"  # the decode step in use
     real = getattr(runner, step)
     calls = {"n": 0}
 
     def decode_that_runs_out(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
-            ballast = torch.ones(64, 1024, 1024, device="cuda")         # 256 MiB the failed request holds
-            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")         # 1 PiB: a real CUDA OOM
+            ballast = torch.ones(64, 1024, 1024, device="cuda")  # 256 MiB the failed request holds
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: a real CUDA OOM
             del ballast
         return real(*args, **kwargs)
 

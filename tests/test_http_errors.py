@@ -2,6 +2,7 @@
 
 Malformed bodies, content types, routes, methods, body size, internal errors, readiness and request ids.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ GOOD = {"model": "tiny-gpt2", "prompt": "Hello world", "max_tokens": 1, "tempera
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def assert_error(resp, status: int, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> str:
+def assert_error(
+    resp, status: int, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> str:
     assert resp.status_code == status, (resp.status_code, resp.get_data(as_text=True))
     assert resp.mimetype == "application/json", resp.headers
     body = json.loads(resp.get_data(as_text=True))
@@ -30,7 +32,7 @@ def assert_error(resp, status: int, type_: str = "invalid_request_error", code: 
     assert set(err) == {"message", "type", "param", "code"}, err
     assert err["type"] == type_ and err["code"] == code and err["param"] == param, err
     assert isinstance(err["message"], str) and err["message"].strip()
-    assert "Traceback" not in err["message"] and "File \"" not in err["message"]
+    assert "Traceback" not in err["message"] and 'File "' not in err["message"]
     assert "<html" not in resp.get_data(as_text=True).lower()
     return err["message"]
 
@@ -41,14 +43,18 @@ def assert_still_serving(client) -> None:
 
 
 # -- bodies -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("data", [
-    b'{"prompt": "hi", ',                 # truncated
-    b"{'prompt': 'hi'}",                  # single quotes
-    b'{"prompt": "hi",}',                 # trailing comma
-    b"prompt=hi",
-    b'{"prompt": "hi"} {"prompt": "again"}',
-    b'\xff\xfe{"prompt": "hi"}',          # not UTF-8
-], ids=["truncated", "single-quotes", "trailing-comma", "form", "two-objects", "bad-utf8"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"prompt": "hi", ',  # truncated
+        b"{'prompt': 'hi'}",  # single quotes
+        b'{"prompt": "hi",}',  # trailing comma
+        b"prompt=hi",
+        b'{"prompt": "hi"} {"prompt": "again"}',
+        b'\xff\xfe{"prompt": "hi"}',  # not UTF-8
+    ],
+    ids=["truncated", "single-quotes", "trailing-comma", "form", "two-objects", "bad-utf8"],
+)
 def test_malformed_json(gpt2_client, data):
     message = assert_error(gpt2_client.post(URL, data=data, content_type="application/json"), 400)
     assert "json" in message.lower()
@@ -65,8 +71,11 @@ def test_deeply_nested_json_is_a_400(gpt2_client, depth):
     assert_still_serving(gpt2_client)
 
 
-@pytest.mark.parametrize("data", [b"[1, 2]", b'[{"prompt": "hi"}]', b"5", b'"prompt"', b"null", b"true"],
-                         ids=["list", "list-of-objects", "number", "string", "null", "bool"])
+@pytest.mark.parametrize(
+    "data",
+    [b"[1, 2]", b'[{"prompt": "hi"}]', b"5", b'"prompt"', b"null", b"true"],
+    ids=["list", "list-of-objects", "number", "string", "null", "bool"],
+)
 def test_json_that_is_not_an_object(gpt2_client, data):
     message = assert_error(gpt2_client.post(URL, data=data, content_type="application/json"), 400)
     assert "object" in message
@@ -80,8 +89,9 @@ def test_empty_body(gpt2_client, data):
     assert_still_serving(gpt2_client)
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          "application/xml"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "application/xml"]
+)
 def test_wrong_content_type_is_415(gpt2_client, content_type):
     resp = gpt2_client.post(URL, data=json.dumps(GOOD), content_type=content_type)
     message = assert_error(resp, 415, code="unsupported_media_type")
@@ -89,24 +99,40 @@ def test_wrong_content_type_is_415(gpt2_client, content_type):
     assert_still_serving(gpt2_client)
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
-                                          "application/vnd.api+json"])
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "application/vnd.api+json"]
+)
 def test_json_content_types_accepted(gpt2_client, content_type):
     resp = gpt2_client.post(URL, data=json.dumps(GOOD), content_type=content_type)
     assert resp.status_code == 200, resp.get_data(as_text=True)
 
 
 # -- routes and methods -------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,path", [("GET", "/nope"), ("POST", "/v1/complete"), ("GET", "/v1"),
-                                         ("POST", "/v2/completions"), ("GET", "/v1/completions/x")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/nope"),
+        ("POST", "/v1/complete"),
+        ("GET", "/v1"),
+        ("POST", "/v2/completions"),
+        ("GET", "/v1/completions/x"),
+    ],
+)
 def test_unknown_route_is_404_json(gpt2_client, method, path):
     message = assert_error(gpt2_client.open(path, method=method), 404, code="not_found")
     assert path in message
 
 
-@pytest.mark.parametrize("method,path,allowed", [("GET", URL, "POST"), ("PUT", URL, "POST"),
-                                                 ("DELETE", URL, "POST"), ("POST", "/health", "GET"),
-                                                 ("POST", "/v1/models", "GET")])
+@pytest.mark.parametrize(
+    "method,path,allowed",
+    [
+        ("GET", URL, "POST"),
+        ("PUT", URL, "POST"),
+        ("DELETE", URL, "POST"),
+        ("POST", "/health", "GET"),
+        ("POST", "/v1/models", "GET"),
+    ],
+)
 def test_wrong_method_is_405_json(gpt2_client, method, path, allowed):
     resp = gpt2_client.open(path, method=method)
     message = assert_error(resp, 405, code="method_not_allowed")
@@ -119,8 +145,10 @@ def test_wrong_method_is_405_json(gpt2_client, method, path, allowed):
 @pytest.fixture(scope="module")
 def small_app(gpt2_dir, gpt2_worker):
     from app import create_app
-    app = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_request_bytes=1000),
-                     engine=gpt2_worker)
+
+    app = create_app(
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_request_bytes=1000), engine=gpt2_worker
+    )
     app.config["TESTING"] = True
     return app
 
@@ -152,6 +180,7 @@ def test_internal_error_is_500_with_request_id(gpt2_app, monkeypatch):
 
     def boom(*args, **kwargs):
         raise RuntimeError("secret detail: CUDA exploded at 0xdeadbeef")
+
     monkeypatch.setattr(service, "complete", boom)
     client = gpt2_app.test_client()
     resp = client.post(URL, json=GOOD, headers={"X-Request-ID": "req-500-check"})
@@ -196,6 +225,7 @@ def test_health_503_while_loading_then_200(gpt2_dir):
         started.set()
         assert release.wait(30)
         return load_model(settings)
+
     worker = Worker(("tiny-gpt2",), loader)
     app = create_app(settings, engine=worker)
     worker.load_in_background()
@@ -218,6 +248,7 @@ def test_health_503_after_a_failed_load(gpt2_dir):
 
     def loader():
         raise RuntimeError("weights are corrupt")
+
     worker = Worker(("tiny-gpt2",), loader)
     app = create_app(make_settings(model=str(gpt2_dir)), engine=worker)
     thread = worker.load_in_background()
@@ -252,4 +283,4 @@ def test_request_id_generated(gpt2_client, given):
         assert rid != given
         assert resp.get_json()["id"].startswith("cmpl-")
         ids.add(rid)
-    assert len(ids) == 2      # a fresh one per request
+    assert len(ids) == 2  # a fresh one per request

@@ -1,5 +1,6 @@
 """Loading paths: the embedded SmolLM2 default, PEFT adapters (single, merged, named) against peft's own
 forward, and the CUDA-only paths (device maps, bf16, bitsandbytes) that skip without a GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,12 +19,14 @@ def post(client, **body):
 
 def app_for(settings, worker):
     from app import create_app
+
     return create_app(settings, engine=worker).test_client()
 
 
 @pytest.mark.slow
 def test_embedded_smollm2_says_paris(saker_cache):
     from app.engine.loader import default_model_dir
+
     settings = make_settings(cache_dir=str(saker_cache))
     client = app_for(settings, make_worker(settings))
     assert (default_model_dir(settings) / "model.safetensors").is_file()
@@ -41,6 +44,7 @@ def test_a_damaged_default_model_cache_is_converted_again(saker_cache, tmp_path,
     import shutil
 
     from app.engine import loader
+
     source = loader.ensure_default_model(make_settings(cache_dir=str(saker_cache)))
     settings = make_settings(cache_dir=str(tmp_path))
     target = loader.default_model_dir(settings)
@@ -70,6 +74,7 @@ def test_an_unwritable_cache_folder_is_one_line(tmp_path):
     a ConfigError naming the folder and what to do, not a traceback."""
     from app.engine.loader import ensure_default_model
     from app.errors import ConfigError
+
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
     with pytest.raises(ConfigError) as caught:
@@ -82,6 +87,7 @@ def test_an_unwritable_cache_folder_is_one_line(tmp_path):
 def make_lora(base_dir, out_dir, seed):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
@@ -89,7 +95,7 @@ def make_lora(base_dir, out_dir, seed):
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.5)            # clearly non-zero: the adapter must change the output
+                param.normal_(0, 0.5)  # clearly non-zero: the adapter must change the output
     peft_model.save_pretrained(str(out_dir))
     return out_dir
 
@@ -103,6 +109,7 @@ def loras(llama_dir, tmp_path_factory):
 def peft_reference_logprobs(llama_dir, adapter_dir, ids):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     base = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval() if adapter_dir else base.eval()
     with torch.no_grad():
@@ -143,20 +150,25 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     from app.engine.output import collect
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
+
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
     worker = Worker.from_loaded(("base",), load_model(settings), max_batch_size=8)
     assert worker.runner.mixes_adapters
     prompts = {"alpha": [1, 40, 41, 42], "beta": [1, 50, 51, 52, 53, 54], None: [1, 60, 61]}
-    runs = [(name, ids, SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True, adapter=name))
-            for name, ids in list(prompts.items()) * 2]
-    groups = [RequestGroup(worker.runner, ids, params, max_length=128, tag=i) for i, (_, ids, params) in enumerate(runs)]
+    runs = [
+        (name, ids, SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True, adapter=name))
+        for name, ids in list(prompts.items()) * 2
+    ]
+    groups = [
+        RequestGroup(worker.runner, ids, params, max_length=128, tag=i) for i, (_, ids, params) in enumerate(runs)
+    ]
     steps_before = worker.scheduler.steps
     per = {i: [] for i in range(len(runs))}
     for tag, event in worker.scheduler.submit(groups):
         per[tag].append(event)
-    assert worker.scheduler.max_rows_seen == len(runs)          # all six rows in one step
-    assert worker.scheduler.steps - steps_before == 5           # 6 tokens: 1 from each prefill + 5 shared steps
+    assert worker.scheduler.max_rows_seen == len(runs)  # all six rows in one step
+    assert worker.scheduler.steps - steps_before == 5  # 6 tokens: 1 from each prefill + 5 shared steps
     for i, (name, ids, params) in enumerate(runs):
         got = collect(per[i], params).choices[0]
         alone = collect(iter(Generator(worker.runner, ids, params, max_length=128)), params).choices[0]
@@ -165,7 +177,7 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
         generated = [e.token_id for e in per[i] if isinstance(e, TokenEvent)]
         assert len(generated) == 6
         lp = peft_reference_logprobs(llama_dir, {"alpha": a, "beta": b}.get(name), ids + generated)
-        assert got.logprobs.token_logprobs == pytest.approx(expected(lp, ids + generated)[len(ids) - 1:], abs=TOL)
+        assert got.logprobs.token_logprobs == pytest.approx(expected(lp, ids + generated)[len(ids) - 1 :], abs=TOL)
 
 
 def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
@@ -175,13 +187,13 @@ def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
     from app.engine.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
+
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
     worker = Worker.from_loaded(("base",), load_model(settings), prefix_cache_tokens=4096)
     cache = worker.runner.prefix_cache
     prompt = [1] + list(range(40, 60))
-    for name, adapter_dir, reused in (("alpha", a, False), ("beta", b, False), ("beta", b, True),
-                                      (None, None, False)):
+    for name, adapter_dir, reused in (("alpha", a, False), ("beta", b, False), ("beta", b, True), (None, None, False)):
         ids = prompt + [70 + len(name or "")]
         params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True, adapter=name)
         hits = cache.hits
@@ -191,7 +203,8 @@ def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         lp = peft_reference_logprobs(llama_dir, adapter_dir, ids + [e.token_id for e in tokens])
         assert [e.logprob for e in tokens] == pytest.approx(
-            expected(lp, ids + [e.token_id for e in tokens])[len(ids) - 1:], abs=TOL)
+            expected(lp, ids + [e.token_id for e in tokens])[len(ids) - 1 :], abs=TOL
+        )
 
 
 @pytest.mark.parametrize("merge", [False, True])
@@ -202,7 +215,8 @@ def test_single_adapter_applied_and_merged(llama_dir, loras, merge):
     assert [m["id"] for m in client.get("/v1/models").get_json()["data"]] == ["tuned"]
     ids = [1, 50, 60, 70, 80]
     assert echo_logprobs(client, "tuned", ids) == pytest.approx(
-        expected(peft_reference_logprobs(llama_dir, a, ids), ids), abs=TOL)
+        expected(peft_reference_logprobs(llama_dir, a, ids), ids), abs=TOL
+    )
 
 
 # -- CUDA-only paths ------------------------------------------------------------------------------------
@@ -248,6 +262,7 @@ def test_bitsandbytes_quantization(llama_dir, mode):
 def test_quantize_without_gpu_is_a_clear_startup_error(llama_dir):
     from app.engine.loader import load_model
     from app.errors import ConfigError
+
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
@@ -264,12 +279,13 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
 
     from app.engine.loader import gpu_order, plan_device_map
     from app.settings import Settings
+
     config = AutoConfig.from_pretrained(str(llama_dir))
     with init_empty_weights():
         meta = AutoModelForCausalLM.from_config(config)
     layer_bytes = sum(p.numel() * 4 for p in meta.model.layers[0].parameters())
     embed_bytes = sum(p.numel() * 4 for p in meta.model.embed_tokens.parameters())
-    gib = (embed_bytes + layer_bytes * 1.5) / 2 ** 30          # room for the embeddings and one layer
+    gib = (embed_bytes + layer_bytes * 1.5) / 2**30  # room for the embeddings and one layer
     settings = Settings(gpu_id=5, gpu_memory=f"2:{gib:.9f} 5:{gib:.9f}", cpu_memory=1)
     max_memory = gpu_order(settings)
     assert list(max_memory) == [5, 2, "cpu"]
@@ -288,6 +304,7 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
     from app.engine.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
+
     settings = make_settings(model=str(llama_dir), dtype="float32", compile=True, max_batch_size=4)
     compiled = Worker.from_settings(settings)
     compiled.load()
@@ -307,6 +324,7 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
 def test_a_model_folder_under_home_loads(gpt2_dir, tmp_path, monkeypatch):
     """SAKER_MODEL=~/models/x: the folder is used (not taken for a hub id), tokenizer included."""
     from app.engine.loader import load_model
+
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "x").symlink_to(gpt2_dir)
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -1,5 +1,6 @@
 """deploy/nginx/saker.conf in front of a real gunicorn, both on 127.0.0.1: a completion, a stream (unbuffered
 SSE), X-Forwarded-For reaching the access log through ProxyFix, JSON errors from nginx itself."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,16 @@ import requests
 
 from servers import ROOT, Gunicorn, Nginx, nginx_binary
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(nginx_binary() is None,
-                                 reason="nginx is not installed (apt-get install nginx; .ci/run installs it when "
-                                        "it runs as root)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        nginx_binary() is None,
+        reason="nginx is not installed (apt-get install nginx; .ci/run installs it when it runs as root)",
+    ),
+]
 
 SITE = ROOT / "deploy" / "nginx" / "saker.conf"
-BODY = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
-        "ignore_eos": True}
+BODY = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +28,15 @@ def stack(gpt2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("nginx")
     access_log = root / "saker-access.log"
     # two trusted hops: a load balancer in front of nginx (the test client plays it) and nginx itself
-    app = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "8",
-                    "SAKER_PROXY_HOPS": "2", "SAKER_ACCESS_LOG": str(access_log)})
+    app = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_THREADS": "8",
+            "SAKER_PROXY_HOPS": "2",
+            "SAKER_ACCESS_LOG": str(access_log),
+        }
+    )
     proxy = None
     try:
         app.wait_ready()
@@ -64,15 +74,14 @@ def test_completion_through_nginx_equals_direct(stack):
 def test_stream_through_nginx(stack):
     app, proxy, _ = stack
     plain = requests.post(app.url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
-    with requests.post(proxy.url + "/v1/completions", json={**BODY, "stream": True}, stream=True,
-                       timeout=60) as resp:
+    with requests.post(proxy.url + "/v1/completions", json={**BODY, "stream": True}, stream=True, timeout=60) as resp:
         assert resp.status_code == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
-        assert "Content-Length" not in resp.headers          # passed on as it comes, not buffered whole
+        assert "Content-Length" not in resp.headers  # passed on as it comes, not buffered whole
         assert resp.headers.get("Transfer-Encoding") == "chunked"
         frames = [line for line in resp.iter_lines(decode_unicode=True) if line]
     assert frames[-1] == "data: [DONE]"
-    chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    chunks = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
     assert len(chunks) > 1 and all("error" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == plain
 
@@ -88,8 +97,12 @@ def test_chat_route_is_unbuffered_too():
 
 def test_forwarded_for_and_request_id_reach_the_access_log(stack):
     _, proxy, access_log = stack
-    resp = requests.post(proxy.url + "/v1/completions", json=BODY, timeout=60,
-                         headers={"X-Forwarded-For": "198.51.100.7", "X-Request-ID": "via-nginx-1"})
+    resp = requests.post(
+        proxy.url + "/v1/completions",
+        json=BODY,
+        timeout=60,
+        headers={"X-Forwarded-For": "198.51.100.7", "X-Request-ID": "via-nginx-1"},
+    )
     assert resp.status_code == 200 and resp.headers["X-Request-ID"] == "via-nginx-1"
     line = next(x for x in access_lines(access_log) if x["request_id"] == "via-nginx-1")
     assert line["client"] == "198.51.100.7"
@@ -103,8 +116,12 @@ def test_forwarded_for_and_request_id_reach_the_access_log(stack):
 
 def test_errors_from_nginx_are_openai_json(stack):
     _, proxy, _ = stack
-    too_big = requests.post(proxy.url + "/v1/completions", data=b"x" * (5 * 1024 * 1024),
-                            headers={"Content-Type": "application/json"}, timeout=60)
+    too_big = requests.post(
+        proxy.url + "/v1/completions",
+        data=b"x" * (5 * 1024 * 1024),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert too_big.status_code == 413
     assert too_big.json()["error"]["code"] == "request_too_large"
     bad = requests.post(proxy.url + "/v1/completions", json={**BODY, "temperature": 9}, timeout=60)

@@ -1,6 +1,7 @@
 """/openapi.json: a valid OpenAPI 3.1 document (openapi-spec-validator), and the server agrees with it: a
 schema-driven fuzzer (schemathesis) sends a bounded number of generated requests to every operation, in-process
 on the tiny GPT-2, and checks no server errors and answers that match their declared schemas and statuses."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,20 +11,26 @@ from hypothesis import HealthCheck, given, settings
 from conftest import make_settings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-KEY = "fuzz-key"            # the document declares bearer auth on the API routes: the server has a key
+KEY = "fuzz-key"  # the document declares bearer auth on the API routes: the server has a key
 
 
 @pytest.fixture(scope="module")
 def fuzz_app(gpt2_dir, gpt2_worker):
     from app import create_app
-    app = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_n=4, max_best_of=4,
-                                   max_logprobs=5, api_keys=KEY), engine=gpt2_worker)
+
+    app = create_app(
+        make_settings(
+            model=str(gpt2_dir), served_model_name="tiny-gpt2", max_n=4, max_best_of=4, max_logprobs=5, api_keys=KEY
+        ),
+        engine=gpt2_worker,
+    )
     app.config["TESTING"] = True
     return app
 
 
 def test_the_document_is_valid_openapi_31(fuzz_app):
     from openapi_spec_validator import validate
+
     document = fuzz_app.test_client().get("/openapi.json").get_json()
     validate(document)
     assert document["openapi"] == "3.1.0"
@@ -57,10 +64,13 @@ def test_the_server_agrees_with_its_document(api_schema):
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert len(operations) >= 12
     for operation in operations:
+
         @given(case=operation.as_strategy())
-        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
         def run(case):
             shorten(case)
             case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"}, excluded_checks=CROSS_FIELD)
+
         run()

@@ -1,5 +1,6 @@
 """Operations through the Flask test client: overload (429/503), out-of-memory (503, server goes on), API keys,
 /metrics, the JSON access log, ProxyFix, /openapi.json and the 413 message."""
+
 from __future__ import annotations
 
 import json
@@ -32,13 +33,14 @@ def error_of(resp, status: int, code: str | None, type_: str | None = None) -> d
 def sse(resp) -> list:
     assert resp.status_code == 200, resp.get_data(as_text=True)
     raw = resp.get_data(as_text=True)
-    frames = [f[len("data: "):] for f in raw.split("\n\n") if f]
+    frames = [f[len("data: ") :] for f in raw.split("\n\n") if f]
     assert frames[-1] == "[DONE]"
     return [json.loads(f) for f in frames[:-1]]
 
 
 def make_app(worker, **values):
     from app import create_app
+
     values.setdefault("model", "unused")
     values.setdefault("served_model_name", "tiny-gpt2")
     app = create_app(make_settings(**values), engine=worker)
@@ -58,6 +60,7 @@ def held(gpt2_app, monkeypatch):
         monkeypatch.setattr(worker, "admission", admission)
         admission.acquire()
         return gpt2_app.test_client(), admission
+
     return hold
 
 
@@ -69,7 +72,7 @@ def test_full_queue_is_429_model_overloaded(held, stream):
     assert "model is overloaded" in err["message"] and "SAKER_MAX_QUEUE=0" in err["message"]
     assert 1 <= int(resp.headers["Retry-After"]) <= 60
     chat = client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stream": stream})
-    assert chat.status_code in (400, 429)       # tiny-gpt2 has no chat template: 400 comes first
+    assert chat.status_code in (400, 429)  # tiny-gpt2 has no chat template: 400 comes first
     admission.release()
     assert client.post(URL, json={**GOOD, "stream": stream}).status_code == 200
     assert admission.snapshot() == {"active": 0, "waiting": 0, "rejected": 1, "timed_out": 0}
@@ -96,6 +99,7 @@ def inject_oom(monkeypatch, runner, method: str, on_call: int):
         if calls["n"] == on_call:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
         return real(*args, **kwargs)
+
     monkeypatch.setattr(runner, method, failing)
     return calls
 
@@ -112,8 +116,7 @@ def cuda_cache(monkeypatch):
 def test_out_of_memory_is_503_and_the_server_goes_on(llama_app, monkeypatch, cuda_cache):
     client = llama_app.test_client()
     worker = llama_app.extensions["saker.service"].worker
-    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     expected = client.post(URL, json=body).get_json()["choices"][0]["text"]
     calls = inject_oom(monkeypatch, worker.runner, "slot_step", on_call=1)
     resp = client.post(URL, json=body)
@@ -130,13 +133,12 @@ def test_out_of_memory_is_503_and_the_server_goes_on(llama_app, monkeypatch, cud
 def test_out_of_memory_mid_stream_is_an_error_frame_then_done(llama_app, monkeypatch, cuda_cache):
     client = llama_app.test_client()
     worker = llama_app.extensions["saker.service"].worker
-    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     inject_oom(monkeypatch, worker.runner, "slot_step", on_call=3)
     frames = sse(client.post(URL, json={**body, "stream": True}))
     assert frames[-1] == {"error": frames[-1]["error"]}
     assert frames[-1]["error"]["code"] == "out_of_memory" and frames[-1]["error"]["type"] == "service_unavailable"
-    assert any(f.get("choices") for f in frames[:-1])          # text was streamed before the fault
+    assert any(f.get("choices") for f in frames[:-1])  # text was streamed before the fault
     assert cuda_cache
     monkeypatch.undo()
     assert client.post(URL, json=body).status_code == 200
@@ -164,7 +166,7 @@ def test_out_of_memory_guard_drops_the_failed_request_s_tensors():
     refs = []
 
     def generate():
-        kv_cache = torch.zeros(64)            # stands for the request's KV cache
+        kv_cache = torch.zeros(64)  # stands for the request's KV cache
         refs.append(weakref.ref(kv_cache))
         raise torch.OutOfMemoryError("CUDA out of memory")
 
@@ -183,8 +185,7 @@ def keyed(gpt2_worker, tmp_path_factory):
     key_file = folder / "keys.txt"
     key_file.write_text("# operators\nfile-key-1\n\n  file-key-2  \n")
     log_file = folder / "access.log"
-    app = make_app(gpt2_worker, api_keys="env-key-1, env-key-2", api_key_file=str(key_file),
-                   access_log=str(log_file))
+    app = make_app(gpt2_worker, api_keys="env-key-1, env-key-2", api_key_file=str(key_file), access_log=str(log_file))
     return app, log_file
 
 
@@ -195,15 +196,33 @@ def test_every_configured_key_is_accepted(keyed, key):
     assert client.get("/v1/models", headers={"Authorization": f"bearer {key}"}).status_code == 200
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic env-key-1", "Bearer env-key-1x",
-                                    "Bearer env-key", "Bearer # operators", "Token env-key-1"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic env-key-1",
+        "Bearer env-key-1x",
+        "Bearer env-key",
+        "Bearer # operators",
+        "Token env-key-1",
+    ],
+)
 def test_missing_or_wrong_key_is_401(keyed, header):
     client = keyed[0].test_client()
     headers = {} if header is None else {"Authorization": header}
-    for method, path, body in [("POST", URL, GOOD), ("POST", CHAT, {"messages": []}), ("GET", "/v1/models", None),
-                               ("GET", "/v1/models/tiny-gpt2", None), ("POST", "/tokenize", {"prompt": "x"}),
-                               ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/tokenizer_info", None),
-                               ("GET", "/v1/nope", None)]:
+    for method, path, body in [
+        ("POST", URL, GOOD),
+        ("POST", CHAT, {"messages": []}),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/tiny-gpt2", None),
+        ("POST", "/tokenize", {"prompt": "x"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+        ("GET", "/tokenizer_info", None),
+        ("GET", "/v1/nope", None),
+    ]:
         resp = client.open(path, method=method, json=body, headers=headers)
         err = error_of(resp, 401, "invalid_api_key", "invalid_request_error")
         assert "key" in err["message"].lower()
@@ -245,6 +264,7 @@ def test_keys_never_reach_the_logs(keyed, capfd, caplog):
 def test_key_settings_fail_clearly(tmp_path):
     from app.errors import ConfigError
     from app.settings import load_settings
+
     with pytest.raises(ConfigError, match="not a file"):
         load_settings(api_key_file=str(tmp_path / "missing"))
     empty = tmp_path / "empty"
@@ -277,8 +297,18 @@ def test_metrics_count_requests_tokens_and_timings(gpt2_worker):
     assert value(before, "saker_model_load_seconds") > 0
     assert value(before, "saker_queue_depth") == 0 and value(before, "saker_requests_running") == 0
     plain = client.post(URL, json={**GOOD, "max_tokens": 5, "ignore_eos": True}).get_json()
-    streamed = sse(client.post(URL, json={**GOOD, "max_tokens": 4, "ignore_eos": True, "stream": True,
-                                          "stream_options": {"include_usage": True}}))
+    streamed = sse(
+        client.post(
+            URL,
+            json={
+                **GOOD,
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    )
     client.post(URL, json={**GOOD, "temperature": 9})
     client.get("/nope")
     after = metric_samples(client)
@@ -293,18 +323,21 @@ def test_metrics_count_requests_tokens_and_timings(gpt2_worker):
     assert value(after, "saker_generation_tokens_total") == 5 + 4
     assert value(after, "saker_request_generation_tokens_count") == 2
     assert value(after, "saker_request_generation_tokens_sum") == 9
-    for name in ("saker_queue_wait_seconds_count", "saker_time_to_first_token_seconds_count",
-                 "saker_time_per_output_token_seconds_count"):
+    for name in (
+        "saker_queue_wait_seconds_count",
+        "saker_time_to_first_token_seconds_count",
+        "saker_time_per_output_token_seconds_count",
+    ):
         assert value(after, name) == 2, name
     assert value(after, "saker_request_duration_seconds_count", route="/v1/completions") == 3
-    assert value(after, "saker_requests_in_flight") == 1                 # this scrape
+    assert value(after, "saker_requests_in_flight") == 1  # this scrape
     cache = gpt2_worker.runner.prefix_cache
     assert value(after, "saker_prefix_cache_hits_total") == cache.hits
     assert value(after, "saker_prefix_cache_reused_tokens_total") == cache.reused_tokens
     assert value(after, "saker_prefix_cache_tokens") == cache.tokens
     assert value(after, "process_resident_memory_bytes") > 0
     assert value(after, "saker_kv_cache_budget_tokens") == gpt2_worker.kv_cache_tokens > 0
-    assert value(after, "saker_kv_cache_usage") == 0.0                   # nothing running
+    assert value(after, "saker_kv_cache_usage") == 0.0  # nothing running
 
 
 def test_made_up_methods_do_not_grow_the_metrics(gpt2_worker):
@@ -322,9 +355,14 @@ def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
     """The gauge reads the running batch: a request's rows hold their prompt + tokens so far."""
     from app.engine.generate import RequestGroup
     from app.engine.params import SamplingParams
+
     client = make_app(gpt2_worker, access_log="off").test_client()
-    group = RequestGroup(gpt2_worker.runner, [1, 2, 3, 4], SamplingParams(max_tokens=200, temperature=0.0,
-                                                                          ignore_eos=True), max_length=256)
+    group = RequestGroup(
+        gpt2_worker.runner,
+        [1, 2, 3, 4],
+        SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
+        max_length=256,
+    )
     ticket = gpt2_worker.scheduler.submit([group])
     events = iter(ticket)
     for _ in range(3):
@@ -360,8 +398,11 @@ def test_access_log_one_json_line_per_request(gpt2_worker, tmp_path):
     log_file = tmp_path / "access.log"
     client = make_app(gpt2_worker, access_log=str(log_file)).test_client()
     resp = client.post(URL, json={**GOOD, "prompt": "secret prompt text"}, headers={"X-Request-ID": "rid-1"})
-    sse(client.post(URL, json={**GOOD, "prompt": "secret stream prompt", "stream": True},
-                    headers={"X-Request-ID": "rid-2"}))
+    sse(
+        client.post(
+            URL, json={**GOOD, "prompt": "secret stream prompt", "stream": True}, headers={"X-Request-ID": "rid-2"}
+        )
+    )
     client.post(URL, json={**GOOD, "n": 0}, headers={"X-Request-ID": "rid-3"})
     client.get("/health")
     lines = log_lines(log_file)
@@ -375,7 +416,7 @@ def test_access_log_one_json_line_per_request(gpt2_worker, tmp_path):
         assert first[key] >= 0, key
     assert stream["stream"] is True and stream["status"] == 200 and stream["completion_tokens"] == 3
     assert stream["ttft_ms"] >= 0 and stream["error_code"] is None
-    assert bad["status"] == 400 and bad["error_code"] == "invalid_request_error"   # no code: the type
+    assert bad["status"] == 400 and bad["error_code"] == "invalid_request_error"  # no code: the type
     assert health["route"] == "/health" and health["prompt_tokens"] is None
     raw = log_file.read_text()
     assert "secret prompt text" not in raw and "secret stream prompt" not in raw
@@ -401,8 +442,12 @@ def test_access_log_records_a_stream_error_code(llama_worker, tmp_path, monkeypa
     log_file = tmp_path / "access.log"
     client = make_app(llama_worker, access_log=str(log_file), served_model_name="tiny-llama").test_client()
     inject_oom(monkeypatch, llama_worker.runner, "slot_step", on_call=3)
-    sse(client.post(URL, json={"prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True,
-                               "temperature": 0, "stream": True}))
+    sse(
+        client.post(
+            URL,
+            json={"prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True, "temperature": 0, "stream": True},
+        )
+    )
     monkeypatch.undo()
     (line,) = log_lines(log_file)
     assert line["status"] == 200 and line["stream"] is True and line["error_code"] == "out_of_memory"
@@ -438,6 +483,7 @@ def schema_validator(doc: dict, ref: dict) -> Draft202012Validator:
 
 def test_openapi_covers_every_route(gpt2_app, openapi):
     from app.openapi import openapi_path
+
     assert openapi["openapi"].startswith("3.1")
     routes = set()
     for rule in gpt2_app.url_map.iter_rules():
@@ -448,7 +494,7 @@ def test_openapi_covers_every_route(gpt2_app, openapi):
             routes.add((path, method.lower()))
     documented = {(path, method) for path, ops in openapi["paths"].items() for method in ops}
     assert routes == documented
-    for name, schema in openapi["components"]["schemas"].items():
+    for schema in openapi["components"]["schemas"].values():
         Draft202012Validator.check_schema(schema)
     for path, ops in openapi["paths"].items():
         for method, op in ops.items():
@@ -456,11 +502,27 @@ def test_openapi_covers_every_route(gpt2_app, openapi):
 
 
 SAMPLES = {
-    ("/v1/completions", "post"): [GOOD, {"prompt": [[1, 2, 3]], "max_tokens": 0, "echo": True, "logprobs": 2},
-                                  {"prompt": ["a", "b"], "n": 2, "best_of": 3, "stop": ["\n"], "seed": 1,
-                                   "stream": True, "stream_options": {"include_usage": True}}],
-    ("/v1/chat/completions", "post"): [{"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                                        "top_logprobs": 2, "max_completion_tokens": 4}],
+    ("/v1/completions", "post"): [
+        GOOD,
+        {"prompt": [[1, 2, 3]], "max_tokens": 0, "echo": True, "logprobs": 2},
+        {
+            "prompt": ["a", "b"],
+            "n": 2,
+            "best_of": 3,
+            "stop": ["\n"],
+            "seed": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ],
+    ("/v1/chat/completions", "post"): [
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 2,
+            "max_completion_tokens": 4,
+        }
+    ],
     ("/tokenize", "post"): [{"prompt": "hello"}, {"messages": [{"role": "user", "content": "x"}]}],
     ("/detokenize", "post"): [{"tokens": [1, 2]}],
 }
@@ -474,7 +536,7 @@ def test_openapi_request_schemas_accept_sample_bodies_and_refuse_bad_ones(openap
             validator.validate(body)
     completion = openapi["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     validator = schema_validator(openapi, completion)
-    assert not validator.is_valid({"max_tokens": 3})                      # prompt is required
+    assert not validator.is_valid({"max_tokens": 3})  # prompt is required
     assert not validator.is_valid({"prompt": "x", "temperature": 3})
     assert not validator.is_valid({"prompt": "x", "n": "2"})
 
@@ -484,10 +546,24 @@ def test_openapi_response_schemas_match_real_answers(llama_client, openapi):
         spec = openapi["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]
         schema_validator(openapi, spec).validate(resp.get_json())
 
-    check("/v1/completions", "post", llama_client.post(URL, json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2,
-                                                                  "echo": True}))
-    check("/v1/chat/completions", "post", llama_client.post(CHAT, json={
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 1}))
+    check(
+        "/v1/completions",
+        "post",
+        llama_client.post(URL, json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2, "echo": True}),
+    )
+    check(
+        "/v1/chat/completions",
+        "post",
+        llama_client.post(
+            CHAT,
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        ),
+    )
     check("/v1/models", "get", llama_client.get("/v1/models"))
     check("/v1/models/{model_id}", "get", llama_client.get("/v1/models/tiny-llama"))
     check("/tokenize", "post", llama_client.post("/tokenize", json={"prompt": "Hi", "return_token_strs": True}))
@@ -509,8 +585,10 @@ def test_413_names_the_limit(gpt2_worker):
     assert "500" in err["message"] and "SAKER_MAX_REQUEST_BYTES" in err["message"]
 
 
-@pytest.mark.parametrize("field,value,limit", [("n", 129, "128"), ("best_of", 129, "128"), ("logprobs", 21, "20"),
-                                               ("stop", ["a", "b", "c", "d", "e"], "4")])
+@pytest.mark.parametrize(
+    "field,value,limit",
+    [("n", 129, "128"), ("best_of", 129, "128"), ("logprobs", 21, "20"), ("stop", ["a", "b", "c", "d", "e"], "4")],
+)
 def test_request_limits_name_the_limit(gpt2_client, field, value, limit):
     body = {**GOOD, field: value}
     if field == "best_of":
@@ -523,6 +601,5 @@ def test_context_limits_name_the_limit(gpt2_worker):
     client = make_app(gpt2_worker, max_input_tokens=4, max_total_tokens=8, access_log="off").test_client()
     err = error_of(client.post(URL, json={**GOOD, "prompt": [[1, 2, 3, 4, 5]]}), 400, "context_length_exceeded")
     assert "4" in err["message"]
-    err = error_of(client.post(URL, json={**GOOD, "prompt": [[1, 2]], "max_tokens": 7}), 400,
-                   "context_length_exceeded")
+    err = error_of(client.post(URL, json={**GOOD, "prompt": [[1, 2]], "max_tokens": 7}), 400, "context_length_exceeded")
     assert "8" in err["message"]

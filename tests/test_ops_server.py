@@ -1,6 +1,7 @@
 """A real gunicorn on 127.0.0.1 with a tiny model: load with a small queue (200 or clean 429/503, none lost),
 body limits without reading the body (Content-Length and chunked), API keys kept out of the logs, /metrics,
 and graceful SIGTERM with requests in flight."""
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,19 @@ CLIENTS, ROUNDS = 16, 4
 @pytest.fixture(scope="module")
 def server(gpt2_dir, tmp_path_factory):
     access_log = tmp_path_factory.mktemp("ops") / "access.log"
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "24",
-                    "SAKER_MAX_BATCH_SIZE": "2", "SAKER_MAX_QUEUE": "2", "SAKER_QUEUE_TIMEOUT": "60",
-                    "SAKER_MAX_REQUEST_BYTES": str(LIMIT), "SAKER_API_KEYS": f"{KEY},second-key",
-                    "SAKER_ACCESS_LOG": str(access_log)})
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_THREADS": "24",
+            "SAKER_MAX_BATCH_SIZE": "2",
+            "SAKER_MAX_QUEUE": "2",
+            "SAKER_QUEUE_TIMEOUT": "60",
+            "SAKER_MAX_REQUEST_BYTES": str(LIMIT),
+            "SAKER_API_KEYS": f"{KEY},second-key",
+            "SAKER_ACCESS_LOG": str(access_log),
+        }
+    )
     srv.access_log = access_log
     try:
         srv.wait_ready()
@@ -55,28 +65,29 @@ def sample(values: dict, name: str, **labels) -> float:
 
 
 def is_error_object(body) -> bool:
-    return (isinstance(body, dict) and list(body) == ["error"]
-            and set(body["error"]) == {"message", "type", "param", "code"})
+    return (
+        isinstance(body, dict)
+        and list(body) == ["error"]
+        and set(body["error"]) == {"message", "type", "param", "code"}
+    )
 
 
 # -- load ---------------------------------------------------------------------------------------------------
 def test_load_every_request_answered_200_or_clean_429_503(server):
     before = metrics(server)
     start = threading.Barrier(CLIENTS)
-    body = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
     def client(i: int) -> list[tuple[int, str]]:
         outcomes = []
         with requests.Session() as session:
             session.headers.update(AUTH)
             for r in range(ROUNDS):
-                start.wait(60)                     # bursts: every client sends at once
+                start.wait(60)  # bursts: every client sends at once
                 stream = (i + r) % 3 == 0
                 try:
-                    resp = session.post(server.url + "/v1/completions", json={**body, "stream": stream},
-                                        timeout=120)
-                except requests.RequestException as exc:      # a lost request
+                    resp = session.post(server.url + "/v1/completions", json={**body, "stream": stream}, timeout=120)
+                except requests.RequestException as exc:  # a lost request
                     outcomes.append((-1, repr(exc)))
                     continue
                 if resp.status_code == 200 and stream:
@@ -87,8 +98,11 @@ def test_load_every_request_answered_200_or_clean_429_503(server):
                     ok = resp.json()["usage"]["completion_tokens"] == 48
                     outcomes.append((200 if ok else -2, resp.text[:300]))
                 else:
-                    clean = (resp.status_code in (429, 503) and is_error_object(resp.json())
-                             and int(resp.headers["Retry-After"]) >= 1)
+                    clean = (
+                        resp.status_code in (429, 503)
+                        and is_error_object(resp.json())
+                        and int(resp.headers["Retry-After"]) >= 1
+                    )
                     outcomes.append((resp.status_code if clean else -3, resp.text[:300]))
         return outcomes
 
@@ -105,11 +119,13 @@ def test_load_every_request_answered_200_or_clean_429_503(server):
     after = metrics(server)
     assert sample(after, "saker_queue_depth") == 0 and sample(after, "saker_requests_running") == 0
     for status in (200, 429, 503):
-        seen = (sample(after, "saker_requests_total", route="/v1/completions", method="POST", status=str(status))
-                - sample(before, "saker_requests_total", route="/v1/completions", method="POST",
-                         status=str(status)))
+        seen = sample(
+            after, "saker_requests_total", route="/v1/completions", method="POST", status=str(status)
+        ) - sample(before, "saker_requests_total", route="/v1/completions", method="POST", status=str(status))
         assert seen == counts[status], (status, seen, counts)
-    assert sample(after, "saker_requests_rejected_total") - sample(before, "saker_requests_rejected_total") == counts[429]
+    assert (
+        sample(after, "saker_requests_rejected_total") - sample(before, "saker_requests_rejected_total") == counts[429]
+    )
     resp = requests.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert resp.status_code == 200
     out = server.output()
@@ -132,8 +148,16 @@ def raw_request(server, head: bytes, body_parts: list[bytes], *, shut: bool = Fa
                 break
             data += chunk
         header, _, rest = data.partition(b"\r\n\r\n")
-        length = int(next((line.split(b":", 1)[1] for line in header.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), b"0"))
+        length = int(
+            next(
+                (
+                    line.split(b":", 1)[1]
+                    for line in header.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                b"0",
+            )
+        )
         while len(rest) < length:
             chunk = sock.recv(65536)
             if not chunk:
@@ -165,7 +189,7 @@ def test_413_from_content_length_before_the_body_is_read(server):
 
 def test_413_for_a_chunked_body_stops_reading_at_the_limit(server):
     chunk = b"x" * 4096
-    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (LIMIT // len(chunk) + 4)   # over the limit, never ended
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (LIMIT // len(chunk) + 4)  # over the limit, never ended
     raw = raw_request(server, head("/v1/completions", "Transfer-Encoding: chunked"), parts)
     status, body = parse(raw)
     assert status == 413 and body["error"]["code"] == "request_too_large"
@@ -173,18 +197,25 @@ def test_413_for_a_chunked_body_stops_reading_at_the_limit(server):
 
 def test_small_chunked_body_is_served(server):
     payload = json.dumps({"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2}).encode()
-    parts = [b"%x\r\n%s\r\n" % (len(payload[:10]), payload[:10]),
-             b"%x\r\n%s\r\n" % (len(payload[10:]), payload[10:]), b"0\r\n\r\n"]
+    parts = [
+        b"%x\r\n%s\r\n" % (len(payload[:10]), payload[:10]),
+        b"%x\r\n%s\r\n" % (len(payload[10:]), payload[10:]),
+        b"0\r\n\r\n",
+    ]
     raw = raw_request(server, head("/v1/completions", "Transfer-Encoding: chunked\r\nConnection: close"), parts)
     status, body = parse(raw)
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("parts", [
-    [b"ZZ\r\nabc\r\n0\r\n\r\n"],                     # not a hex size
-    [b"-1\r\nabc\r\n0\r\n\r\n"],                     # a negative size
-    [b"10\r\nabc\r\n0\r\n\r\n"],                     # a chunk shorter than its size
-], ids=["ZZ", "minus-one", "short-chunk"])
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [b"ZZ\r\nabc\r\n0\r\n\r\n"],  # not a hex size
+        [b"-1\r\nabc\r\n0\r\n\r\n"],  # a negative size
+        [b"10\r\nabc\r\n0\r\n\r\n"],  # a chunk shorter than its size
+    ],
+    ids=["ZZ", "minus-one", "short-chunk"],
+)
 def test_malformed_chunked_bodies_are_400(server, parts):
     raw = raw_request(server, head("/v1/completions", "Transfer-Encoding: chunked"), parts, shut=True)
     status, body = parse(raw)
@@ -195,31 +226,43 @@ def test_content_encoding(server):
     """gzip and deflate bodies are decoded (their decoded size counts against the body limit); others are 415."""
     import gzip
     import zlib
+
     payload = json.dumps({"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 2}).encode()
 
     def post(body: bytes, encoding: str):
-        return requests.post(server.url + "/v1/completions", data=body, timeout=60,
-                             headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": encoding})
+        return requests.post(
+            server.url + "/v1/completions",
+            data=body,
+            timeout=60,
+            headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": encoding},
+        )
+
     assert post(gzip.compress(payload), "gzip").json()["usage"]["completion_tokens"] == 2
     assert post(zlib.compress(payload), "deflate").status_code == 200
-    bomb = post(gzip.compress(b" " * (LIMIT * 4) + payload), "gzip")      # 256 KB of spaces in ~300 bytes
+    bomb = post(gzip.compress(b" " * (LIMIT * 4) + payload), "gzip")  # 256 KB of spaces in ~300 bytes
     assert bomb.status_code == 413 and bomb.json()["error"]["code"] == "request_too_large"
     assert post(b"\x1f\x8b not gzip", "gzip").status_code == 400
-    assert post(gzip.compress(payload)[:-12], "gzip").status_code == 400       # truncated stream
+    assert post(gzip.compress(payload)[:-12], "gzip").status_code == 400  # truncated stream
     br = post(payload, "br")
     assert br.status_code == 415 and is_error_object(br.json()) and "br" in br.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("request_bytes, status", [
-    (b"GET /health\r\n\r\n", 400),                                                  # HTTP/0.9
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
-     b"0\r\n\r\n", 400),
-    (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
-    (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431),
-], ids=["http-0.9", "bad-content-length", "two-content-lengths", "cl-and-te", "long-request-line",
-        "too-many-headers"])
+@pytest.mark.parametrize(
+    "request_bytes, status",
+    [
+        (b"GET /health\r\n\r\n", 400),  # HTTP/0.9
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"0\r\n\r\n",
+            400,
+        ),
+        (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET /health HTTP/1.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(120)) + b"\r\n", 431),
+    ],
+    ids=["http-0.9", "bad-content-length", "two-content-lengths", "cl-and-te", "long-request-line", "too-many-headers"],
+)
 def test_protocol_errors_are_json(server, request_bytes, status):
     """What gunicorn answers itself, before the app: the OpenAI error shape too (app/gunicorn_errors.py)."""
     raw = raw_request(server, request_bytes, [], shut=True)
@@ -237,15 +280,23 @@ def test_401_comes_before_the_body_is_read(server):
 # -- keys and logs ------------------------------------------------------------------------------------------
 def test_keys_and_prompts_never_reach_the_logs(server):
     prompt = "a private prompt 5d1c"
-    ok = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer second-key"},
-                       json={"model": "tiny-gpt2", "prompt": prompt, "max_tokens": 2}, timeout=60)
+    ok = requests.post(
+        server.url + "/v1/completions",
+        headers={"Authorization": "Bearer second-key"},
+        json={"model": "tiny-gpt2", "prompt": prompt, "max_tokens": 2},
+        timeout=60,
+    )
     assert ok.status_code == 200
-    wrong = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer wrong-key-77aa"},
-                          json={"model": "tiny-gpt2", "prompt": "x"}, timeout=60)
+    wrong = requests.post(
+        server.url + "/v1/completions",
+        headers={"Authorization": "Bearer wrong-key-77aa"},
+        json={"model": "tiny-gpt2", "prompt": "x"},
+        timeout=60,
+    )
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200        # open
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200  # open
     assert requests.get(server.url + "/v1/models", timeout=10).status_code == 401
-    time.sleep(0.2)                 # let the access-log lines of the requests above be flushed
+    time.sleep(0.2)  # let the access-log lines of the requests above be flushed
     logs = server.output() + server.access_log.read_text()
     for secret in (KEY, "second-key", "wrong-key-77aa", prompt):
         assert secret not in logs
@@ -260,36 +311,50 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
     connections are refused at once (not left hanging), the gate opens, every request in flight completes whole,
     and gunicorn then exits 0."""
     gate = tmp_path / "gate"
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "8",
-                    "SAKER_GRACEFUL_TIMEOUT": "60", "TEST_DECODE_GATE": str(gate)},
-                   args=("--pythonpath", "tests"), app="gated_wsgi:app")
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_THREADS": "8",
+            "SAKER_GRACEFUL_TIMEOUT": "60",
+            "TEST_DECODE_GATE": str(gate),
+        },
+        args=("--pythonpath", "tests"),
+        app="gated_wsgi:app",
+    )
     try:
         srv.wait_ready()
-        gate.touch()                                    # decode steps wait from now on
-        body = {"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0,
-                "ignore_eos": True}
+        gate.touch()  # decode steps wait from now on
+        body = {
+            "model": "tiny-gpt2",
+            "prompt": "Once upon a time",
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
 
         def plain():
             return requests.post(srv.url + "/v1/completions", json=body, timeout=120)
 
         def stream():
-            with requests.post(srv.url + "/v1/completions", json={**body, "stream": True}, stream=True,
-                               timeout=120) as resp:
+            with requests.post(
+                srv.url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=120
+            ) as resp:
                 return resp.status_code, [line for line in resp.iter_lines(decode_unicode=True) if line]
 
         with ThreadPoolExecutor(5) as pool:
             plains = [pool.submit(plain) for _ in range(3)]
             streams = [pool.submit(stream) for _ in range(2)]
-            deadline = time.time() + 60                # all five are in the server, generating
+            deadline = time.time() + 60  # all five are in the server, generating
             while sample(metrics(srv), "saker_requests_in_flight") < 6 and time.time() < deadline:
                 time.sleep(0.05)
-            assert sample(metrics(srv), "saker_requests_in_flight") == 6          # 5 + this scrape
-            srv.proc.send_signal(signal.SIGTERM)        # what docker stop / kubelet / scancel send
+            assert sample(metrics(srv), "saker_requests_in_flight") == 6  # 5 + this scrape
+            srv.proc.send_signal(signal.SIGTERM)  # what docker stop / kubelet / scancel send
             while "Handling signal: term" not in srv.output() and time.time() < deadline:
                 time.sleep(0.05)
             assert "Handling signal: term" in srv.output()
             assert srv.proc.poll() is None, "gunicorn exited with requests in flight"
-            refused_by = time.time() + 10               # a new connection is refused at once, not left hanging
+            refused_by = time.time() + 10  # a new connection is refused at once, not left hanging
             while time.time() < refused_by:
                 started = time.time()
                 try:
@@ -300,14 +365,14 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
                 time.sleep(0.05)
             else:
                 raise AssertionError("new connections were still answered 10 s into the drain")
-            gate.unlink()                               # let them finish
+            gate.unlink()  # let them finish
             answers = [f.result() for f in plains]
             streamed = [f.result() for f in streams]
         for resp in answers:
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40
         for status, frames in streamed:
             assert status == 200 and frames[-1] == "data: [DONE]"
-            chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+            chunks = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
             assert not any("error" in c for c in chunks)
         assert srv.proc.wait(90) == 0
         assert "Traceback" not in srv.output()
@@ -322,37 +387,59 @@ def test_a_plain_request_whose_client_left_stops_generating(gpt2_dir, tmp_path):
     while it waits (the socket reads as closed), cancels the request (its rows leave at the next step, far
     before max_tokens) and logs status 499; the next request is served as usual."""
     gate, count, access_log = tmp_path / "gate", tmp_path / "steps", tmp_path / "access.log"
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_THREADS": "8",
-                    "TEST_DECODE_GATE": str(gate), "TEST_DECODE_COUNT": str(count),
-                    "SAKER_ACCESS_LOG": str(access_log)}, args=("--pythonpath", "tests"), app="gated_wsgi:app")
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_THREADS": "8",
+            "TEST_DECODE_GATE": str(gate),
+            "TEST_DECODE_COUNT": str(count),
+            "SAKER_ACCESS_LOG": str(access_log),
+        },
+        args=("--pythonpath", "tests"),
+        app="gated_wsgi:app",
+    )
     try:
         srv.wait_ready()
-        gate.touch()                                    # decode steps wait from now on
+        gate.touch()  # decode steps wait from now on
         count.write_text("")
-        body = json.dumps({"model": "tiny-gpt2", "prompt": "Once upon a time", "max_tokens": 200,
-                           "temperature": 0, "ignore_eos": True}).encode()
+        body = json.dumps(
+            {
+                "model": "tiny-gpt2",
+                "prompt": "Once upon a time",
+                "max_tokens": 200,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ).encode()
         host, port = srv.url.split("//")[1].split(":")
         client = socket.create_connection((host, int(port)), timeout=10)
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         deadline = time.time() + 30
         while sample(metrics(srv), "saker_requests_in_flight") < 2 and time.time() < deadline:
-            time.sleep(0.05)                             # it is in the server, its first step held at the gate
-        client.close()                                   # the client goes away
-        time.sleep(1.0)                                  # the request thread polls every 0.25 s
+            time.sleep(0.05)  # it is in the server, its first step held at the gate
+        client.close()  # the client goes away
+        time.sleep(1.0)  # the request thread polls every 0.25 s
         gate.unlink()
         deadline = time.time() + 30
         while "499" not in (access_log.read_text() if access_log.exists() else "") and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
         steps = count.read_text().count("step")
-        assert 1 <= steps < 20, steps                    # stopped long before 200 tokens
+        assert 1 <= steps < 20, steps  # stopped long before 200 tokens
         line = json.loads([x for x in access_log.read_text().splitlines() if '"/v1/completions"' in x][0])
         assert line["status"] == 499 and line["error_code"] == "client_closed_request"
-        assert 1 <= line["completion_tokens"] <= steps + 1            # what it generated before it stopped
+        assert 1 <= line["completion_tokens"] <= steps + 1  # what it generated before it stopped
         assert re.search(r"ended early after \d+ generated tokens: its client closed", srv.output())
-        after = requests.post(srv.url + "/v1/completions", json={"model": "tiny-gpt2", "prompt": "Hello",
-                                                                  "max_tokens": 3, "temperature": 0}, timeout=30)
+        after = requests.post(
+            srv.url + "/v1/completions",
+            json={"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 3, "temperature": 0},
+            timeout=30,
+        )
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
     finally:
         if gate.exists():

@@ -1,5 +1,6 @@
 """Prompt KV reuse: the cache's bookkeeping without a model, then requests that reuse a kept prefix against a
 plain forward of the whole sequence and against the same worker with the cache off."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ TOL = 1e-4
 
 class FakeLayer:
     def __init__(self, length: int, fill: float = 0.0):
-        self.keys = torch.full((2, 3, length + 4, 5), fill)       # rows and spare columns beyond the prompt
+        self.keys = torch.full((2, 3, length + 4, 5), fill)  # rows and spare columns beyond the prompt
         self.values = torch.full((2, 3, length + 4, 7), fill)
 
 
@@ -33,9 +34,9 @@ def test_lookup_takes_the_longest_common_prefix_and_keeps_one_token_to_compute()
     assert n == 30 and entry.tokens == tuple(a)
     assert entry.keys[0].shape == (1, 3, 40, 5) and entry.values[1].shape == (1, 3, 40, 7)
     assert float(entry.keys[0][0, 0, 0, 0]) == 1.0
-    assert cache.lookup("", a)[1] == 39                            # the same prompt: its last token is computed
-    assert cache.lookup("", list(range(MIN_REUSE - 1)) + [5, 5])[1] == 0   # too short a match
-    assert cache.lookup("other-adapter", a) == (None, 0)            # keys are per adapter
+    assert cache.lookup("", a)[1] == 39  # the same prompt: its last token is computed
+    assert cache.lookup("", list(range(MIN_REUSE - 1)) + [5, 5])[1] == 0  # too short a match
+    assert cache.lookup("other-adapter", a) == (None, 0)  # keys are per adapter
     assert cache.hits == 2 and cache.reused_tokens == 69
 
 
@@ -53,16 +54,16 @@ def test_budget_drops_least_recently_used_and_extensions_replace():
     first, second = list(range(100, 120)), list(range(200, 220))
     cache.store("", first, layers(20))
     cache.store("", second, layers(20))
-    cache.lookup("", first + [1])                                  # first is used: second is now the oldest
+    cache.lookup("", first + [1])  # first is used: second is now the oldest
     cache.store("", list(range(300, 330)), layers(30))
     assert cache.tokens == 50 and len(cache) == 2
     assert cache.lookup("", second + [1]) == (None, 0)
-    cache.store("", first + list(range(10)), layers(30))           # extends first: replaces it
+    cache.store("", first + list(range(10)), layers(30))  # extends first: replaces it
     assert len(cache) == 2 and cache.tokens == 60
     assert cache.lookup("", first + list(range(10)) + [1])[1] == 30
-    cache.store("", list(range(70)), layers(70))                   # longer than the whole budget: not kept
+    cache.store("", list(range(70)), layers(70))  # longer than the whole budget: not kept
     assert cache.tokens == 60 and len(cache) == 2
-    cache.store("", list(range(MIN_REUSE - 1)), layers(MIN_REUSE - 1))   # too short to be worth keeping
+    cache.store("", list(range(MIN_REUSE - 1)), layers(MIN_REUSE - 1))  # too short to be worth keeping
     assert len(cache) == 2
 
 
@@ -73,6 +74,7 @@ def workers(request):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
     from conftest import make_settings
+
     path = request.getfixturevalue(f"{request.param}_dir")
     loaded = load_model(make_settings(model=str(path)))
     on = Worker.from_loaded(("m",), loaded, prefix_cache_tokens=4096)
@@ -83,13 +85,16 @@ def workers(request):
 def run(worker, ids, params):
     """Through the scheduler, as a request is served."""
     from app.engine.generate import RequestGroup
+
     group = RequestGroup(worker.runner, ids, params, max_length=256)
     return collect([event for _, event in worker.scheduler.submit([group])], params)
 
 
 def long_prompt(tok):
-    ids = tok("Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
-              "do you go from the bathroom to the office? Answer:").input_ids
+    ids = tok(
+        "Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
+        "do you go from the bathroom to the office? Answer:"
+    ).input_ids
     assert len(ids) >= MIN_REUSE + 4
     return ids
 
@@ -111,7 +116,7 @@ def test_a_prompt_extending_a_kept_one_prefills_only_the_rest(workers, reference
     # and against a forward of the whole sequence by transformers itself
     ref_ids = ref_greedy(model, tok, extended, 8)
     lp = ref_logprobs(model, ref_ids)
-    want = [lp[len(extended) + i - 1, t].item() for i, t in enumerate(ref_ids[len(extended):])]
+    want = [lp[len(extended) + i - 1, t].item() for i, t in enumerate(ref_ids[len(extended) :])]
     assert got.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=TOL)
 
 
@@ -123,7 +128,7 @@ def test_the_same_prompt_again_and_seeded_sampling(workers):
     first = run(on, ids, params)
     hits = on.runner.prefix_cache.hits
     again = run(on, ids, params)
-    assert on.runner.prefix_cache.hits == hits + 1                 # all but the last prompt token reused
+    assert on.runner.prefix_cache.hits == hits + 1  # all but the last prompt token reused
     plain = run(off, ids, params)
     for a, b, c in zip(first.choices, again.choices, plain.choices):
         assert a.text == b.text == c.text
@@ -162,20 +167,23 @@ def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
     """The second identical request reuses all but the last prompt token and says so in ``timing`` and a header;
     its answer and usage are the first one's."""
     _, tok = reference(gpt2_dir)
-    prompt = ("Passage: The office is north of the hallway. The bathroom is east of the bedroom. Question: How do "
-              "you go from the hallway to the bathroom? Answer:")
+    prompt = (
+        "Passage: The office is north of the hallway. The bathroom is east of the bedroom. Question: How do "
+        "you go from the hallway to the bathroom? Answer:"
+    )
     n = len(tok(prompt).input_ids)
     body = {"model": "tiny-gpt2", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     first = gpt2_client.post("/v1/completions", json=body)
     second = gpt2_client.post("/v1/completions", json=body)
     assert second.get_json()["timing"]["cached_prompt_tokens"] == n - 1
     assert second.headers["X-Saker-Cached-Prompt-Tokens"] == str(n - 1)
-    assert first.get_json()["timing"]["cached_prompt_tokens"] in (0, n - 1)    # 0 unless an earlier test sent it
+    assert first.get_json()["timing"]["cached_prompt_tokens"] in (0, n - 1)  # 0 unless an earlier test sent it
     a, b = first.get_json(), second.get_json()
     assert a["usage"] == b["usage"] and a["usage"]["prompt_tokens"] == n
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert b["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
-        a["choices"][0]["logprobs"]["token_logprobs"], abs=TOL)
+        a["choices"][0]["logprobs"]["token_logprobs"], abs=TOL
+    )
     metrics = gpt2_client.get("/metrics").get_data(as_text=True)
     samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("saker_prefix_cache"))
     cache = gpt2_client.application.extensions["saker.service"].worker.runner.prefix_cache
@@ -197,6 +205,7 @@ def test_out_of_memory_empties_the_prefix_cache(workers, monkeypatch):
 
     def failing(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
     monkeypatch.setattr(on.runner, "slot_step", failing)
     with pytest.raises(torch.OutOfMemoryError):
         run(on, ids + [5], params)
@@ -205,7 +214,8 @@ def test_out_of_memory_empties_the_prefix_cache(workers, monkeypatch):
 
     def no_room(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
     run(on, ids, params)
     monkeypatch.setattr(cache, "store", no_room)
-    got = run(on, ids[:-1] + [7, 8], params)                       # served; the prompt is just not kept
+    got = run(on, ids[:-1] + [7, 8], params)  # served; the prompt is just not kept
     assert got.choices[0].finish_reason == "length" and len(cache) == 0

@@ -1,5 +1,6 @@
 """Probes and the router-facing metrics: /livez and /readyz open without a key (503 while loading or draining, in
 the OpenAI error shape), and vLLM's metric names with their model_name label."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,18 +12,27 @@ from conftest import make_settings
 @pytest.fixture()
 def keyed(gpt2_dir, gpt2_worker):
     from app import create_app
-    return create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", api_keys="probe-key",
-                                    prefix_cache_tokens=2048), engine=gpt2_worker).test_client()
+
+    return create_app(
+        make_settings(
+            model=str(gpt2_dir), served_model_name="tiny-gpt2", api_keys="probe-key", prefix_cache_tokens=2048
+        ),
+        engine=gpt2_worker,
+    ).test_client()
 
 
 def samples(client) -> dict:
     text = client.get("/metrics").get_data(as_text=True)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_probes_are_open_and_follow_readiness(keyed):
     from app import lifecycle
+
     assert keyed.get("/livez").get_json() == {"status": "alive"}
     assert keyed.get("/readyz").get_json() == {"status": "ready"}
     lifecycle.draining.set()
@@ -38,20 +48,31 @@ def test_probes_are_open_and_follow_readiness(keyed):
 def test_readyz_is_503_while_the_model_loads(gpt2_dir):
     from app import create_app
     from app.engine.worker import Worker
+
     settings = make_settings(model=str(gpt2_dir))
-    loading = Worker.from_settings(settings)            # never loaded
+    loading = Worker.from_settings(settings)  # never loaded
     client = create_app(settings, engine=loading).test_client()
     assert client.get("/readyz").status_code == 503 and client.get("/livez").status_code == 200
 
 
 def test_vllm_metric_names(keyed):
-    keyed.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "Hello world, this is a longer prompt "
-                                        "that the prefix cache can keep for later", "max_tokens": 1},
-               headers={"Authorization": "Bearer probe-key"})
+    keyed.post(
+        "/v1/completions",
+        json={
+            "model": "tiny-gpt2",
+            "prompt": "Hello world, this is a longer prompt that the prefix cache can keep for later",
+            "max_tokens": 1,
+        },
+        headers={"Authorization": "Bearer probe-key"},
+    )
     values = samples(keyed)
     label = (("model_name", "tiny-gpt2"),)
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:gpu_cache_usage_perc"):
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+    ):
         assert (name, label) in values, name
     assert values[("vllm:prefix_cache_queries_total", label)] > 0
     assert ("vllm:prefix_cache_hits_total", label) in values
@@ -60,6 +81,7 @@ def test_vllm_metric_names(keyed):
 
 def test_vllm_metric_names_can_be_switched_off(gpt2_dir, gpt2_worker):
     from app import create_app
+
     client = create_app(make_settings(model=str(gpt2_dir), vllm_metrics=False), engine=gpt2_worker).test_client()
     assert not any(name.startswith("vllm:") for name, _ in samples(client))
 
@@ -74,6 +96,7 @@ def test_sigterm_drains_then_refuses(gpt2_dir):
     import requests
 
     from servers import Gunicorn
+
     srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_DRAIN_SECONDS": "3"})
     try:
         srv.wait_ready()
@@ -104,6 +127,7 @@ def test_sigterm_drains_then_refuses(gpt2_dir):
 def children(pid: int) -> list[int]:
     """The gunicorn master's worker processes."""
     from pathlib import Path
+
     out = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
@@ -127,23 +151,31 @@ def test_signals_to_the_whole_process_group(gpt2_dir):
     import requests
 
     from servers import Gunicorn
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_DRAIN_SECONDS": "3",
-                    "SAKER_GRACEFUL_TIMEOUT": "60"})
+
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_DRAIN_SECONDS": "3",
+            "SAKER_GRACEFUL_TIMEOUT": "60",
+        }
+    )
     try:
         srv.wait_ready()
         workers = children(srv.proc.pid)
         os.killpg(srv.proc.pid, signal.SIGTERM)
         started = time.time()
         time.sleep(0.3)
-        for pid in workers:                 # the second one surely arrives apart (two at once may merge)
+        for pid in workers:  # the second one surely arrives apart (two at once may merge)
             os.kill(pid, signal.SIGTERM)
         time.sleep(0.7)
-        assert requests.get(srv.url + "/readyz", timeout=5).status_code == 503     # draining, not gone
+        assert requests.get(srv.url + "/readyz", timeout=5).status_code == 503  # draining, not gone
         assert srv.proc.wait(30) == 0 and time.time() - started >= 2.5
     finally:
         srv.stop()
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
-                    "SAKER_GRACEFUL_TIMEOUT": "60"})
+    srv = Gunicorn(
+        {"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_GRACEFUL_TIMEOUT": "60"}
+    )
     try:
         srv.wait_ready()
         workers = children(srv.proc.pid)

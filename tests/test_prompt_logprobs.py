@@ -1,5 +1,6 @@
 """vLLM's prompt_logprobs (completions and chat, plain and streamed) against a plain forward's log-softmax, and
 return_tokens_as_token_ids against the tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,17 @@ def test_completions_prompt_logprobs_match_a_plain_forward(gpt2_client, gpt2_dir
     entries = body["choices"][0]["prompt_logprobs"]
     check_against_reference(entries, ids, lp, 3)
     assert entries[1][str(ids[1])]["decoded_token"] == tok.decode([ids[1]])
-    frames = gpt2_client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": PROMPT, "max_tokens": 2,
-                                                       "temperature": 0, "prompt_logprobs": 3, "stream": True})
+    frames = gpt2_client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny-gpt2",
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "temperature": 0,
+            "prompt_logprobs": 3,
+            "stream": True,
+        },
+    )
     chunks = [json.loads(f[6:]) for f in frames.get_data(as_text=True).split("\n\n") if f.startswith("data: {")]
     assert chunks[0]["choices"][0]["prompt_logprobs"] == entries
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
@@ -58,16 +68,22 @@ def test_with_echo_each_keeps_its_own_k(gpt2_client):
 
 
 def test_chat_prompt_logprobs_cover_the_rendered_prompt(llama_client):
-    resp = llama_client.post("/v1/chat/completions", json={
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 1})
+    resp = llama_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "prompt_logprobs": 1,
+        },
+    )
     body = resp.get_json()
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and body["prompt_logprobs"][0] is None
 
 
 def test_return_tokens_as_token_ids(gpt2_client, gpt2_dir, reference):
     _, tok = reference(gpt2_dir)
-    body = post(gpt2_client, prompt=PROMPT, max_tokens=6, logprobs=2, return_tokens_as_token_ids=True,
-                ignore_eos=True)
+    body = post(gpt2_client, prompt=PROMPT, max_tokens=6, logprobs=2, return_tokens_as_token_ids=True, ignore_eos=True)
     choice = body["choices"][0]
     tokens = choice["logprobs"]["tokens"]
     assert all(t.startswith("token_id:") for t in tokens)

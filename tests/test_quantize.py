@@ -2,6 +2,7 @@
 de-quantized by plain arithmetic, whole tiny models against their float32 selves (the tolerance seen is
 asserted and documented), and the engine serving a quantized model with logprobs equal to that model's own
 forward."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ def test_int8_kernel_equals_its_codes_dequantized():
     reference = x @ (codes * scale[:, None]).t() + bias
     assert torch.allclose(module(x), reference, atol=1e-4)
     assert torch.allclose(module.dequantized(), codes * scale[:, None])
-    assert (module.dequantized() - weight).abs().max() <= scale.max() / 2 + 1e-6     # half a step at most
+    assert (module.dequantized() - weight).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
 
 
 def test_int4_kernel_equals_its_codes_dequantized():
@@ -44,6 +45,7 @@ def test_tiny_models_stay_close_to_float32(gpt2_dir, llama_dir, reference, mode,
     (wide weights, 64 dims) are a worst case for 4 bits (26% and 58% seen): int4 is held to the embedded model's
     real weights in test_smollm2_keeps_its_answers."""
     import copy
+
     for path in (gpt2_dir, llama_dir):
         model, tok = reference(path)
         quantized = copy.deepcopy(model)
@@ -60,17 +62,27 @@ def test_tiny_models_stay_close_to_float32(gpt2_dir, llama_dir, reference, mode,
 def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode):
     from app import create_app
     from references import ref_logprobs
+
     settings = make_settings(model=str(llama_dir), served_model_name="tiny-llama", quantize=mode)
     worker = make_worker(settings)
     assert any(isinstance(m, (Int8Linear, Int4Linear)) for m in worker.runner.model.modules())
     client = create_app(settings, engine=worker).test_client()
-    body = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "Hello world", "max_tokens": 6,
-                                                "temperature": 0, "logprobs": 1, "ignore_eos": True}).get_json()
+    body = client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny-llama",
+            "prompt": "Hello world",
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+        },
+    ).get_json()
     tok = worker.runner.tokenizer
     prompt = tok("Hello world")["input_ids"]
     tokens = [int(t) for t in torch.tensor(prompt).tolist()]
     generated = []
-    for _ in range(6):                          # greedy with the same quantized modules, plain forwards
+    for _ in range(6):  # greedy with the same quantized modules, plain forwards
         lp = ref_logprobs(worker.runner.model, tokens + generated)
         generated.append(int(lp[-1].argmax()))
     assert body["choices"][0]["text"] == tok.decode(generated, skip_special_tokens=True)
@@ -82,6 +94,7 @@ def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode)
 def test_weight_only_modes_are_cpu_only(llama_dir):
     from app.engine.loader import load_model
     from app.errors import ConfigError
+
     if torch.cuda.is_available():
         with pytest.raises(ConfigError):
             load_model(make_settings(model=str(llama_dir), quantize="int4", device="cuda"))
@@ -96,10 +109,12 @@ def test_smollm2_keeps_its_answers(saker_cache, mode):
     (mean |logprob difference| over the top 10 float32 tokens of three prompts: int8 0.10, int4 0.045 seen: the
     GGUF's Q4_1 weights sit on int4's grid exactly, so int4 is closer than per-channel int8; the head is int8)."""
     from app.engine.loader import ensure_default_model, load_model
+
     path = str(ensure_default_model(make_settings(cache_dir=str(saker_cache))))
     exact = load_model(make_settings(model=path)).model
     quantized = load_model(make_settings(model=path, quantize=mode)).model
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(path)
     diffs = []
     for prompt in ("The capital of France is", "def add(a, b):\n    return", "Once upon a time, there was a"):

@@ -14,6 +14,7 @@ router that reads ``/readyz``, such as Kubernetes' endpoints or the Gateway API 
 Which replica answered is read from each replica's own access log (SAKER_ACCESS_LOG, one per replica), joined on the
 X-Request-ID the client sent, and from nginx's access log (``$upstream_addr``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,14 +36,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.replica_bench import REPLICAS_CONF, Router, nginx_binary, render_replicas_conf
 from servers import Gunicorn
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(nginx_binary() is None,
-                                 reason="nginx is not installed (apt-get install nginx; .ci/run installs it when "
-                                        "it runs as root)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        nginx_binary() is None,
+        reason="nginx is not installed (apt-get install nginx; .ci/run installs it when it runs as root)",
+    ),
+]
 
 MODEL = "tiny-gpt2"
 DRAIN_SECONDS = 2.0
-KEEPALIVE_LINGER = 2.0        # gunicorn's STOP_KEEPALIVE_LINGER: a stopping worker's kept-alive connections
+KEEPALIVE_LINGER = 2.0  # gunicorn's STOP_KEEPALIVE_LINGER: a stopping worker's kept-alive connections
 
 
 class Pool:
@@ -59,17 +63,28 @@ class Pool:
         for _ in range(n):
             self._count += 1
             log = self.root / f"replica-{self._count}.jsonl"
-            replica = Gunicorn({"SAKER_MODEL": str(self.model_dir), "SAKER_SERVED_MODEL_NAME": MODEL,
-                                "SAKER_ACCESS_LOG": str(log), "SAKER_DRAIN_SECONDS": str(DRAIN_SECONDS),
-                                "SAKER_PROXY_HOPS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+            replica = Gunicorn(
+                {
+                    "SAKER_MODEL": str(self.model_dir),
+                    "SAKER_SERVED_MODEL_NAME": MODEL,
+                    "SAKER_ACCESS_LOG": str(log),
+                    "SAKER_DRAIN_SECONDS": str(DRAIN_SECONDS),
+                    "SAKER_PROXY_HOPS": "1",
+                    "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1",
+                }
+            )
             replica.access_log = log
             self.replicas.append(replica)
             started.append(replica)
         for replica in started:
             replica.wait_ready()
-            for _ in range(2):          # the first forwards are slow: warm up before anything is measured
-                requests.post(replica.url + "/v1/completions", timeout=60,
-                              json={"model": MODEL, "prompt": "Warm up", "max_tokens": 4}).raise_for_status()
+            for _ in range(2):  # the first forwards are slow: warm up before anything is measured
+                requests.post(
+                    replica.url + "/v1/completions",
+                    timeout=60,
+                    json={"model": MODEL, "prompt": "Warm up", "max_tokens": 4},
+                ).raise_for_status()
         return started
 
     def alive(self) -> list[Gunicorn]:
@@ -126,14 +141,19 @@ def pool(gpt2_dir, tmp_path_factory):
         pool.stop()
 
 
-def completion(url: str, prompt: str, session: str | None = None, http: requests.Session | None = None,
-               max_tokens: int = 6) -> tuple[str, requests.Response]:
+def completion(
+    url: str, prompt: str, session: str | None = None, http: requests.Session | None = None, max_tokens: int = 6
+) -> tuple[str, requests.Response]:
     request_id = uuid.uuid4().hex
     headers = {"X-Request-ID": request_id}
     if session is not None:
         headers["X-Session-ID"] = session
-    resp = (http or requests).post(url + "/v1/completions", headers=headers, timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    resp = (http or requests).post(
+        url + "/v1/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     return request_id, resp
 
 
@@ -157,12 +177,13 @@ class Load:
             try:
                 request_id, resp = completion(self.url, f"Load {i}.{n}: once upon a time", http=http)
                 status, code = resp.status_code, (resp.json().get("error") or {}).get("code")
-            except requests.RequestException as exc:          # no HTTP answer at all: the connection broke
+            except requests.RequestException as exc:  # no HTTP answer at all: the connection broke
                 request_id, status, code = None, None, repr(exc)
                 http = requests.Session()
             with self._lock:
-                self.records.append({"id": request_id, "start": start, "end": time.time(), "status": status,
-                                     "code": code})
+                self.records.append(
+                    {"id": request_id, "start": start, "end": time.time(), "status": status, "code": code}
+                )
 
     @property
     def clients(self) -> int:
@@ -187,10 +208,16 @@ def refuses(port: int) -> bool:
 
 def prefix_hits(replica: Gunicorn) -> dict[str, float]:
     text = requests.get(replica.url + "/metrics", timeout=10).text
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-              if s.labels.get("model_name", MODEL) == MODEL}
-    return {name: values.get(name, 0.0) for name in ("saker_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
-                                                      "vllm:prefix_cache_queries_total")}
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("model_name", MODEL) == MODEL
+    }
+    return {
+        name: values.get(name, 0.0)
+        for name in ("saker_prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    }
 
 
 # -- the config -----------------------------------------------------------------------------------------------------
@@ -198,14 +225,14 @@ def test_rendered_config_passes_nginx_t(pool):
     result = pool.router.check_config()
     assert result.returncode == 0, result.stderr
     conf = (pool.router.root / "saker.conf").read_text()
-    for replica in pool.alive():                   # both upstream blocks list every replica
+    for replica in pool.alive():  # both upstream blocks list every replica
         assert conf.count(f"server 127.0.0.1:{replica.port} max_fails=1 fail_timeout=10s;") == 2
 
 
 def test_shipped_config_shape():
-    conf = "\n".join(line.split("#")[0] for line in REPLICAS_CONF.read_text().splitlines())     # no comments
+    conf = "\n".join(line.split("#")[0] for line in REPLICAS_CONF.read_text().splitlines())  # no comments
     assert "least_conn;" in conf and "hash $http_x_session_id consistent;" in conf
-    assert "proxy_next_upstream error timeout;" in conf and "non_idempotent" not in conf      # POSTs sent: no retry
+    assert "proxy_next_upstream error timeout;" in conf and "non_idempotent" not in conf  # POSTs sent: no retry
     assert "proxy_next_upstream_tries" in conf and "keepalive 32;" in conf
     assert "proxy_buffering off;" in conf and "proxy_read_timeout 3600s;" in conf
     assert conf.count("proxy_pass http://$saker_pool;") == 3
@@ -221,9 +248,12 @@ def test_requests_spread_over_both_replicas(pool):
 
     def client(i: int) -> list[tuple[str, int]]:
         http = requests.Session()
-        return [(rid, resp.status_code) for rid, resp in
-                (completion(url, f"Spread {i}.{n}: the quick brown fox", http=http, max_tokens=16)
-                 for n in range(4))]
+        return [
+            (rid, resp.status_code)
+            for rid, resp in (
+                completion(url, f"Spread {i}.{n}: the quick brown fox", http=http, max_tokens=16) for n in range(4)
+            )
+        ]
 
     with ThreadPoolExecutor(16) as ex:
         results = [r for rs in ex.map(client, range(16)) for r in rs]
@@ -233,17 +263,27 @@ def test_requests_spread_over_both_replicas(pool):
     for rid, _ in results:
         counts[served[rid]] += 1
     assert sum(counts.values()) == 64
-    assert min(counts.values()) >= 64 * 0.3, counts            # least_conn: both get a fair share
+    assert min(counts.values()) >= 64 * 0.3, counts  # least_conn: both get a fair share
     routed = {line["request_id"]: line for line in pool.router.access([rid for rid, _ in results])}
-    assert all(routed[rid]["upstream"] == f"127.0.0.1:{served[rid]}" for rid, _ in results)   # no retries
+    assert all(routed[rid]["upstream"] == f"127.0.0.1:{served[rid]}" for rid, _ in results)  # no retries
 
 
 def test_a_stream_through_the_router_is_unbuffered(pool):
     pool.ensure(2)
-    with requests.post(pool.router.url + "/v1/completions", stream=True, timeout=60,
-                       headers={"X-Session-ID": "stream-1"},
-                       json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-                             "ignore_eos": True, "stream": True}) as resp:
+    with requests.post(
+        pool.router.url + "/v1/completions",
+        stream=True,
+        timeout=60,
+        headers={"X-Session-ID": "stream-1"},
+        json={
+            "model": MODEL,
+            "prompt": "Once upon a time",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as resp:
         assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         assert "Content-Length" not in resp.headers and resp.headers.get("Transfer-Encoding") == "chunked"
         frames = [line for line in resp.iter_lines(decode_unicode=True) if line]
@@ -278,7 +318,7 @@ def test_session_affinity_keeps_a_conversation_on_one_replica_and_its_prefix_cac
     per_replica = {r.port: 0 for r in replicas}
     for session, ids in sessions:
         ports = {served[rid] for rid in ids}
-        assert len(ports) == 1, (session, ports)                  # the whole conversation on one replica
+        assert len(ports) == 1, (session, ports)  # the whole conversation on one replica
         per_replica[ports.pop()] += 1
     routed = {line["request_id"]: line for line in pool.router.access([rid for _, ids in sessions for rid in ids])}
     assert all(routed[rid]["session"] == s for s, ids in sessions for rid in ids)
@@ -289,7 +329,7 @@ def test_session_affinity_keeps_a_conversation_on_one_replica_and_its_prefix_cac
         # every turn after a conversation's first finds the history its previous turn left in that replica
         assert got["saker_prefix_cache_hits_total"] == 2 * held, (replica.port, held, got)
         if held:
-            assert got["vllm:prefix_cache_hits_total"] >= 2 * held * 16, got       # reused prompt tokens
+            assert got["vllm:prefix_cache_hits_total"] >= 2 * held * 16, got  # reused prompt tokens
         else:
             assert got["vllm:prefix_cache_hits_total"] == 0, got
 
@@ -305,7 +345,7 @@ def test_a_draining_replica_gets_nothing_new_once_it_refuses_connections(pool):
     try:
         time.sleep(1.0)
         sigterm_at = time.time()
-        drain.proc.send_signal(signal.SIGTERM)                  # as Kubernetes or `docker stop` would
+        drain.proc.send_signal(signal.SIGTERM)  # as Kubernetes or `docker stop` would
         deadline = time.time() + 2
         while requests.get(drain.url + "/readyz", timeout=10).status_code == 200 and time.time() < deadline:
             time.sleep(0.05)
@@ -316,7 +356,7 @@ def test_a_draining_replica_gets_nothing_new_once_it_refuses_connections(pool):
             assert time.time() < deadline, "the draining replica never refused connections"
             time.sleep(0.02)
         refused_at = time.time()
-        time.sleep(KEEPALIVE_LINGER + 2.0)                      # load goes on past the kept-alive connections' end
+        time.sleep(KEEPALIVE_LINGER + 2.0)  # load goes on past the kept-alive connections' end
     finally:
         records = load.stop()
     assert drain.proc.wait(30) == 0
@@ -347,12 +387,13 @@ def test_a_killed_replica_loses_only_its_in_flight_requests(pool):
     def lands_on(session: str) -> int | None:
         rid, _ = completion(url, "Hello there", session=session)
         return pool.served_by([rid]).get(rid)
+
     session = next(s for s in (f"s-{i}" for i in range(64)) if lands_on(s) == victim.port)
     load = Load(url)
     try:
         time.sleep(1.5)
         killed_at = time.time()
-        os.killpg(victim.proc.pid, signal.SIGKILL)              # master and worker: the whole process group
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # master and worker: the whole process group
         victim.proc.wait(10)
         while not refuses(victim.port):
             time.sleep(0.01)
@@ -364,11 +405,10 @@ def test_a_killed_replica_loses_only_its_in_flight_requests(pool):
     # only requests in flight while it died failed, at most one per client: the router's JSON 503, or (when the
     # replica died while its answer was on the way, after nginx had passed its head on) a broken connection
     assert all(r["start"] < dead_at and r["end"] > killed_at for r in failed), failed
-    assert 1 <= len(failed) <= load.clients                     # it did die with work in hand (4 of 8 clients')
+    assert 1 <= len(failed) <= load.clients  # it did die with work in hand (4 of 8 clients')
     routed = {line["request_id"]: line for line in pool.router.access([r["id"] for r in failed if r["id"]])}
     assert all(routed[r["id"]]["upstream"] == f"127.0.0.1:{victim.port}" for r in failed if r["id"]), failed
-    assert all((r["status"], r["code"]) == (503, "service_unavailable") or r["status"] is None for r in failed), \
-        failed
+    assert all((r["status"], r["code"]) == (503, "service_unavailable") or r["status"] is None for r in failed), failed
     # everything after went to the survivor and succeeded
     later = [r for r in records if r["start"] > dead_at]
     assert len(later) >= 8 and all(r["status"] == 200 for r in later)

@@ -18,6 +18,7 @@ The tiny GPT-2 gets the Hermes-style TOOL_TEMPLATE of tests/test_tools.py (its t
 grammar; its words are random and rarely end before their limit). The Agents SDK's whole loop and Codex (a ~6k-token
 prompt) run on an "echo llama": tiny, 16k positions, SmolLM2's tokenizer and the shipped Hermes tool template,
 answering a fixed sentence (build_echo_llama)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,20 +46,46 @@ SCHEMA_FILE = Path(__file__).resolve().parent / "data" / "openai_responses_schem
 HERMES_TEMPLATE = ROOT / "deploy" / "chat-templates" / "smollm2-hermes-tools.jinja"
 MODEL = "tiny-gpt2"
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "strict": True,
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                           "unit": {"enum": ["c", "f"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}
-TIME = {"type": "function", "name": "get_time", "strict": True,
-        "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
-                       "required": ["zone"], "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
 TOOLS = [WEATHER, TIME]
 ARGUMENT_SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
 QUESTION = "What is the weather in Paris?"
-GET_TIME = {"type": "function", "name": "get_time"}     # its calls are short: the tiny GPT-2 has 256 positions
-CITY_FORMAT = {"format": {"type": "json_schema", "name": "city", "strict": True, "schema": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
-    "additionalProperties": False}}}
+GET_TIME = {"type": "function", "name": "get_time"}  # its calls are short: the tiny GPT-2 has 256 positions
+CITY_FORMAT = {
+    "format": {
+        "type": "json_schema",
+        "name": "city",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+}
 
 
 # -- OpenAI's schema ------------------------------------------------------------------------------------------------
@@ -96,9 +123,16 @@ def _describe(error: jsonschema.ValidationError) -> list[str]:
         for e in error.context:
             branches.setdefault(e.relative_schema_path[0], []).append(e)
         # a branch for another kind of object (its "type" differs) or for null says nothing useful
-        relevant = [e for errors in branches.values() if not any(
-            (e.validator in ("enum", "const") and list(e.relative_path) == ["type"]) or
-            (e.validator == "type" and e.validator_value == "null") for e in errors) for e in errors]
+        relevant = [
+            e
+            for errors in branches.values()
+            if not any(
+                (e.validator in ("enum", "const") and list(e.relative_path) == ["type"])
+                or (e.validator == "type" and e.validator_value == "null")
+                for e in errors
+            )
+            for e in errors
+        ]
         if relevant:
             return [line for e in relevant for line in _describe(e)]
     where = "/".join(str(p) for p in error.absolute_path) or "(top)"
@@ -118,8 +152,7 @@ def schema_problems(instance: dict, name: str) -> list[str]:
 
 def assert_valid(instance: dict, name: str) -> None:
     problems = schema_problems(instance, name)
-    assert not problems, f"not a valid OpenAI {name}:\n  " + "\n  ".join(problems) + \
-        "\n" + json.dumps(instance)[:3000]
+    assert not problems, f"not a valid OpenAI {name}:\n  " + "\n  ".join(problems) + "\n" + json.dumps(instance)[:3000]
 
 
 def test_vendored_schema_is_self_contained_and_says_where_it_came_from():
@@ -129,15 +162,25 @@ def test_vendored_schema_is_self_contained_and_says_where_it_came_from():
     assert "#/components/" not in text and "$recursiveRef" not in text
     refs = set(re.findall(r'"\$ref": "#/\$defs/([^"]+)"', text))
     assert refs <= set(SCHEMA["$defs"]), refs - set(SCHEMA["$defs"])
-    for kind in ("response.created", "response.in_progress", "response.completed", "response.incomplete",
-                 "response.failed", "response.output_item.added", "response.output_item.done",
-                 "response.content_part.added", "response.content_part.done", "response.output_text.delta",
-                 "response.output_text.done", "response.function_call_arguments.delta",
-                 "response.function_call_arguments.done", "error"):
+    for kind in (
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.content_part.added",
+        "response.content_part.done",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "error",
+    ):
         assert kind in EVENT_DEFINITIONS
     # the checker itself: a made-up field type and a missing field are caught, with their place
-    assert any("output" in p for p in schema_problems({"id": "resp_1", "object": "response", "output": 3},
-                                                      "Response"))
+    assert any("output" in p for p in schema_problems({"id": "resp_1", "object": "response", "output": 3}, "Response"))
     assert schema_problems({"type": "response.output_text.delta", "sequence_number": 0}, "ResponseStreamEvent")
 
 
@@ -145,8 +188,10 @@ def test_vendored_schema_is_self_contained_and_says_where_it_came_from():
 @pytest.fixture(scope="module")
 def tool_app(gpt2_dir, gpt2_worker):
     from app import create_app
-    app = create_app(make_settings(model=str(gpt2_dir), served_model_name=MODEL, chat_template=TOOL_TEMPLATE),
-                     engine=gpt2_worker)
+
+    app = create_app(
+        make_settings(model=str(gpt2_dir), served_model_name=MODEL, chat_template=TOOL_TEMPLATE), engine=gpt2_worker
+    )
     app.config["TESTING"] = True
     return app
 
@@ -171,8 +216,8 @@ def sse_events(text: str) -> list[dict]:
             continue
         lines = frame.split("\n")
         assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
-        event = json.loads(lines[1][len("data: "):])
-        assert lines[0][len("event: "):] == event["type"], frame
+        event = json.loads(lines[1][len("data: ") :])
+        assert lines[0][len("event: ") :] == event["type"], frame
         events.append(event)
     return events
 
@@ -186,8 +231,13 @@ def stream(client, **body) -> list[dict]:
 
 
 def output_text(response: dict) -> str:
-    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
-                   for part in item["content"] if part["type"] == "output_text")
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
 
 
 def calls_of(response: dict) -> list[dict]:
@@ -210,8 +260,8 @@ def check_events(events: list[dict]) -> dict:
     assert first["status"] == events[1]["response"]["status"] == "in_progress"
     assert first["id"] == events[1]["response"]["id"] == final["id"] and first["output"] == []
     assert final["status"] == ("completed" if kinds[-1] == "response.completed" else "incomplete")
-    items: list[dict] = []                 # as added
-    open_item = None                       # the item between its added and done events
+    items: list[dict] = []  # as added
+    open_item = None  # the item between its added and done events
     text = arguments = None
     part_open = False
     for event in events[2:-1]:
@@ -273,25 +323,62 @@ def check_events(events: list[dict]) -> dict:
 # -- every response and event against OpenAI's schema -------------------------------------------------------------
 SCHEMA_CASES = [
     ("string-input", {"input": "Hello there", "max_output_tokens": 8}),
-    ("messages-instructions-metadata", {
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-                  {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
-                  {"role": "user", "content": "Count to three."}],
-        "instructions": "Be brief.", "metadata": {"purpose": "test"}, "max_output_tokens": 8, "top_p": 0.9}),
+    (
+        "messages-instructions-metadata",
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+                {"role": "user", "content": "Count to three."},
+            ],
+            "instructions": "Be brief.",
+            "metadata": {"purpose": "test"},
+            "max_output_tokens": 8,
+            "top_p": 0.9,
+        },
+    ),
     ("cut-at-max-output-tokens", {"input": "Once upon a time", "max_output_tokens": 3, "ignore_eos": True}),
-    ("tool-required", {"input": QUESTION, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
-                       "max_output_tokens": 120}),
-    ("tool-named", {"input": QUESTION, "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"},
-                    "max_output_tokens": 120}),
+    (
+        "tool-required",
+        {
+            "input": QUESTION,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_output_tokens": 120,
+        },
+    ),
+    (
+        "tool-named",
+        {
+            "input": QUESTION,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "name": "get_time"},
+            "max_output_tokens": 120,
+        },
+    ),
     ("json-schema", {"input": "A city, as JSON", "max_output_tokens": 80, "text": CITY_FORMAT}),
     ("json-object", {"input": "Some JSON", "max_output_tokens": 30, "text": {"format": {"type": "json_object"}}}),
-    ("logprobs", {"input": "Hello", "max_output_tokens": 5, "include": ["message.output_text.logprobs"],
-                  "top_logprobs": 2}),
-    ("ignored-tool-types", {"input": "Hello", "max_output_tokens": 5,
-                            "tools": [{"type": "web_search"}, {"type": "code_interpreter",
-                                                               "container": {"type": "auto"}}, WEATHER]}),
-    ("function-tool-without-strict", {"input": QUESTION, "max_output_tokens": 5, "tools": [
-        {"type": "function", "name": "get_weather", "parameters": WEATHER["parameters"]}]}),
+    (
+        "logprobs",
+        {"input": "Hello", "max_output_tokens": 5, "include": ["message.output_text.logprobs"], "top_logprobs": 2},
+    ),
+    (
+        "ignored-tool-types",
+        {
+            "input": "Hello",
+            "max_output_tokens": 5,
+            "tools": [{"type": "web_search"}, {"type": "code_interpreter", "container": {"type": "auto"}}, WEATHER],
+        },
+    ),
+    (
+        "function-tool-without-strict",
+        {
+            "input": QUESTION,
+            "max_output_tokens": 5,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["parameters"]}],
+        },
+    ),
 ]
 
 
@@ -307,17 +394,26 @@ def test_response_objects_match_openai_schema(tool_client, body):
 @pytest.mark.parametrize("body", [c[1] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES])
 def test_stream_events_match_openai_schema(tool_client, body):
     events = stream(tool_client, **body)
-    problems = [f"event {e['sequence_number']} ({e['type']}): {p}"
-                for e in events for p in schema_problems(e, "ResponseStreamEvent")]
+    problems = [
+        f"event {e['sequence_number']} ({e['type']}): {p}"
+        for e in events
+        for p in schema_problems(e, "ResponseStreamEvent")
+    ]
     assert not problems, "events not valid against OpenAI's ResponseStreamEvent:\n  " + "\n  ".join(problems)
 
 
 def test_continued_and_deleted_objects_match_openai_schema(tool_client):
-    first = create(tool_client, input=QUESTION, tools=TOOLS, tool_choice=GET_TIME, parallel_tool_calls=False,
-                   max_output_tokens=80)
+    first = create(
+        tool_client, input=QUESTION, tools=TOOLS, tool_choice=GET_TIME, parallel_tool_calls=False, max_output_tokens=80
+    )
     [call] = calls_of(first)
-    second = create(tool_client, previous_response_id=first["id"], max_output_tokens=6, tools=TOOLS,
-                    input=[{"type": "function_call_output", "call_id": call["call_id"], "output": "18 C, sunny"}])
+    second = create(
+        tool_client,
+        previous_response_id=first["id"],
+        max_output_tokens=6,
+        tools=TOOLS,
+        input=[{"type": "function_call_output", "call_id": call["call_id"], "output": "18 C, sunny"}],
+    )
     assert_valid(second, "Response")
     assert second["previous_response_id"] == first["id"]
     deleted = tool_client.delete(f"/v1/responses/{second['id']}").get_json()
@@ -327,9 +423,15 @@ def test_continued_and_deleted_objects_match_openai_schema(tool_client):
 # -- greedy output is chat's --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt", ["Hello there", "The capital of France is", "Café 🙂 東京", ""])
 def test_string_input_equals_chat_token_for_token(llama_client, prompt):
-    chat = llama_client.post("/v1/chat/completions", json={
-        "model": "tiny-llama", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-        "max_tokens": 24}).get_json()
+    chat = llama_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": 24,
+        },
+    ).get_json()
     response = create(llama_client, model="tiny-llama", input=prompt, max_output_tokens=24)
     assert output_text(response) == chat["choices"][0]["message"]["content"]
     assert response["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
@@ -342,32 +444,64 @@ def test_string_input_equals_chat_token_for_token(llama_client, prompt):
 
 
 def test_instructions_and_message_items_equal_chat_messages(llama_client):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Count to three."}]
-    chat = llama_client.post("/v1/chat/completions", json={
-        "model": "tiny-llama", "messages": messages, "temperature": 0, "max_tokens": 16}).get_json()
-    response = create(llama_client, model="tiny-llama", instructions="Be brief.", max_output_tokens=16, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
-        {"type": "message", "role": "user", "content": "Count to three."}])
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Count to three."},
+    ]
+    chat = llama_client.post(
+        "/v1/chat/completions", json={"model": "tiny-llama", "messages": messages, "temperature": 0, "max_tokens": 16}
+    ).get_json()
+    response = create(
+        llama_client,
+        model="tiny-llama",
+        instructions="Be brief.",
+        max_output_tokens=16,
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+            {"type": "message", "role": "user", "content": "Count to three."},
+        ],
+    )
     assert output_text(response) == chat["choices"][0]["message"]["content"]
     assert response["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert response["instructions"] == "Be brief."
 
 
 def test_output_logprobs_are_chats(llama_client):
-    chat = llama_client.post("/v1/chat/completions", json={
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0,
-        "max_tokens": 6, "logprobs": True, "top_logprobs": 2}).get_json()
-    response = create(llama_client, model="tiny-llama", input="Hello", max_output_tokens=6, top_logprobs=2,
-                      include=["message.output_text.logprobs"])
+    chat = llama_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "temperature": 0,
+            "max_tokens": 6,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ).get_json()
+    response = create(
+        llama_client,
+        model="tiny-llama",
+        input="Hello",
+        max_output_tokens=6,
+        top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )
     [message] = response["output"]
     got, want = message["content"][0]["logprobs"], chat["choices"][0]["logprobs"]["content"]
 
-    def rounded(entries):         # the same tokens; the numbers agree to float32 noise (batch shapes differ)
-        return [{**e, "logprob": round(e["logprob"], 3),
-                 "top_logprobs": [{**t, "logprob": round(t["logprob"], 3)} for t in e["top_logprobs"]]}
-                for e in entries]
+    def rounded(entries):  # the same tokens; the numbers agree to float32 noise (batch shapes differ)
+        return [
+            {
+                **e,
+                "logprob": round(e["logprob"], 3),
+                "top_logprobs": [{**t, "logprob": round(t["logprob"], 3)} for t in e["top_logprobs"]],
+            }
+            for e in entries
+        ]
+
     assert len(got) == 6 and rounded(got) == rounded(want)
 
 
@@ -381,23 +515,28 @@ def test_text_stream_events_in_order(tool_client):
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds[4:-4]) > 1
     assert output_text(final) == output_text(plain)
-    for key in ("input_tokens", "output_tokens", "total_tokens"):     # (cached_tokens: the prefix cache's)
+    for key in ("input_tokens", "output_tokens", "total_tokens"):  # (cached_tokens: the prefix cache's)
         assert final["usage"][key] == plain["usage"][key]
     stored = tool_client.get(f"/v1/responses/{final['id']}").get_json()
     assert stored == final
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"])
 def test_tool_call_stream_events_in_order(tool_client, choice):
     body = dict(input=QUESTION, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, max_output_tokens=120)
     plain = create(tool_client, **body)
     events = stream(tool_client, **body)
     final = check_events(events)
     kinds = [e["type"] for e in events]
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     *["response.function_call_arguments.delta"] * (len(kinds) - 6),
-                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * (len(kinds) - 6),
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     [call] = calls_of(final)
     [plain_call] = calls_of(plain)
     assert (call["name"], call["arguments"]) == (plain_call["name"], plain_call["arguments"])
@@ -437,8 +576,12 @@ def test_previous_response_id_continues_the_conversation(tool_client):
     second = create(tool_client, input="And then?", max_output_tokens=6, previous_response_id=first["id"])
     # the same conversation written out in full, statelessly (instructions are not carried over: OpenAI's rule)
     said = first["output"][0]
-    full = create(tool_client, store=False, max_output_tokens=6, input=[
-        {"role": "user", "content": "Hello there"}, said, {"role": "user", "content": "And then?"}])
+    full = create(
+        tool_client,
+        store=False,
+        max_output_tokens=6,
+        input=[{"role": "user", "content": "Hello there"}, said, {"role": "user", "content": "And then?"}],
+    )
     assert output_text(second) == output_text(full)
     assert second["usage"]["input_tokens"] == full["usage"]["input_tokens"]
     assert second["usage"]["input_tokens"] > first["usage"]["output_tokens"] + 5
@@ -447,8 +590,9 @@ def test_previous_response_id_continues_the_conversation(tool_client):
 
 @pytest.mark.parametrize("stateless", [False, True], ids=["previous_response_id", "full-input"])
 def test_function_call_output_round_trip(tool_client, stateless):
-    first = create(tool_client, input=QUESTION, tools=TOOLS, tool_choice=GET_TIME, parallel_tool_calls=False,
-                   max_output_tokens=80)
+    first = create(
+        tool_client, input=QUESTION, tools=TOOLS, tool_choice=GET_TIME, parallel_tool_calls=False, max_output_tokens=80
+    )
     assert first["status"] == "completed"
     [call] = calls_of(first)
     answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "18 degrees, sunny"}
@@ -471,12 +615,15 @@ def test_get_and_delete(tool_client):
     deleted = tool_client.delete(f"/v1/responses/{response['id']}")
     assert deleted.status_code == 200
     assert deleted.get_json() == {"id": response["id"], "object": "response.deleted", "deleted": True}
-    for resp in (tool_client.get(f"/v1/responses/{response['id']}"),
-                 tool_client.delete(f"/v1/responses/{response['id']}")):
+    for resp in (
+        tool_client.get(f"/v1/responses/{response['id']}"),
+        tool_client.delete(f"/v1/responses/{response['id']}"),
+    ):
         assert resp.status_code == 404
         assert resp.get_json()["error"]["type"] == "invalid_request_error"
-    follow = tool_client.post("/v1/responses", json={"model": MODEL, "input": "Hi",
-                                                     "previous_response_id": response["id"]})
+    follow = tool_client.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": response["id"]}
+    )
     assert follow.status_code == 404 and follow.get_json()["error"]["param"] == "previous_response_id"
 
 
@@ -487,14 +634,26 @@ def test_store_false_keeps_nothing(tool_client):
 
 
 def test_ignored_tool_types_are_named_in_a_header(tool_client):
-    resp = tool_client.post("/v1/responses", json={
-        "model": MODEL, "input": "Hello", "max_output_tokens": 3, "temperature": 0,
-        "tools": [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}, WEATHER,
-                  {"type": "web_search"}]})
+    resp = tool_client.post(
+        "/v1/responses",
+        json={
+            "model": MODEL,
+            "input": "Hello",
+            "max_output_tokens": 3,
+            "temperature": 0,
+            "tools": [
+                {"type": "web_search"},
+                {"type": "file_search", "vector_store_ids": ["vs_1"]},
+                WEATHER,
+                {"type": "web_search"},
+            ],
+        },
+    )
     assert resp.status_code == 200, resp.get_data(as_text=True)
     assert resp.headers["X-Saker-Ignored-Tools"] == "web_search, file_search"
-    plain = tool_client.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 3,
-                                                    "tools": [WEATHER]})
+    plain = tool_client.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 3, "tools": [WEATHER]}
+    )
     assert "X-Saker-Ignored-Tools" not in plain.headers
 
 
@@ -504,20 +663,48 @@ BAD = [
     ("input-a-number", {"input": 42}, 400, "input"),
     ("input-missing", {}, 400, "input"),
     ("input-an-empty-list", {"input": []}, 400, "input"),
-    ("function-call-output-without-its-call", {"input": [
-        {"type": "function_call_output", "call_id": "call_nowhere", "output": "18 degrees"}]}, 400, "input"),
-    ("unknown-previous-response-id", {"input": "Hi", "previous_response_id": "resp_doesnotexist"}, 404,
-     "previous_response_id"),
+    (
+        "function-call-output-without-its-call",
+        {"input": [{"type": "function_call_output", "call_id": "call_nowhere", "output": "18 degrees"}]},
+        400,
+        "input",
+    ),
+    (
+        "unknown-previous-response-id",
+        {"input": "Hi", "previous_response_id": "resp_doesnotexist"},
+        404,
+        "previous_response_id",
+    ),
     ("unknown-text-format", {"input": "Hi", "text": {"format": {"type": "yaml"}}}, 400, "text"),
-    ("named-tool-not-in-tools", {"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function",
-                                                                                    "name": "x"}}, 400,
-     "tool_choice"),
+    (
+        "named-tool-not-in-tools",
+        {"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "x"}},
+        400,
+        "tool_choice",
+    ),
     ("required-without-tools", {"input": "Hi", "tool_choice": "required"}, 400, "tool_choice"),
-    ("input-image", {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "What is this?"},
-        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]}, 400, "input"),
-    ("input-file", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, 400,
-     "input"),
+    (
+        "input-image",
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+                    ],
+                }
+            ]
+        },
+        400,
+        "input",
+    ),
+    (
+        "input-file",
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
+        400,
+        "input",
+    ),
     ("unknown-role", {"input": [{"role": "wizard", "content": "hi"}]}, 400, "input"),
     ("max-output-tokens-zero", {"input": "Hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ("temperature-a-string", {"input": "Hi", "temperature": "hot"}, 400, "temperature"),
@@ -540,8 +727,15 @@ def test_bad_input_is_4xx_with_param_and_the_server_keeps_serving(tool_client, n
 # -- under a real gunicorn, with the official client -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_server(gpt2_dir):
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": MODEL,
-                    "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE, "SAKER_PREFIX_CACHE_TOKENS": "4096", "SAKER_THREADS": "8"})
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": MODEL,
+            "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE,
+            "SAKER_PREFIX_CACHE_TOKENS": "4096",
+            "SAKER_THREADS": "8",
+        }
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -552,25 +746,42 @@ def gpt2_server(gpt2_dir):
 @pytest.fixture()
 def client(gpt2_server):
     import openai
+
     return openai.OpenAI(base_url=gpt2_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.slow
 def test_openai_client_create(client):
     done = client.responses.create(model=MODEL, input="Hello there", temperature=0, max_output_tokens=12)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                          temperature=0, max_tokens=12)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], temperature=0, max_tokens=12
+    )
     assert done.object == "response" and done.id.startswith("resp_")
     assert done.output_text == chat.choices[0].message.content and done.output_text
     assert done.usage.output_tokens == chat.usage.completion_tokens
     assert done.usage.input_tokens == chat.usage.prompt_tokens
     listed = client.responses.create(
-        model=MODEL, instructions="Be brief.", temperature=0, max_output_tokens=12,
-        input=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-               {"role": "user", "content": [{"type": "input_text", "text": "Count to three."}]}])
-    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Count to three."}])
+        model=MODEL,
+        instructions="Be brief.",
+        temperature=0,
+        max_output_tokens=12,
+        input=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Count to three."}]},
+        ],
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=12,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Count to three."},
+        ],
+    )
     assert listed.output_text == chat.choices[0].message.content
     assert listed.instructions == "Be brief." and listed.status in ("completed", "incomplete")
 
@@ -580,14 +791,17 @@ def test_openai_client_stream(client):
     """``responses.stream``: the SDK parses every event (it checks item and content indexes as it assembles the
     response); the text deltas add up to the non-streamed answer (greedy)."""
     from openai.types.responses import ResponseTextDeltaEvent
+
     # the SDK's get_final_response() wants response.completed (an incomplete answer raises): the JSON format
     # makes the random model end its answer
-    plain = client.responses.create(model=MODEL, input="A city, as JSON", temperature=0, max_output_tokens=80,
-                                    text=CITY_FORMAT)
+    plain = client.responses.create(
+        model=MODEL, input="A city, as JSON", temperature=0, max_output_tokens=80, text=CITY_FORMAT
+    )
     assert plain.status == "completed"
     deltas, kinds = [], []
-    with client.responses.stream(model=MODEL, input="A city, as JSON", temperature=0, max_output_tokens=80,
-                                 text=CITY_FORMAT) as events:
+    with client.responses.stream(
+        model=MODEL, input="A city, as JSON", temperature=0, max_output_tokens=80, text=CITY_FORMAT
+    ) as events:
         for event in events:
             kinds.append(event.type)
             if isinstance(event, ResponseTextDeltaEvent):
@@ -598,8 +812,11 @@ def test_openai_client_stream(client):
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert final.usage.output_tokens == plain.usage.output_tokens
     # create(stream=True): the SDK's typed events, sequence numbers from 0, a cut answer ends incomplete
-    events = list(client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=5,
-                                          stream=True, extra_body={"ignore_eos": True}))
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Hi", temperature=0, max_output_tokens=5, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
@@ -610,39 +827,73 @@ def test_openai_client_function_tools(client):
     """Function tools with tool_choice required and named: a function_call with valid arguments, plain and
     streamed (the same call); its function_call_output goes back by previous_response_id and by full input."""
     from openai.types.responses import ResponseFunctionCallArgumentsDeltaEvent
-    first = client.responses.create(model=MODEL, input=QUESTION, tools=TOOLS, tool_choice="required",
-                                    parallel_tool_calls=False, temperature=0, max_output_tokens=120)
+
+    first = client.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=120,
+    )
     [call] = [item for item in first.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), ARGUMENT_SCHEMAS[call.name])
     assert first.status == "completed" and first.tool_choice == "required"
-    with client.responses.stream(model=MODEL, input=QUESTION, tools=TOOLS, tool_choice="required",
-                                 parallel_tool_calls=False, temperature=0, max_output_tokens=120) as events:
+    with client.responses.stream(
+        model=MODEL,
+        input=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=120,
+    ) as events:
         argument_deltas = [e.delta for e in events if isinstance(e, ResponseFunctionCallArgumentsDeltaEvent)]
         streamed = events.get_final_response()
     [streamed_call] = [item for item in streamed.output if item.type == "function_call"]
     assert (streamed_call.name, streamed_call.arguments) == (call.name, call.arguments)
     assert "".join(argument_deltas) == call.arguments
-    named = client.responses.create(model=MODEL, input=QUESTION, tools=TOOLS, temperature=0, tool_choice=GET_TIME,
-                                    parallel_tool_calls=False, max_output_tokens=80)
+    named = client.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        tools=TOOLS,
+        temperature=0,
+        tool_choice=GET_TIME,
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+    )
     [call] = [item for item in named.output if item.type == "function_call"]
     assert call.name == "get_time"
 
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}
-    answered = client.responses.create(model=MODEL, previous_response_id=named.id, input=[output], tools=TOOLS,
-                                       temperature=0, max_output_tokens=8)
+    answered = client.responses.create(
+        model=MODEL, previous_response_id=named.id, input=[output], tools=TOOLS, temperature=0, max_output_tokens=8
+    )
     assert [item.type for item in answered.output] == ["message"]
-    stateless = client.responses.create(model=MODEL, tools=TOOLS, temperature=0, max_output_tokens=8, store=False,
-                                        input=[{"role": "user", "content": QUESTION}, call.model_dump(), output])
+    stateless = client.responses.create(
+        model=MODEL,
+        tools=TOOLS,
+        temperature=0,
+        max_output_tokens=8,
+        store=False,
+        input=[{"role": "user", "content": QUESTION}, call.model_dump(), output],
+    )
     assert stateless.output_text == answered.output_text
     assert stateless.usage.input_tokens == answered.usage.input_tokens
 
 
 @pytest.mark.slow
 def test_openai_client_previous_response_id_reuses_the_prefix_cache(client):
-    first = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8,
-                                    input="Once upon a time there was a small model that liked to count.")
-    second = client.responses.create(model=MODEL, temperature=0, max_output_tokens=8, previous_response_id=first.id,
-                                     input="One two three four five.")
+    first = client.responses.create(
+        model=MODEL,
+        temperature=0,
+        max_output_tokens=8,
+        input="Once upon a time there was a small model that liked to count.",
+    )
+    second = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=8, previous_response_id=first.id, input="One two three four five."
+    )
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1 > 0
@@ -651,6 +902,7 @@ def test_openai_client_previous_response_id_reuses_the_prefix_cache(client):
 @pytest.mark.slow
 def test_openai_client_get_and_delete(client):
     import openai
+
     done = client.responses.create(model=MODEL, input="Hello", temperature=0, max_output_tokens=4)
     got = client.responses.retrieve(done.id)
     assert got.model_dump() == done.model_dump()
@@ -674,6 +926,7 @@ def weather_agent(base_url: str, model: str, **agent_fields):
     pytest.importorskip("agents", reason="openai-agents is not installed: pip install -r requirements-dev.txt")
     import openai
     from agents import Agent, OpenAIResponsesModel, function_tool, set_tracing_disabled
+
     set_tracing_disabled(True)
     cities: list[str] = []
 
@@ -684,9 +937,13 @@ def weather_agent(base_url: str, model: str, **agent_fields):
         return f"18 degrees and sunny in {city}"
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    return Agent(name="weather", instructions="Answer questions about the weather; use the tool.",
-                 tools=[get_weather], model=OpenAIResponsesModel(model=model, openai_client=client),
-                 **agent_fields), cities
+    return Agent(
+        name="weather",
+        instructions="Answer questions about the weather; use the tool.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model=model, openai_client=client),
+        **agent_fields,
+    ), cities
 
 
 @pytest.mark.slow
@@ -696,9 +953,13 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
     never end before its limit (the SDK takes a response.incomplete as an error), so the run stops on the tool's
     output (tool_use_behavior="stop_on_first_tool"); the whole loop runs on the echo llama below."""
     from agents import ModelSettings, Runner
-    agent, cities = weather_agent(gpt2_server.url, MODEL, tool_use_behavior="stop_on_first_tool",
-                                  model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                                               max_tokens=80))
+
+    agent, cities = weather_agent(
+        gpt2_server.url,
+        MODEL,
+        tool_use_behavior="stop_on_first_tool",
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80),
+    )
 
     async def run() -> tuple:
         plain = await Runner.run(agent, QUESTION, max_turns=2)
@@ -718,13 +979,15 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
 @pytest.fixture(scope="module")
 def smol_dir(saker_cache):
     from app.engine.loader import ensure_default_model
+
     return ensure_default_model(make_settings(cache_dir=str(saker_cache)))
 
 
 @pytest.fixture(scope="module")
 def smol_server(smol_dir, saker_cache):
-    srv = Gunicorn({"SAKER_CACHE_DIR": str(saker_cache), "SAKER_THREADS": "8",
-                    "SAKER_CHAT_TEMPLATE": str(HERMES_TEMPLATE)})
+    srv = Gunicorn(
+        {"SAKER_CACHE_DIR": str(saker_cache), "SAKER_THREADS": "8", "SAKER_CHAT_TEMPLATE": str(HERMES_TEMPLATE)}
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -742,9 +1005,15 @@ def test_openai_client_parses_a_pydantic_model_on_smollm2(smol_server):
     """``responses.parse(text_format=City)`` sends City's strict JSON schema as text.format; the grammar keeps
     the real model to it and the SDK parses the answer into a City."""
     import openai
+
     client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
-    done = client.responses.parse(model="SmolLM2-135M-Instruct", input="What is the capital of Italy?",
-                                  text_format=City, temperature=0, max_output_tokens=60)
+    done = client.responses.parse(
+        model="SmolLM2-135M-Instruct",
+        input="What is the capital of Italy?",
+        text_format=City,
+        temperature=0,
+        max_output_tokens=60,
+    )
     assert isinstance(done.output_parsed, City) and done.output_parsed.city and done.output_parsed.country
     assert done.status == "completed"
     assert done.text.format.type == "json_schema" and done.text.format.name == "City"
@@ -762,8 +1031,7 @@ def test_a_dropped_stream_stops_its_generation(smol_server):
         assert next(lines) == b"event: response.created"
         while b"response.output_text.delta" not in next(lines):
             pass
-    answer = requests.post(smol_server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2},
-                           timeout=120)
+    answer = requests.post(smol_server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, timeout=120)
     assert answer.status_code == 200
     deadline, ended = time.time() + 30, []
     while time.time() < deadline and len(ended) <= before:
@@ -793,9 +1061,18 @@ def build_echo_llama(path: Path, tokenizer_dir: Path, answer: str, positions: in
     hidden = 64
     assert len(set(chain)) == len(chain) < hidden - 1 and tok.eos_token_id not in chain
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -804,7 +1081,7 @@ def build_echo_llama(path: Path, tokenizer_dir: Path, answer: str, positions: in
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         embed.zero_()
         head.zero_()
-        embed[:, hidden - 1] = 1.0                         # any other token: the "end" direction
+        embed[:, hidden - 1] = 1.0  # any other token: the "end" direction
         head[tok.eos_token_id, hidden - 1] = 10.0
         for i, token in enumerate(chain):
             embed[token] = 0.0
@@ -823,12 +1100,23 @@ def codex_bin() -> Path:
     folder = ROOT / ".cache" / "codex"
     binary = folder / "node_modules" / ".bin" / "codex"
     installed = folder / "node_modules" / "@openai" / "codex" / "package.json"
-    if not (binary.exists() and installed.exists() and json.loads(installed.read_text())["version"] ==
-            CODEX_VERSION):
+    if not (binary.exists() and installed.exists() and json.loads(installed.read_text())["version"] == CODEX_VERSION):
         folder.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([npm, "install", "--prefix", str(folder), "--no-audit", "--no-fund",
-                               "--loglevel=error", f"@openai/codex@{CODEX_VERSION}"],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                npm,
+                "install",
+                "--prefix",
+                str(folder),
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                f"@openai/codex@{CODEX_VERSION}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if done.returncode != 0 or not binary.exists():
             pytest.skip(f"npm install @openai/codex@{CODEX_VERSION} failed: {(done.stderr or done.stdout)[-800:]}")
     return binary
@@ -837,8 +1125,14 @@ def codex_bin() -> Path:
 @pytest.fixture(scope="module")
 def long_server(tmp_path_factory, smol_dir):
     model = build_echo_llama(tmp_path_factory.mktemp("models") / "tiny-long-llama", smol_dir, ANSWER)
-    srv = Gunicorn({"SAKER_MODEL": str(model), "SAKER_SERVED_MODEL_NAME": LONG_MODEL,
-                    "SAKER_CHAT_TEMPLATE": str(HERMES_TEMPLATE), "SAKER_THREADS": "8"})
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(model),
+            "SAKER_SERVED_MODEL_NAME": LONG_MODEL,
+            "SAKER_CHAT_TEMPLATE": str(HERMES_TEMPLATE),
+            "SAKER_THREADS": "8",
+        }
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -852,8 +1146,12 @@ def test_agents_sdk_runs_its_whole_loop(long_server):
     template renders the tool) runs the Python tool, the SDK sends the call and its output back as input items,
     tool_choice goes back to auto and the model answers (the echo llama's answer, which ends: completed)."""
     from agents import ModelSettings, Runner
-    agent, cities = weather_agent(long_server.url, LONG_MODEL, model_settings=ModelSettings(
-        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100))
+
+    agent, cities = weather_agent(
+        long_server.url,
+        LONG_MODEL,
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100),
+    )
 
     async def run() -> tuple:
         plain = await Runner.run(agent, QUESTION, max_turns=4)
@@ -891,14 +1189,28 @@ def test_codex_exec_against_saker(codex_bin, long_server, tmp_path):
     work.mkdir()
     (home / "config.toml").write_text(codex_config(long_server.url + "/v1"))
     env = {**os.environ, "CODEX_HOME": str(home), "SAKER_API_KEY": "unused", "NO_COLOR": "1"}
-    done = subprocess.run([str(codex_bin), "exec", "--skip-git-repo-check", "--output-last-message",
-                           str(tmp_path / "last.txt"), "Say hello"], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=240, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [
+            str(codex_bin),
+            "exec",
+            "--skip-git-repo-check",
+            "--output-last-message",
+            str(tmp_path / "last.txt"),
+            "Say hello",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     log = long_server.output()
     assert done.returncode == 0, f"codex exited {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}\n{log[-4000:]}"
     assert ANSWER in done.stdout
     assert (tmp_path / "last.txt").read_text().strip() == ANSWER
-    served = [json.loads(line) for line in log.splitlines()
-              if line.startswith("{") and '"route":"/v1/responses"' in line]
+    served = [
+        json.loads(line) for line in log.splitlines() if line.startswith("{") and '"route":"/v1/responses"' in line
+    ]
     assert served and all(r["status"] == 200 for r in served), served
-    assert max(r["prompt_tokens"] for r in served) > 2000        # Codex's agent prompt, tools included
+    assert max(r["prompt_tokens"] for r in served) > 2000  # Codex's agent prompt, tools included

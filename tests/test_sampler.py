@@ -2,6 +2,7 @@
 against a hand-computed result, which passes a batch turns on, the counter-based draws (seeds reproduce, a row's
 draws depend on its own seed, step and scores only, not on the batch), ``select``/``cat`` keeping each row's
 history, and the raw logprobs ``sample`` reports."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,7 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.sampler import (RowSpec, SamplingRows, StepNumbers, choose, sample, sequence_seed, shape_scores,
-                                uniforms)
+from app.engine.sampler import RowSpec, SamplingRows, StepNumbers, choose, sample, sequence_seed, shape_scores, uniforms
 
 NEG_INF = float("-inf")
 PASSES = ("bias", "suppress", "repetition", "presence", "temperature", "top_k", "top_p", "log_min_p")
@@ -54,13 +54,16 @@ def active(rows: SamplingRows) -> set[str]:
 
 # ============================================================================================ passes ===
 class TestPasses:
-    @pytest.mark.parametrize("p,expected", [
-        (0.0, [0]),                # only the top token
-        (0.4, [0]),                # 0.5 alone reaches 0.4
-        (0.75, [0, 1]),            # 0.5 + 0.3 = 0.8 >= 0.75
-        (0.85, [0, 1, 2]),         # 0.95 >= 0.85
-        (0.99, [0, 1, 2, 3]),
-    ])
+    @pytest.mark.parametrize(
+        "p,expected",
+        [
+            (0.0, [0]),  # only the top token
+            (0.4, [0]),  # 0.5 alone reaches 0.4
+            (0.75, [0, 1]),  # 0.5 + 0.3 = 0.8 >= 0.75
+            (0.85, [0, 1, 2]),  # 0.95 >= 0.85
+            (0.99, [0, 1, 2, 3]),
+        ],
+    )
     def test_top_p_keeps_smallest_set_reaching_p(self, p, expected):
         logits = probs_to_logits([0.5, 0.3, 0.15, 0.05])
         assert kept(shaped(logits, top_p=p)) == [expected]
@@ -70,7 +73,7 @@ class TestPasses:
         out = shaped(logits, top_p=0.75)
         assert kept(out) == [[2, 3], [0, 2]]
         finite = out != NEG_INF
-        assert torch.equal(out[finite], logits[finite])          # kept logits are untouched
+        assert torch.equal(out[finite], logits[finite])  # kept logits are untouched
 
     def test_top_p_always_keeps_the_top_token(self):
         logits = probs_to_logits([0.97, 0.01, 0.01, 0.01])
@@ -80,8 +83,9 @@ class TestPasses:
         assert kept(shaped(probs_to_logits([0.4, 0.2, 0.2, 0.2]), top_p=0.5)) == [[0, 1, 2, 3]]
         assert kept(shaped(probs_to_logits([0.4, 0.3, 0.2, 0.1]), top_p=0.5)) == [[0, 1]]
 
-    @pytest.mark.parametrize("k,expected", [(1, [1]), (2, [1, 2]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]),
-                                            (100, [0, 1, 2, 3])])
+    @pytest.mark.parametrize(
+        "k,expected", [(1, [1]), (2, [1, 2]), (3, [0, 1, 2]), (4, [0, 1, 2, 3]), (100, [0, 1, 2, 3])]
+    )
     def test_top_k(self, k, expected):
         logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
         out = shaped(logits, top_k=k)
@@ -111,10 +115,10 @@ class TestPasses:
     def test_repetition_penalty_over_prompt_and_generated(self):
         rows = rows_for(1, 5, prompt=[0, 1], repetition_penalty=2.0)
         logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, -4.0]])
-        assert shape_scores(logits, rows).tolist() == [[1.0, -2.0, 3.0, 0.5, -4.0]]   # prompt tokens 0 and 1
+        assert shape_scores(logits, rows).tolist() == [[1.0, -2.0, 3.0, 0.5, -4.0]]  # prompt tokens 0 and 1
         rows.record(torch.tensor([3]))
         assert shape_scores(logits, rows).tolist() == [[1.0, -2.0, 3.0, 0.25, -4.0]]  # now token 3 too
-        rows.record(torch.tensor([3]))                                                # repeats do not compound
+        rows.record(torch.tensor([3]))  # repeats do not compound
         assert shape_scores(logits, rows).tolist() == [[1.0, -2.0, 3.0, 0.25, -4.0]]
 
     @staticmethod
@@ -127,8 +131,9 @@ class TestPasses:
         # row 0 generated 2, 2, 0; row 1 generated 0, 0, 3; the prompt's token 1 is not counted
         rows = self.generated(rows_for(2, 4, prompt=[1], presence_penalty=0.5, frequency_penalty=0.1))
         logits = torch.zeros(2, 4)
-        expected = torch.tensor([[-(0.1 + 0.5), 0.0, -(2 * 0.1 + 0.5), 0.0],
-                                 [-(2 * 0.1 + 0.5), 0.0, 0.0, -(0.1 + 0.5)]])
+        expected = torch.tensor(
+            [[-(0.1 + 0.5), 0.0, -(2 * 0.1 + 0.5), 0.0], [-(2 * 0.1 + 0.5), 0.0, 0.0, -(0.1 + 0.5)]]
+        )
         assert torch.allclose(shape_scores(logits, rows), expected)
         negative = self.generated(rows_for(2, 4, prompt=[1], presence_penalty=-1.0))
         assert shape_scores(logits, negative).tolist() == [[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0]]
@@ -147,8 +152,7 @@ class TestPasses:
         assert out.tolist() == [[0.0, 6.0, 2.0, -97.0], [1.0, 6.0, 1.0, -99.0]]
 
     def test_logit_bias_per_row(self):
-        rows = SamplingRows([spec(logit_bias=((0, 2.0),)), spec(), spec(logit_bias=((3, -1.0),))],
-                            [1, 2, 3], 4, "cpu")
+        rows = SamplingRows([spec(logit_bias=((0, 2.0),)), spec(), spec(logit_bias=((3, -1.0),))], [1, 2, 3], 4, "cpu")
         assert shape_scores(torch.zeros(3, 4), rows).tolist() == [[2.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, -1.0]]
 
     def test_suppress_tokens_before_min_tokens(self):
@@ -161,7 +165,7 @@ class TestPasses:
 
     def test_suppression_follows_each_rows_own_count(self):
         late = rows_for(1, 4, suppress=(2,), min_tokens=1)
-        late.record(torch.tensor([0]))                        # this row has its one token already
+        late.record(torch.tensor([0]))  # this row has its one token already
         rows = SamplingRows.cat([late, rows_for(1, 4, suppress=(2,), min_tokens=1)])
         assert kept(shape_scores(torch.zeros(2, 4), rows)) == [[0, 1, 2, 3], [0, 1, 3]]
 
@@ -183,9 +187,18 @@ class TestPasses:
 
 # ===================================================================================== active passes ===
 class TestActivePasses:
-    @pytest.mark.parametrize("kw", [{}, {"temperature": 0.0}, {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
-                                    {"temperature": 0.0, "top_k": 5, "top_p": 0.5, "min_p": 0.1},
-                                    {"temperature": 0.0, "seed": 3}, {"min_tokens": 0}, {"top_k": -1}])
+    @pytest.mark.parametrize(
+        "kw",
+        [
+            {},
+            {"temperature": 0.0},
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+            {"temperature": 0.0, "top_k": 5, "top_p": 0.5, "min_p": 0.1},
+            {"temperature": 0.0, "seed": 3},
+            {"min_tokens": 0},
+            {"top_k": -1},
+        ],
+    )
     def test_plain_greedy_or_sampling_turns_no_pass_on(self, kw):
         rows = rows_for(2, 10, suppress=(2,), **kw)
         assert active(rows) == set()
@@ -195,15 +208,38 @@ class TestActivePasses:
         assert active(rows_for(1, 10, suppress=(2,), temperature=0.7, top_k=-1)) == {"temperature"}
 
     def test_everything(self):
-        rows = rows_for(2, 10, suppress=(2,), temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
-                        presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.2,
-                        logit_bias=((1, 1.0),), min_tokens=2)
+        rows = rows_for(
+            2,
+            10,
+            suppress=(2,),
+            temperature=0.7,
+            top_k=5,
+            top_p=0.9,
+            min_p=0.05,
+            presence_penalty=0.1,
+            frequency_penalty=0.2,
+            repetition_penalty=1.2,
+            logit_bias=((1, 1.0),),
+            min_tokens=2,
+        )
         assert active(rows) == set(PASSES)
         assert rows.counts is not None and rows.seen is not None
 
     def test_greedy_keeps_logit_shaping_but_no_filters(self):
-        rows = rows_for(1, 10, suppress=(2,), prompt=[4], temperature=0.0, top_k=5, top_p=0.5, min_p=0.2,
-                        logit_bias=((1, 1.0),), repetition_penalty=1.3, presence_penalty=0.5, min_tokens=1)
+        rows = rows_for(
+            1,
+            10,
+            suppress=(2,),
+            prompt=[4],
+            temperature=0.0,
+            top_k=5,
+            top_p=0.5,
+            min_p=0.2,
+            logit_bias=((1, 1.0),),
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            min_tokens=1,
+        )
         assert active(rows) == {"bias", "suppress", "repetition", "presence"}
         assert rows.greedy_all
 
@@ -212,8 +248,16 @@ class TestActivePasses:
 
     def test_greedy_is_argmax_of_shaped_scores(self):
         logits = torch.tensor([[3.0, 2.0, 2.5, 1.0, 0.0]])
-        rows = rows_for(1, 5, prompt=[0], temperature=0.0, logit_bias=((4, 1.8),), repetition_penalty=2.0,
-                        suppress=(2,), min_tokens=1)
+        rows = rows_for(
+            1,
+            5,
+            prompt=[0],
+            temperature=0.0,
+            logit_bias=((4, 1.8),),
+            repetition_penalty=2.0,
+            suppress=(2,),
+            min_tokens=1,
+        )
         # token 0: 3 / 2 = 1.5 (prompt); token 2: suppressed; token 4: 0 + 1.8 -> 1.8; token 1: 2.0
         assert sample(logits, rows)[0].tolist() == [1]
         # then token 1 is penalized too (1.0) and 2 is free (2.5)
@@ -240,7 +284,7 @@ class TestActivePasses:
 
 # ========================================================================================= the draws ===
 class TestDraws:
-    LOGITS = torch.zeros(3, 50)          # uniform over 50 tokens: sequences of draws differ visibly
+    LOGITS = torch.zeros(3, 50)  # uniform over 50 tokens: sequences of draws differ visibly
 
     def test_greedy_is_argmax(self):
         rows = rows_for(2, 3, temperature=0.0)
@@ -271,10 +315,15 @@ class TestDraws:
         logits = torch.randn(4, 40)
         kw = dict(temperature=0.9, top_p=0.95, repetition_penalty=1.2, prompt=[3, 4], seed=42)
         alone = draws(rows_for(1, 40, **kw), logits[1:2], 30)
-        batch = SamplingRows.cat([rows_for(1, 40, temperature=0.0, seed=1),
-                                  rows_for(1, 40, **kw),
-                                  rows_for(2, 40, temperature=1.7, top_k=3, min_p=0.1, presence_penalty=1.0,
-                                           logit_bias=((0, 3.0),), seed=5)])
+        batch = SamplingRows.cat(
+            [
+                rows_for(1, 40, temperature=0.0, seed=1),
+                rows_for(1, 40, **kw),
+                rows_for(
+                    2, 40, temperature=1.7, top_k=3, min_p=0.1, presence_penalty=1.0, logit_bias=((0, 3.0),), seed=5
+                ),
+            ]
+        )
         batched = draws(batch, logits, 30)
         assert [step[1] for step in batched] == [step[0] for step in alone]
 
@@ -282,7 +331,7 @@ class TestDraws:
         reference = draws(rows_for(3, 50, seed=7), self.LOGITS, 12)
         rows = rows_for(3, 50, seed=7)
         first = draws(rows, self.LOGITS, 5)
-        rows = rows.select([0, 2])                                # row 1 finished
+        rows = rows.select([0, 2])  # row 1 finished
         rest = draws(rows, self.LOGITS[:2], 7)
         assert first == reference[:5]
         assert rest == [[step[0], step[2]] for step in reference[5:]]
@@ -313,9 +362,9 @@ class TestDraws:
     def test_draws_follow_the_distribution(self, how):
         probs = [0.7, 0.2, 0.1]
         logits = probs_to_logits(probs)
-        if how == "steps":             # one row, 3000 steps (each recorded: the next counter)
+        if how == "steps":  # one row, 3000 steps (each recorded: the next counter)
             picks = [step[0] for step in draws(rows_for(1, 3, seed=11), logits, 3000)]
-        else:                          # 3000 rows with their own seeds, one step
+        else:  # 3000 rows with their own seeds, one step
             picks = draws(rows_for(3000, 3, seed=11), logits.expand(3000, 3), 1)[0]
         for token, p in enumerate(probs):
             assert abs(picks.count(token) / 3000 - p) < 0.04
@@ -323,7 +372,7 @@ class TestDraws:
     def test_temperature_changes_the_distribution(self):
         logits = probs_to_logits([0.7, 0.2, 0.1]).expand(3000, 3)
         picks = draws(rows_for(3000, 3, seed=12, temperature=0.5), logits, 1)[0]
-        expected = [p * p / (0.49 + 0.04 + 0.01) for p in (0.7, 0.2, 0.1)]     # p^(1/T), renormalized
+        expected = [p * p / (0.49 + 0.04 + 0.01) for p in (0.7, 0.2, 0.1)]  # p^(1/T), renormalized
         for token, p in enumerate(expected):
             assert abs(picks.count(token) / 3000 - p) < 0.04
 
@@ -335,8 +384,9 @@ class TestCat:
         torch.manual_seed(2)
         vocab = 12
         logits = torch.randn(3, vocab)
-        with_history = rows_for(2, vocab, prompt=[0, 1], repetition_penalty=2.0, presence_penalty=0.5,
-                                frequency_penalty=0.3, seed=3)
+        with_history = rows_for(
+            2, vocab, prompt=[0, 1], repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3, seed=3
+        )
         without = rows_for(1, vocab, temperature=0.7, seed=4)
         with_history.record(torch.tensor([5, 6]))
         with_history.record(torch.tensor([5, 7]))
@@ -346,7 +396,7 @@ class TestCat:
         batch = SamplingRows.cat(parts)
         assert len(batch) == 3 and batch.counts is not None and batch.seen is not None
         for _ in range(10):
-            chunks = logits[:split[0]], logits[split[0]:]
+            chunks = logits[: split[0]], logits[split[0] :]
             expected = torch.cat([shape_scores(chunk, part) for chunk, part in zip(chunks, parts)])
             assert torch.equal(shape_scores(logits, batch), expected)
             tokens, _ = sample(logits, batch)
@@ -378,14 +428,19 @@ class TestSampleNumbers:
         assert numbers.logprobs is None and numbers.top_ids is None and numbers.top_values is None
 
     def test_raw_logprobs_of_the_chosen_token_and_top_k(self):
-        logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0],
-                               [0.0, 1.0, 2.0, 3.0, 4.0],
-                               [1.0, 0.5, 0.0, 2.0, -1.0]])
+        logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0], [1.0, 0.5, 0.0, 2.0, -1.0]])
         # row 0: greedy with a bias that makes the least likely token win; row 1: sampled, 2 logprobs;
         # row 2: only the chosen token's logprob (best_of ranking), sampled at a high temperature
-        rows = SamplingRows([spec(temperature=0.0, logit_bias=((4, 100.0),), logprobs=2, wants_logprob=True),
-                             spec(temperature=0.5, top_k=2, logprobs=1, wants_logprob=True),
-                             spec(temperature=3.0, wants_logprob=True)], [1, 2, 3], 5, "cpu")
+        rows = SamplingRows(
+            [
+                spec(temperature=0.0, logit_bias=((4, 100.0),), logprobs=2, wants_logprob=True),
+                spec(temperature=0.5, top_k=2, logprobs=1, wants_logprob=True),
+                spec(temperature=3.0, wants_logprob=True),
+            ],
+            [1, 2, 3],
+            5,
+            "cpu",
+        )
         tokens, numbers = sample(logits, rows)
         raw = torch.log_softmax(logits, dim=-1)
         assert numbers.tokens == tokens.tolist()
@@ -433,8 +488,8 @@ class TestUniforms:
         assert len(set(u.tolist())) == 10000
 
     def test_extreme_seeds_stay_in_range(self):
-        seeds = torch.tensor([0, 1, -1, 2 ** 63 - 1, -(2 ** 63)], dtype=torch.long)
-        for step in (0, 1, 2 ** 40):
+        seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63)], dtype=torch.long)
+        for step in (0, 1, 2**40):
             u = uniforms(seeds, torch.full_like(seeds, step))
             assert (u > 0).all() and (u < 1).all()
 
@@ -443,15 +498,15 @@ class TestUniforms:
         steps = torch.tensor([0, 3, 9], dtype=torch.long)
         together = uniforms(seeds, steps)
         for i in range(3):
-            assert together[i].item() == uniforms(seeds[i:i + 1], steps[i:i + 1]).item()
+            assert together[i].item() == uniforms(seeds[i : i + 1], steps[i : i + 1]).item()
         assert uniforms(seeds, steps + 1).tolist() != together.tolist()
 
     def test_sequence_seed(self):
         assert sequence_seed(7, 0) == sequence_seed(7, 0)
         seeds = [sequence_seed(7, i) for i in range(100)]
-        assert len(set(seeds)) == 100 and all(0 <= s < 2 ** 63 for s in seeds)
+        assert len(set(seeds)) == 100 and all(0 <= s < 2**63 for s in seeds)
         assert sequence_seed(8, 0) != sequence_seed(7, 0)
-        assert sequence_seed(None, 0) != sequence_seed(None, 0)          # unseeded: a random base each time
+        assert sequence_seed(None, 0) != sequence_seed(None, 0)  # unseeded: a random base each time
 
 
 class TestAllowedTokensAndProcessedLogprobs:
@@ -459,7 +514,7 @@ class TestAllowedTokensAndProcessedLogprobs:
         logits = torch.tensor([[5.0, 1.0, 0.5, 3.0, 2.0]] * 2)
         greedy = rows_for(2, 5, temperature=0.0, allowed_token_ids=(1, 4))
         assert kept(shape_scores(logits, greedy)) == [[1, 4], [1, 4]]
-        assert sample(logits, greedy)[0].tolist() == [4, 4]          # the argmax among the allowed
+        assert sample(logits, greedy)[0].tolist() == [4, 4]  # the argmax among the allowed
         sampled = rows_for(2, 5, temperature=1.0, seed=3, allowed_token_ids=(0, 2))
         picks = {t for step in draws(sampled, logits, 200) for t in step}
         assert picks == {0, 2}
@@ -474,14 +529,14 @@ class TestAllowedTokensAndProcessedLogprobs:
     def test_processed_logprobs_are_those_of_the_sampled_distribution(self):
         logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
         raw = rows_for(1, 5, wants_logprob=True, temperature=0.5, top_k=2, seed=1, logprobs=2)
-        processed = rows_for(1, 5, wants_logprob=True, temperature=0.5, top_k=2, seed=1, logprobs=2,
-                             processed_logprobs=True)
+        processed = rows_for(
+            1, 5, wants_logprob=True, temperature=0.5, top_k=2, seed=1, logprobs=2, processed_logprobs=True
+        )
         (token,), numbers = sample(logits, processed)
         expected = torch.log_softmax(torch.tensor([4.0, -math.inf, -math.inf, -math.inf, 6.0]), dim=-1)
         assert numbers.logprobs[0] == pytest.approx(expected[int(token)].item(), abs=1e-6)
         assert numbers.top_ids[0] == [4, 0]
         assert numbers.top_values[0] == pytest.approx([expected[4].item(), expected[0].item()], abs=1e-6)
         (token_raw,), raw_numbers = sample(logits, raw)
-        assert token_raw == token                                   # the same draw; only the report differs
-        assert raw_numbers.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[int(token)].item(),
-                                                        abs=1e-6)
+        assert token_raw == token  # the same draw; only the report differs
+        assert raw_numbers.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[int(token)].item(), abs=1e-6)

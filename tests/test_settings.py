@@ -1,5 +1,6 @@
 """Settings without a model: gpu_memory / peft_weights parsing, start-up checks, SAKER_* env vars, CLI flags
 generated from the fields, and one-line start-up errors from `python -m app serve` and gunicorn.conf.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,15 @@ from pathlib import Path
 import pytest
 
 from app.errors import ConfigError
-from app.settings import (DEFAULT_MODEL_NAME, Settings, add_settings_arguments, load_settings, parse_gpu_memory,
-                          parse_peft_weights, settings_from_args)
+from app.settings import (
+    DEFAULT_MODEL_NAME,
+    Settings,
+    add_settings_arguments,
+    load_settings,
+    parse_gpu_memory,
+    parse_peft_weights,
+    settings_from_args,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
@@ -33,38 +41,44 @@ def env_without_saker(**extra: str) -> dict[str, str]:
 
 
 # -- gpu_memory -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,expected", [
-    ("0:24 1:24", {0: 24.0, 1: 24.0}),
-    ("0:24", {0: 24.0}),
-    ("0:24,1:12", {0: 24.0, 1: 12.0}),
-    ("0:24, 1:12", {0: 24.0, 1: 12.0}),
-    ("  0:24\t1:12  ", {0: 24.0, 1: 12.0}),
-    ("0:7.5 3:0.25", {0: 7.5, 3: 0.25}),
-    ("2:10 0:20", {2: 10.0, 0: 20.0}),
-    ("", {}),
-    ("10:80", {10: 80.0}),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("0:24 1:24", {0: 24.0, 1: 24.0}),
+        ("0:24", {0: 24.0}),
+        ("0:24,1:12", {0: 24.0, 1: 12.0}),
+        ("0:24, 1:12", {0: 24.0, 1: 12.0}),
+        ("  0:24\t1:12  ", {0: 24.0, 1: 12.0}),
+        ("0:7.5 3:0.25", {0: 7.5, 3: 0.25}),
+        ("2:10 0:20", {2: 10.0, 0: 20.0}),
+        ("", {}),
+        ("10:80", {10: 80.0}),
+    ],
+)
 def test_parse_gpu_memory(text, expected):
     result = parse_gpu_memory(text)
     assert result == expected
-    assert list(result) == list(expected)          # order kept: the first listed device fills first
+    assert list(result) == list(expected)  # order kept: the first listed device fills first
     assert all(isinstance(v, float) for v in result.values())
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("0=24", "'0=24'"),
-    ("a:24", "'a:24'"),
-    ("0:", "'0:'"),
-    (":24", "':24'"),
-    ("0:24GiB", "'0:24GiB'"),
-    ("0:-1", "'0:-1'"),
-    ("-1:24", "'-1:24'"),
-    ("0:24:1", "'0:24:1'"),
-    ("0:0", "more than 0"),
-    ("0:0.0", "more than 0"),
-    ("0:24 0:12", "twice"),
-    ("1:1,0:2,1:3", "twice"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("0=24", "'0=24'"),
+        ("a:24", "'a:24'"),
+        ("0:", "'0:'"),
+        (":24", "':24'"),
+        ("0:24GiB", "'0:24GiB'"),
+        ("0:-1", "'0:-1'"),
+        ("-1:24", "'-1:24'"),
+        ("0:24:1", "'0:24:1'"),
+        ("0:0", "more than 0"),
+        ("0:0.0", "more than 0"),
+        ("0:24 0:12", "twice"),
+        ("1:1,0:2,1:3", "twice"),
+    ],
+)
 def test_parse_gpu_memory_rejects(text, fragment):
     with pytest.raises(ValueError) as info:
         parse_gpu_memory(text)
@@ -75,35 +89,38 @@ def test_parse_gpu_memory_rejects(text, fragment):
 def test_gpu_memory_map_and_primary_gpu():
     settings = load_settings(gpu_memory="2:10 0:20")
     assert settings.gpu_memory_map == {2: 10.0, 0: 20.0}
-    assert settings.primary_gpu == 2                         # default: the first listed
+    assert settings.primary_gpu == 2  # default: the first listed
     assert load_settings(gpu_memory="2:10 0:20", gpu_id=0).primary_gpu == 0
     assert load_settings(device="cuda:3").primary_gpu == 3
     assert load_settings().primary_gpu is None
     assert load_settings().gpu_memory_map == {}
 
 
-@pytest.mark.parametrize("values,fragments", [
-    ({"gpu_id": 3, "gpu_memory": "0:24"}, ["gpu_id 3", "[0]"]),
-    ({"gpu_id": 1, "gpu_memory": "0:24 2:24"}, ["gpu_id 1", "[0, 2]"]),
-    ({"gpu_memory": "0:24 0:24"}, ["SAKER_GPU_MEMORY", "twice"]),
-    ({"gpu_memory": "zero:24"}, ["SAKER_GPU_MEMORY", "'zero:24'"]),
-    ({"gpu_memory": "0:24", "device": "cpu"}, ["gpu_memory", "cpu"]),
-    ({"cpu_memory": 8}, ["cpu_memory", "gpu_memory"]),
-    ({"offload_folder": "/tmp/off"}, ["offload_folder", "gpu_memory"]),
-    ({"gpu_id": -1}, ["SAKER_GPU_ID"]),
-    ({"max_n": 0}, ["SAKER_MAX_N"]),
-    ({"max_logprobs": -1}, ["SAKER_MAX_LOGPROBS"]),
-    ({"max_input_tokens": 100, "max_total_tokens": 50}, ["max_input_tokens", "max_total_tokens"]),
-    ({"dtype": "float8"}, ["SAKER_DTYPE", "bfloat16"]),
-    ({"device": "gpu"}, ["SAKER_DEVICE", "'gpu'"]),
-    ({"device": "cuda:x"}, ["SAKER_DEVICE"]),
-    ({"quantize": "bitsandbytes-4bit", "device": "cpu"}, ["quantize", "cpu"]),
-    ({"quantize": "gptq"}, ["SAKER_QUANTIZE"]),
-    ({"peft_weights": "a=/x b"}, ["SAKER_PEFT_WEIGHTS", "'b'"]),
-    ({"peft_weights": "a=/x b=/y", "peft_merge": True}, ["peft_merge"]),
-    ({"port": 70000}, ["SAKER_PORT"]),
-    ({"log_level": "loud"}, ["SAKER_LOG_LEVEL"]),
-])
+@pytest.mark.parametrize(
+    "values,fragments",
+    [
+        ({"gpu_id": 3, "gpu_memory": "0:24"}, ["gpu_id 3", "[0]"]),
+        ({"gpu_id": 1, "gpu_memory": "0:24 2:24"}, ["gpu_id 1", "[0, 2]"]),
+        ({"gpu_memory": "0:24 0:24"}, ["SAKER_GPU_MEMORY", "twice"]),
+        ({"gpu_memory": "zero:24"}, ["SAKER_GPU_MEMORY", "'zero:24'"]),
+        ({"gpu_memory": "0:24", "device": "cpu"}, ["gpu_memory", "cpu"]),
+        ({"cpu_memory": 8}, ["cpu_memory", "gpu_memory"]),
+        ({"offload_folder": "/tmp/off"}, ["offload_folder", "gpu_memory"]),
+        ({"gpu_id": -1}, ["SAKER_GPU_ID"]),
+        ({"max_n": 0}, ["SAKER_MAX_N"]),
+        ({"max_logprobs": -1}, ["SAKER_MAX_LOGPROBS"]),
+        ({"max_input_tokens": 100, "max_total_tokens": 50}, ["max_input_tokens", "max_total_tokens"]),
+        ({"dtype": "float8"}, ["SAKER_DTYPE", "bfloat16"]),
+        ({"device": "gpu"}, ["SAKER_DEVICE", "'gpu'"]),
+        ({"device": "cuda:x"}, ["SAKER_DEVICE"]),
+        ({"quantize": "bitsandbytes-4bit", "device": "cpu"}, ["quantize", "cpu"]),
+        ({"quantize": "gptq"}, ["SAKER_QUANTIZE"]),
+        ({"peft_weights": "a=/x b"}, ["SAKER_PEFT_WEIGHTS", "'b'"]),
+        ({"peft_weights": "a=/x b=/y", "peft_merge": True}, ["peft_merge"]),
+        ({"port": 70000}, ["SAKER_PORT"]),
+        ({"log_level": "loud"}, ["SAKER_LOG_LEVEL"]),
+    ],
+)
 def test_bad_settings_fail_with_one_line(values, fragments):
     with pytest.raises(ConfigError) as info:
         load_settings(**values)
@@ -156,29 +173,35 @@ def test_overrides_win_over_env(monkeypatch):
     monkeypatch.setenv("SAKER_MAX_N", "3")
     assert load_settings().max_n == 3
     assert load_settings(max_n=9).max_n == 9
-    assert load_settings(max_n=None).max_n == 3         # None = not given
+    assert load_settings(max_n=None).max_n == 3  # None = not given
 
 
 # -- peft_weights -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,expected", [
-    ("/adapters/lora", {None: "/adapters/lora"}),
-    ("  /adapters/lora ", {None: "/adapters/lora"}),
-    ("sql=/a/sql", {"sql": "/a/sql"}),
-    ("sql=/a/sql chat=/a/chat", {"sql": "/a/sql", "chat": "/a/chat"}),
-    ("sql=/a/sql,chat=/a/chat", {"sql": "/a/sql", "chat": "/a/chat"}),
-    ("org/adapter", {None: "org/adapter"}),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("/adapters/lora", {None: "/adapters/lora"}),
+        ("  /adapters/lora ", {None: "/adapters/lora"}),
+        ("sql=/a/sql", {"sql": "/a/sql"}),
+        ("sql=/a/sql chat=/a/chat", {"sql": "/a/sql", "chat": "/a/chat"}),
+        ("sql=/a/sql,chat=/a/chat", {"sql": "/a/sql", "chat": "/a/chat"}),
+        ("org/adapter", {None: "org/adapter"}),
+    ],
+)
 def test_parse_peft_weights(text, expected):
     assert parse_peft_weights(text) == expected
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("/a /b", "'/a'"),                       # several adapters need names
-    ("sql=/a /b", "'/b'"),
-    ("=/a", "'=/a'"),
-    ("sql=", "'sql='"),
-    ("sql=/a sql=/b", "twice"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("/a /b", "'/a'"),  # several adapters need names
+        ("sql=/a /b", "'/b'"),
+        ("=/a", "'=/a'"),
+        ("sql=", "'sql='"),
+        ("sql=/a sql=/b", "twice"),
+    ],
+)
 def test_parse_peft_weights_rejects(text, fragment):
     with pytest.raises(ValueError) as info:
         parse_peft_weights(text)
@@ -192,14 +215,17 @@ def test_peft_adapters_property():
 
 
 # -- served names -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("values,names", [
-    ({}, [DEFAULT_MODEL_NAME]),
-    ({"model": "org/model"}, ["org/model"]),
-    ({"model": "/m", "served_model_name": "tiny"}, ["tiny"]),
-    ({"model": "/m", "served_model_name": "tiny, alias ,other"}, ["tiny", "alias", "other"]),
-    ({"model": "/m", "served_model_name": "tiny,,"}, ["tiny"]),
-    ({"model": "/m", "served_model_name": " , "}, ["/m"]),
-])
+@pytest.mark.parametrize(
+    "values,names",
+    [
+        ({}, [DEFAULT_MODEL_NAME]),
+        ({"model": "org/model"}, ["org/model"]),
+        ({"model": "/m", "served_model_name": "tiny"}, ["tiny"]),
+        ({"model": "/m", "served_model_name": "tiny, alias ,other"}, ["tiny", "alias", "other"]),
+        ({"model": "/m", "served_model_name": "tiny,,"}, ["tiny"]),
+        ({"model": "/m", "served_model_name": " , "}, ["/m"]),
+    ],
+)
 def test_model_names(values, names):
     assert load_settings(**values).model_names == names
 
@@ -220,13 +246,29 @@ def test_every_field_has_a_flag():
         if field.annotation is bool:
             assert "--no-" + name.replace("_", "-") in options
     help_text = parser.format_help()
-    assert "--gpu-memory" in help_text and "Aceso" in help_text       # the field's description is the help
+    assert "--gpu-memory" in help_text and "Aceso" in help_text  # the field's description is the help
 
 
 def test_settings_from_args():
-    args = make_parser().parse_args(["--model", "/m", "--max-logprobs", "5", "--gpu-memory", "0:24 1:24",
-                                     "--gpu-id", "1", "--trust-remote-code", "--served-model-name", "a,b",
-                                     "--cpu-memory", "2.5", "--port", "9001"])
+    args = make_parser().parse_args(
+        [
+            "--model",
+            "/m",
+            "--max-logprobs",
+            "5",
+            "--gpu-memory",
+            "0:24 1:24",
+            "--gpu-id",
+            "1",
+            "--trust-remote-code",
+            "--served-model-name",
+            "a,b",
+            "--cpu-memory",
+            "2.5",
+            "--port",
+            "9001",
+        ]
+    )
     settings = settings_from_args(args)
     assert settings.model == "/m"
     assert settings.max_logprobs == 5 and isinstance(settings.max_logprobs, int)
@@ -253,8 +295,7 @@ def test_bad_flag_value_is_config_error():
 
 # -- start-up errors in real processes -------------------------------------------------------------------
 def run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=env_without_saker(**env), capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(cmd, cwd=ROOT, env=env_without_saker(**env), capture_output=True, text=True, timeout=60)
 
 
 def one_line(stderr: str) -> str:
@@ -290,6 +331,7 @@ def test_gunicorn_config_with_bad_setting_exits_with_one_line():
 def test_unknown_saker_variable_is_a_clear_error(monkeypatch):
     from app.errors import ConfigError
     from app.settings import load_settings
+
     monkeypatch.setenv("SAKER_MODLE", "gpt2")
     with pytest.raises(ConfigError, match="unknown setting SAKER_MODLE"):
         load_settings()
@@ -298,12 +340,14 @@ def test_unknown_saker_variable_is_a_clear_error(monkeypatch):
 def test_gguf_file_needs_a_model():
     from app.errors import ConfigError
     from app.settings import load_settings
+
     with pytest.raises(ConfigError, match="gguf_file needs model"):
         load_settings(gguf_file="x.gguf")
 
 
 def test_log_level_any_case(monkeypatch):
     from app.settings import load_settings
+
     monkeypatch.setenv("SAKER_LOG_LEVEL", "WARNING")
     assert load_settings().log_level == "warning"
 
@@ -311,6 +355,7 @@ def test_log_level_any_case(monkeypatch):
 def test_every_setting_is_documented():
     """docs/configuration.md has a row for every field: its env var and its flag."""
     from pathlib import Path
+
     doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     for name in Settings.model_fields:
         assert f"`SAKER_{name.upper()}`" in doc, name
@@ -320,8 +365,10 @@ def test_every_setting_is_documented():
 def test_an_unknown_flag_shows_the_subcommands_usage():
     import subprocess
     import sys
+
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-m", "app", "serve", "--bogus"], capture_output=True, text=True, cwd=root,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "app", "serve", "--bogus"], capture_output=True, text=True, cwd=root, timeout=120
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("usage: python -m app serve") and "unrecognized arguments: --bogus" in done.stderr

@@ -2,6 +2,7 @@
 line every 2 s (reconnecting when answered 408) for 30 s hold no thread, while a normal client's requests keep
 being answered; a request that trickles in within the time limit is served; keep-alive, pipelining and
 ``Expect: 100-continue`` still work."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,12 @@ def read_response(sock) -> tuple[int, bytes]:
             break
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), b"0"))
+    length = int(
+        next(
+            (line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
+            b"0",
+        )
+    )
     while len(body) < length:
         chunk = sock.recv(65536)
         if not chunk:
@@ -61,7 +66,7 @@ def test_slow_clients_do_not_starve_the_server(server):
                         time.sleep(2)
                         line += 1
                         sock.sendall(b"X-Slow-%d: 1\r\n" % line)
-            except OSError:            # answered 408 and closed: come back, as an attacker would
+            except OSError:  # answered 408 and closed: come back, as an attacker would
                 timeouts.append(i)
 
     threads = [threading.Thread(target=slow, args=(i,), daemon=True) for i in range(SLOW_CLIENTS)]
@@ -79,7 +84,7 @@ def test_slow_clients_do_not_starve_the_server(server):
         t.join(timeout=40)
     assert len(set(held)) == SLOW_CLIENTS
     assert answered and all(status == 200 for status, _ in answered)
-    assert max(seconds for _, seconds in answered) < 10, answered   # not one request waited for the slow ones
+    assert max(seconds for _, seconds in answered) < 10, answered  # not one request waited for the slow ones
     assert timeouts, "slow heads are cut after the time limit"
 
 
@@ -94,11 +99,13 @@ def test_a_slow_head_is_answered_408_in_json(server):
 
 def test_a_request_that_trickles_in_in_time_is_served(server):
     body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
-    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    raw = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         for at in range(0, len(raw), len(raw) // 6 + 1):
-            sock.sendall(raw[at:at + len(raw) // 6 + 1])
+            sock.sendall(raw[at : at + len(raw) // 6 + 1])
             time.sleep(0.4)
         status, answer = read_response(sock)
     assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
@@ -106,24 +113,31 @@ def test_a_request_that_trickles_in_in_time_is_served(server):
 
 def test_keep_alive_pipelining_and_expect_continue(server):
     one = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n" % len(one)) + one
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(one)
+    ) + one
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(request + request)                 # two requests in one write
+        sock.sendall(request + request)  # two requests in one write
         assert read_response(sock)[0] == 200
         assert read_response(sock)[0] == 200
-        sock.sendall(request)                           # and a third on the same connection later
+        sock.sendall(request)  # and a third on the same connection later
         assert read_response(sock)[0] == 200
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(request.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1).split(b"\r\n\r\n")[0]
-                     + b"\r\n\r\n")
+        sock.sendall(
+            request.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1).split(b"\r\n\r\n")[0] + b"\r\n\r\n"
+        )
         started = time.time()
-        head = sock.recv(65536)                         # the head alone reaches a thread, which says continue
+        head = sock.recv(65536)  # the head alone reaches a thread, which says continue
         assert head.startswith(b"HTTP/1.1 100") and time.time() - started < 2
         sock.sendall(one)
         status, _ = read_response(sock)
         assert status == 200
     with requests.Session() as session:
         for _ in range(3):
-            assert session.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                timeout=30).status_code == 200
+            assert (
+                session.post(
+                    server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30
+                ).status_code
+                == 200
+            )

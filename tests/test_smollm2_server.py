@@ -1,5 +1,6 @@
 """The embedded SmolLM2 under a real gunicorn, driven by the official openai client: completions and chat,
 plain and streamed, against apply_chat_template + model.generate(); dropped streams free the worker."""
+
 from __future__ import annotations
 
 import re
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smol_dir(saker_cache):
     from app.engine.loader import ensure_default_model
+
     return ensure_default_model(make_settings(cache_dir=str(saker_cache)))
 
 
@@ -36,8 +38,11 @@ def server(smol_dir, saker_cache):
 @pytest.fixture(scope="module")
 def smol(smol_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    return (AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(str(smol_dir)))
+
+    return (
+        AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(str(smol_dir)),
+    )
 
 
 @pytest.fixture()
@@ -61,8 +66,9 @@ def test_completion_plain_and_streamed(client, smol):
     plain = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0)
     assert plain.choices[0].text == expected and "Paris" in expected
     pieces = []
-    for chunk in client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8,
-                                           temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0, stream=True
+    ):
         pieces.append(chunk.choices[0].text)
     assert "".join(pieces) == expected
     assert len([p for p in pieces if p]) > 1, "tokens arrive in several chunks"
@@ -73,13 +79,20 @@ def test_chat_plain_and_streamed(client, smol):
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0].tolist()
     expected = continuation(tok, ids, out)
-    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=16,
-                                           temperature=0)
+    plain = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=16, temperature=0
+    )
     assert plain.choices[0].message.content == expected
     assert "Paris" in expected
     assert plain.usage.prompt_tokens == len(ids)
-    streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=16,
-                                              temperature=0, stream=True, stream_options={"include_usage": True})
+    streamed = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(streamed)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
@@ -112,8 +125,12 @@ class City(__import__("pydantic").BaseModel):
 
 def test_openai_client_parses_a_pydantic_model(client):
     """``chat.completions.parse`` sends the model's JSON schema (strict) and parses the answer into it."""
-    done = client.chat.completions.parse(model="SmolLM2-135M-Instruct", response_format=City, temperature=0,
-                                         messages=[{"role": "user", "content": "What is the capital of Italy?"}])
+    done = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct",
+        response_format=City,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of Italy?"}],
+    )
     parsed = done.choices[0].message.parsed
     assert isinstance(parsed, City) and parsed.city and parsed.country
     assert done.choices[0].finish_reason == "stop"
@@ -122,7 +139,8 @@ def test_openai_client_parses_a_pydantic_model(client):
 def test_langchain_with_structured_output(server):
     """LangChain's ChatOpenAI(...).with_structured_output(City) (its json_schema method) gets a City."""
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct",
-                                      temperature=0, max_retries=0)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct", temperature=0, max_retries=0
+    )
     answer = llm.with_structured_output(City).invoke("What is the capital of Italy?")
     assert isinstance(answer, City) and answer.city

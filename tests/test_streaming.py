@@ -1,5 +1,6 @@
 """Streaming: the concatenated stream equals the non-streamed answer (text and logprob tokens), on both tiny
 models, where characters span tokens and stop strings span token boundaries; frame format; errors in-stream."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ def frames(response) -> list[str]:
     out = []
     for part in parts[:-1]:
         assert part.startswith("data: "), part
-        out.append(part[len("data: "):])
+        out.append(part[len("data: ") :])
     return out
 
 
@@ -72,8 +73,9 @@ def test_stream_equals_plain_answer(tiny, body):
 
 def _stop_spanning_tokens(client, name, prompt):
     """A stop string made of the last char of one token and the first of the next, from a greedy run."""
-    base = client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 24,
-                                                "temperature": 0, "logprobs": 0}).get_json()
+    base = client.post(
+        "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 0}
+    ).get_json()
     tokens = base["choices"][0]["logprobs"]["tokens"]
     for i in range(1, len(tokens) - 1):
         a, b = tokens[i], tokens[i + 1]
@@ -86,8 +88,15 @@ def _stop_spanning_tokens(client, name, prompt):
 def test_stop_string_across_tokens_streams_like_plain(tiny, include):
     client, _, name = tiny
     stop, first_char = _stop_spanning_tokens(client, name, "Once upon a time")
-    body = {"model": name, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "logprobs": 1,
-            "stop": [stop, "zzzz"], "include_stop_str_in_output": include}
+    body = {
+        "model": name,
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": 1,
+        "stop": [stop, "zzzz"],
+        "include_stop_str_in_output": include,
+    }
     plain = client.post("/v1/completions", json=body).get_json()
     chunks, _ = stream(client, "/v1/completions", body)
     text, lps, finish = joined_completion(chunks, 0)
@@ -100,8 +109,14 @@ def test_stop_string_across_tokens_streams_like_plain(tiny, include):
 
 def test_usage_chunk_and_done(tiny):
     client, _, name = tiny
-    body = {"model": name, "prompt": ["Hello", "Once"], "max_tokens": 5, "n": 2, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": name,
+        "prompt": ["Hello", "Once"],
+        "max_tokens": 5,
+        "n": 2,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     plain = client.post("/v1/completions", json={**body, "stream_options": None}).get_json()
     chunks, _ = stream(client, "/v1/completions", body)
     assert chunks[-1]["choices"] == []
@@ -112,24 +127,37 @@ def test_usage_chunk_and_done(tiny):
     assert all("usage" not in c for c in without)
 
 
-@pytest.mark.parametrize("url,extra", [("/v1/completions", {"prompt": ["Hello", "Once"]}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+@pytest.mark.parametrize(
+    "url,extra",
+    [
+        ("/v1/completions", {"prompt": ["Hello", "Once"]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ],
+)
 def test_continuous_usage_stats_count_up_on_every_chunk(tiny, url, extra):
     """stream_options.continuous_usage_stats (vLLM): every chunk carries usage so far; the counts never go down,
     and the last content chunk's completion_tokens equal the plain answer's."""
     client, _, name = tiny
     if "messages" in extra and name == "tiny-gpt2":
         pytest.skip("the tiny GPT-2 has no chat template (the tiny Llama's case covers chat)")
-    body = {"model": name, "max_tokens": 5, "n": 2, "temperature": 0, "ignore_eos": True, **extra,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": name,
+        "max_tokens": 5,
+        "n": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     plain = client.post(url, json={**body, "stream_options": None}).get_json()
     chunks, _ = stream(client, url, body)
     assert all("usage" in c for c in chunks)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == plain["usage"]["completion_tokens"]
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {plain["usage"]["prompt_tokens"]}
-    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
-               for c in chunks)
+    assert all(
+        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks
+    )
 
 
 def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkeypatch):
@@ -144,22 +172,22 @@ def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "slot_step", failing)
-    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     data = frames(llama_client.post("/v1/completions", json={**body, "stream": True}))
     assert data[-1] == "[DONE]"
     error = json.loads(data[-2])
     assert set(error) == {"error"} and error["error"]["type"] == "server_error"
     assert "request id" in error["error"]["message"] and "injected" not in error["error"]["message"]
-    assert any(json.loads(d).get("choices") for d in data[:-2])     # text was streamed before the fault
+    assert any(json.loads(d).get("choices") for d in data[:-2])  # text was streamed before the fault
     monkeypatch.setattr(runner, "slot_step", real)
     # the worker is free and serving
     assert llama_client.post("/v1/completions", json=body).status_code == 200
 
 
 def test_validation_errors_come_before_the_stream(gpt2_client):
-    response = gpt2_client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "x", "stream": True,
-                                                         "max_tokens": 10_000})
+    response = gpt2_client.post(
+        "/v1/completions", json={"model": "tiny-gpt2", "prompt": "x", "stream": True, "max_tokens": 10_000}
+    )
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "context_length_exceeded"
     response = gpt2_client.post("/v1/completions", json={"prompt": "x", "stream": True, "best_of": 3})
@@ -170,8 +198,11 @@ def test_closing_a_stream_early_frees_the_worker(gpt2_app):
     """Closing the response iterator (what a WSGI server does when the client goes away) stops generation."""
     client = gpt2_app.test_client()
     worker = gpt2_app.extensions["saker.service"].worker
-    response = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "ignore_eos": True,
-                                                    "stream": True, "temperature": 0}, buffered=False)
+    response = client.post(
+        "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0},
+        buffered=False,
+    )
     iterator = iter(response.response)
     first = next(iterator)
     assert first.startswith(b"data: ") or first.startswith("data: ")

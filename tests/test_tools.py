@@ -3,6 +3,7 @@ required/named forced by the grammar (arguments valid against the function's sch
 answer, streamed tool-call deltas equal to the plain answer, history with calls, and every bad input a 400.
 
 The tiny GPT-2 gets a Hermes-style template (TOOL_TEMPLATE); the tiny llama's own template ignores tools."""
+
 from __future__ import annotations
 
 import json
@@ -19,21 +20,36 @@ TOOL_TEMPLATE = (
     "<|im_end|>\n{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{% for c in m.tool_calls %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
     "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
-                                                                                 "maximum": 12}},
-                                       "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -46,17 +62,23 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
 READS = [
     ("Plain answer.", "Plain answer.", []),
     (CALL, None, [("get_weather", {"city": "Paris", "unit": "c"})]),
-    ("Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Rome"), "Let me check.",
-     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_weather", {"city": "Rome", "unit": "c"})]),
+    (
+        "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Rome"),
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_weather", {"city": "Rome", "unit": "c"})],
+    ),
     (CALL + "\nDone.", "Done.", [("get_weather", {"city": "Paris", "unit": "c"})]),
     ("A\n" + CALL + "\n\nB  ", "A\n\n\nB", [("get_weather", {"city": "Paris", "unit": "c"})]),
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}', None, [("get_time", {"zone": 1})]),
-    ('<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": 2}"}\n</tool_call>', None,
-     [("get_time", {"zone": 2})]),
+    (
+        '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": 2}"}\n</tool_call>',
+        None,
+        [("get_time", {"zone": 2})],
+    ),
     ("x <tool_ca", "x <tool_ca", []),
-    ("<tool_call>\n{\"name\": \"get_time\", \"argu", "<tool_call>\n{\"name\": \"get_time\", \"argu", []),
+    ('<tool_call>\n{"name": "get_time", "argu', '<tool_call>\n{"name": "get_time", "argu', []),
 ]
 
 
@@ -74,7 +96,7 @@ def test_reader_fed_in_pieces_gives_the_same(text, content, calls):
         stream = ToolCallStream(HermesFormat())
         parts, got = [], []
         for at in range(0, len(text), size):
-            piece, more = stream.feed(text[at:at + size])
+            piece, more = stream.feed(text[at : at + size])
             parts.append(piece)
             got += more
         tail, more = stream.finish()
@@ -86,23 +108,30 @@ def test_reader_fed_in_pieces_gives_the_same(text, content, calls):
 @pytest.fixture(scope="module")
 def tool_client(gpt2_dir, gpt2_worker):
     from app import create_app
-    app = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
-                     engine=gpt2_worker)
+
+    app = create_app(
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
+        engine=gpt2_worker,
+    )
     app.config["TESTING"] = True
     return app.test_client()
 
 
 def chat(client, **body):
-    resp = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0,
-                                                     "max_tokens": 120, **body})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0, "max_tokens": 120, **body},
+    )
     assert resp.status_code == 200, resp.get_data(as_text=True)
     return resp.get_json()
 
 
 def streamed(client, **body) -> tuple[str, list[dict], list[str]]:
     """(content, tool calls assembled from their deltas as the openai client does, finish reasons)."""
-    resp = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0,
-                                                     "max_tokens": 120, "stream": True, **body})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0, "max_tokens": 120, "stream": True, **body},
+    )
     content, calls, reasons = "", {}, []
     for line in resp.get_data(as_text=True).splitlines():
         if not line.startswith("data: {"):
@@ -111,8 +140,9 @@ def streamed(client, **body) -> tuple[str, list[dict], list[str]]:
             delta = choice["delta"]
             content += delta.get("content") or ""
             for call in delta.get("tool_calls") or []:
-                slot = calls.setdefault(call["index"], {"id": "", "type": "function",
-                                                        "function": {"name": "", "arguments": ""}})
+                slot = calls.setdefault(
+                    call["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 slot["id"] += call.get("id") or ""
                 slot["function"]["name"] += call.get("function", {}).get("name") or ""
                 slot["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
@@ -138,8 +168,9 @@ def test_tools_reach_the_template(tool_client):
 
 
 def test_required_answers_with_valid_calls(tool_client):
-    body = chat(tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0,
-                seed=7, n=3)
+    body = chat(
+        tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=7, n=3
+    )
     for choice in body["choices"]:
         assert choice["finish_reason"] == "tool_calls", choice
         assert choice["message"]["content"] is None
@@ -157,8 +188,9 @@ def test_parallel_calls_are_each_valid(tool_client):
 
 
 def test_named_function_is_the_one_called(tool_client):
-    choice = chat(tool_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}
-                  )["choices"][0]
+    choice = chat(tool_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})[
+        "choices"
+    ][0]
     assert choice["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_time"]
     assert_valid_calls(choice["message"]["tool_calls"], ["get_time"])
@@ -169,16 +201,31 @@ def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
     plain = chat(tool_client, tools=TOOLS, tool_choice=choice)["choices"][0]
     content, calls, reasons = streamed(tool_client, tools=TOOLS, tool_choice=choice)
     assert reasons == [plain["finish_reason"]] and (content or None) == plain["message"]["content"]
-    frames = tool_client.post("/v1/chat/completions", json={
-        "model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0, "max_tokens": 120, "stream": True,
-        "tools": TOOLS, "tool_choice": choice}).get_data(as_text=True).split("\n\n")
+    frames = (
+        tool_client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny-gpt2",
+                "messages": MESSAGES,
+                "temperature": 0,
+                "max_tokens": 120,
+                "stream": True,
+                "tools": TOOLS,
+                "tool_choice": choice,
+            },
+        )
+        .get_data(as_text=True)
+        .split("\n\n")
+    )
     deltas = [json.loads(f[6:])["choices"] for f in frames if f.startswith("data: {")]
     assert all(c[0]["delta"] or c[0]["finish_reason"] for c in deltas[1:]), "no empty chunks inside a call"
     strip = [{**c, "id": None} for c in calls]
     assert strip == [{**c, "id": None} for c in plain["message"]["tool_calls"]]
 
 
-AUTO_CALL = r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "f"\}\}\n</tool_call>'
+AUTO_CALL = (
+    r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "f"\}\}\n</tool_call>'
+)
 
 
 def test_auto_reads_calls_out_of_the_answer_plain_and_streamed(tool_client):
@@ -206,27 +253,39 @@ def test_tokenize_renders_tools_as_chat_does(tool_client):
         resp = tool_client.post("/tokenize", json={"model": "tiny-gpt2", "messages": MESSAGES, **extra})
         assert resp.status_code == 200, resp.get_data(as_text=True)
         return resp.get_json()["count"]
+
     assert count(tools=TOOLS) == chat(tool_client, max_tokens=1, tools=TOOLS)["usage"]["prompt_tokens"]
     assert count(tools=TOOLS) > count()
 
 
 def test_history_with_calls_and_tool_answers_renders(tool_client):
     messages = MESSAGES + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
     short = chat(tool_client, tools=[TIME], max_tokens=1)["usage"]["prompt_tokens"]
     body = chat(tool_client, tools=[TIME], messages=messages, max_tokens=1)
     assert body["usage"]["prompt_tokens"] > short + 30
 
 
 def test_tools_on_a_template_without_tool_support_are_400(llama_client):
-    resp = llama_client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES,
-                                                           "tools": TOOLS})
+    resp = llama_client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES, "tools": TOOLS})
     assert resp.status_code == 400 and resp.get_json()["error"]["param"] == "tools"
     assert "template" in resp.get_json()["error"]["message"]
-    ok = llama_client.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES,
-                                                         "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
+    ok = llama_client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-llama", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2},
+    )
     assert ok.status_code == 200
 
 
@@ -234,19 +293,45 @@ BAD = [
     ("tool-without-name", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
     ("tool-bad-name", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools"),
     ("tool-unknown-type", {"tools": [{"type": "web_search", "function": {"name": "x"}}]}, "tools"),
-    ("tool-parameters-not-object", {"tools": [{"type": "function", "function": {
-        "name": "x", "parameters": {"type": "string"}}}]}, "tools"),
+    (
+        "tool-parameters-not-object",
+        {"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}]},
+        "tools",
+    ),
     ("tool-names-twice", {"tools": [WEATHER, WEATHER]}, "tools"),
-    ("tool-bad-schema", {"tools": [{"type": "function", "function": {"name": "x", "parameters": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools"),
-    ("choice-unknown-function", {"tools": TOOLS, "tool_choice": {"type": "function",
-                                                                 "function": {"name": "nope"}}}, "tool_choice"),
+    (
+        "tool-bad-schema",
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "x",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        "choice-unknown-function",
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
     ("choice-unknown-string", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ("required-without-tools", {"tool_choice": "required"}, "tool_choice"),
-    ("required-with-response_format", {"tools": TOOLS, "tool_choice": "required",
-                                       "response_format": {"type": "json_object"}}, "tool_choice"),
-    ("call-without-function", {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]},
-     "messages"),
+    (
+        "required-with-response_format",
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    (
+        "call-without-function",
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]},
+        "messages",
+    ),
 ]
 
 
@@ -265,26 +350,41 @@ def test_openai_client_tool_calls_under_gunicorn(gpt2_dir):
     ``tool_calls`` with valid arguments, plain and streamed (the client assembles the deltas)."""
     import openai
     from servers import Gunicorn
-    srv = Gunicorn({"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
-                    "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE})
+
+    srv = Gunicorn(
+        {"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE}
+    )
     try:
         srv.wait_ready()
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         named = {"type": "function", "function": {"name": "get_weather"}}
         for choice in ("required", named):
-            done = client.chat.completions.create(model="tiny-gpt2", messages=MESSAGES, tools=TOOLS,
-                                                  tool_choice=choice, parallel_tool_calls=False, temperature=0,
-                                                  max_tokens=120)
+            done = client.chat.completions.create(
+                model="tiny-gpt2",
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                temperature=0,
+                max_tokens=120,
+            )
             message = done.choices[0].message
             assert done.choices[0].finish_reason == "tool_calls" and message.content is None
             assert_valid_calls([call.model_dump() for call in message.tool_calls])
-            with client.chat.completions.stream(model="tiny-gpt2", messages=MESSAGES, tools=TOOLS,
-                                                tool_choice=choice, parallel_tool_calls=False, temperature=0,
-                                                max_tokens=120) as stream:
+            with client.chat.completions.stream(
+                model="tiny-gpt2",
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                temperature=0,
+                max_tokens=120,
+            ) as stream:
                 final = stream.get_final_completion()
             streamed = final.choices[0].message.tool_calls
-            assert [(c.function.name, c.function.arguments) for c in streamed] == \
-                [(c.function.name, c.function.arguments) for c in message.tool_calls]
+            assert [(c.function.name, c.function.arguments) for c in streamed] == [
+                (c.function.name, c.function.arguments) for c in message.tool_calls
+            ]
     finally:
         srv.stop()
 
@@ -293,12 +393,14 @@ def test_the_shipped_hermes_template_renders_tools_and_a_broken_one_says_so(gpt2
     from pathlib import Path
 
     from app import create_app
+
     shipped = Path(__file__).resolve().parent.parent / "deploy" / "chat-templates" / "smollm2-hermes-tools.jinja"
     for template, status, param in ((str(shipped), 200, None), ("{% if tools %}unclosed", 400, "messages")):
-        app = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=template),
-                         engine=gpt2_worker)
-        resp = app.test_client().post("/tokenize", json={"model": "tiny-gpt2", "messages": MESSAGES,
-                                                          "tools": [TIME]})
+        app = create_app(
+            make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=template),
+            engine=gpt2_worker,
+        )
+        resp = app.test_client().post("/tokenize", json={"model": "tiny-gpt2", "messages": MESSAGES, "tools": [TIME]})
         assert resp.status_code == status, resp.get_data(as_text=True)
         if param:
             assert resp.get_json()["error"]["param"] == param

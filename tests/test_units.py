@@ -1,6 +1,7 @@
 """Unit tests without a model: stop strings and stopping criteria, the incremental detokenizer (a fake tokenizer
 and the real tiny Llama sentencepiece tokenizer with byte fallback) and the top_logprobs keys. The sampler's
 tests are in test_sampler.py."""
+
 from __future__ import annotations
 
 import codecs
@@ -28,9 +29,9 @@ class TestStopStrings:
         stops = StopStrings(("world",))
         text = "Hello wor"
         assert stops.find(text, 0) is None
-        assert stops.holdback(text) == 3                    # "wor" may still become "world"
-        text += "ld!"                                       # the chunk that completes it
-        assert stops.find(text, 9) == 6                     # the text ends before "world"
+        assert stops.holdback(text) == 3  # "wor" may still become "world"
+        text += "ld!"  # the chunk that completes it
+        assert stops.find(text, 9) == 6  # the text ends before "world"
         assert text[:6] == "Hello "
 
     def test_stop_split_over_three_chunks(self):
@@ -46,7 +47,7 @@ class TestStopStrings:
 
     def test_include_in_output(self):
         stops = StopStrings(("world",), include_in_output=True)
-        assert stops.find("Hello world!", 9) == 11           # "Hello world"
+        assert stops.find("Hello world!", 9) == 11  # "Hello world"
 
     def test_earliest_of_several(self):
         stops = StopStrings(("lazy", "fox", "the"))
@@ -57,28 +58,39 @@ class TestStopStrings:
 
     def test_earliest_when_both_complete_in_one_chunk(self):
         stops = StopStrings(("cd", "bcdef"))
-        assert stops.find("abcdefg", 1) == 1                   # "bcdef" starts before "cd"
+        assert stops.find("abcdefg", 1) == 1  # "bcdef" starts before "cd"
 
     def test_only_new_occurrences(self):
         stops = StopStrings(("ab",))
-        assert stops.find("ab then more", 6) is None           # already seen before new_from
-        assert stops.find("xyzab", 4) == 3                     # ends in the new text
+        assert stops.find("ab then more", 6) is None  # already seen before new_from
+        assert stops.find("xyzab", 4) == 3  # ends in the new text
 
     def test_short_stop_in_old_text_is_not_found_again(self):
         stops = StopStrings(("a", "xyz"))
         assert stops.find("abc", 2) is None
 
-    @pytest.mark.parametrize("text,expected", [
-        ("Hello", 0), ("Hello ", 0), ("Hello w", 1), ("Hello wo", 2), ("Hello worl", 4), ("w", 1),
-        ("", 0), ("Hello x", 1), ("Hello xyz", 3), ("Hello xz", 0),
-    ])
+    @pytest.mark.parametrize(
+        "text,expected",
+        [
+            ("Hello", 0),
+            ("Hello ", 0),
+            ("Hello w", 1),
+            ("Hello wo", 2),
+            ("Hello worl", 4),
+            ("w", 1),
+            ("", 0),
+            ("Hello x", 1),
+            ("Hello xyz", 3),
+            ("Hello xz", 0),
+        ],
+    )
     def test_holdback(self, text, expected):
         assert StopStrings(("world", "xyz!")).holdback(text) == expected
 
     def test_holdback_longest_prefix_of_any_stop(self):
         stops = StopStrings(("abcd", "cdx"))
-        assert stops.holdback("..abc") == 3                    # "abc" starts "abcd"
-        assert stops.holdback("..cd") == 2                     # "cd" starts "cdx" (and not "abcd")
+        assert stops.holdback("..abc") == 3  # "abc" starts "abcd"
+        assert stops.holdback("..cd") == 2  # "cd" starts "cdx" (and not "abcd")
         assert stops.holdback("..d") == 0
 
 
@@ -138,17 +150,29 @@ class TestStoppingCriteria:
 
     def test_stop_string_before_min_tokens_does_not_cut_later(self):
         c = criteria(min_tokens=3, stop_strings=StopStrings(("a", "xyz")), max_tokens=10)
-        assert not c(5, "a", 0, 1, 10).stop                 # ignored: before min_tokens
+        assert not c(5, "a", 0, 1, 10).stop  # ignored: before min_tokens
         assert not c(5, "ab", 1, 2, 10).stop
-        assert not c(5, "abc", 2, 3, 10).stop               # "a" is old text, not a new stop
+        assert not c(5, "abc", 2, 3, 10).stop  # "a" is old text, not a new stop
 
 
 # ================================================================================= detokenizer (fake) ===
 class ByteTokenizer:
     """Each id stands for fixed bytes; decode like a byte-level BPE (invalid UTF-8 -> U+FFFD)."""
 
-    PIECES = {0: b"Hello", 1: b" ", 2: b"\xe6", 3: b"\x9d", 4: b"\xb1", 5: b"!", 6: b"\xf0", 7: b"\x9f",
-              8: b"\x99", 9: b"\x82", 10: b" world", 11: b"<eos>"}
+    PIECES = {
+        0: b"Hello",
+        1: b" ",
+        2: b"\xe6",
+        3: b"\x9d",
+        4: b"\xb1",
+        5: b"!",
+        6: b"\xf0",
+        7: b"\x9f",
+        8: b"\x99",
+        9: b"\x82",
+        10: b" world",
+        11: b"<eos>",
+    }
     SPECIAL = {11}
 
     def decode(self, ids, skip_special_tokens=True):
@@ -170,7 +194,7 @@ class TestIncrementalDetokenizerFake:
     def test_multibyte_held_until_complete(self):
         detok = IncrementalDetokenizer(ByteTokenizer(), [0])
         deltas = [detok.add(i) for i in [1, 2, 3, 4, 5, 1, 6, 7, 8, 9]]
-        assert deltas == [" ", "", "", "\u6771", "!", " ", "", "", "", "\U0001F642"]   # 東, 🙂
+        assert deltas == [" ", "", "", "\u6771", "!", " ", "", "", "", "\U0001f642"]  # 東, 🙂
         assert detok.flush() == ""
 
     def test_leading_space_kept_in_context(self):
@@ -178,8 +202,8 @@ class TestIncrementalDetokenizerFake:
         detok = IncrementalDetokenizer(tok, [0])
         deltas = [detok.add(i) for i in [1, 2, 3]]
         assert deltas == [" world", "!", " again"]
-        assert "".join(deltas) == tok.decode([0, 1, 2, 3])[len(tok.decode([0])):]
-        assert tok.decode([1]) == "world"                 # why decoding new ids alone would be wrong
+        assert "".join(deltas) == tok.decode([0, 1, 2, 3])[len(tok.decode([0])) :]
+        assert tok.decode([1]) == "world"  # why decoding new ids alone would be wrong
 
     def test_no_prompt(self):
         detok = IncrementalDetokenizer(SentencePieceLike())
@@ -203,35 +227,37 @@ class TestIncrementalDetokenizerFake:
         ids = [0] + [1, 10, 5, 2, 3, 4] * 10
         detok = IncrementalDetokenizer(tok, ids[:1])
         out = "".join(detok.add(i) for i in ids[1:]) + detok.flush()
-        assert out == tok.decode(ids)[len(tok.decode(ids[:1])):]
+        assert out == tok.decode(ids)[len(tok.decode(ids[:1])) :]
 
     def test_candidate_text(self):
         detok = IncrementalDetokenizer(ByteTokenizer(), [0])
         assert detok.candidate_text(5) == "!"
-        assert detok.candidate_text(2) is None                # would start an incomplete character
+        assert detok.candidate_text(2) is None  # would start an incomplete character
         detok.add(2)
         detok.add(3)
-        assert detok.candidate_text(4) == "\u6771"            # completes 東
-        assert detok.candidate_text(2) is None                # E6 9D E6: still no complete character
+        assert detok.candidate_text(4) == "\u6771"  # completes 東
+        assert detok.candidate_text(2) is None  # E6 9D E6: still no complete character
         assert detok.add(4) == "\u6771"
         assert detok.candidate_text(10) == " world"
 
     def test_candidate_text_in_context(self):
         detok = IncrementalDetokenizer(SentencePieceLike(), [0])
         assert detok.candidate_text(1) == " world"
-        assert detok.ids == [0]                               # looking does not add
+        assert detok.ids == [0]  # looking does not add
 
 
 # ============================================================ detokenizer and keys (real tokenizers) ===
 @pytest.fixture(scope="module")
 def llama_tok(llama_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(llama_dir))
 
 
 @pytest.fixture(scope="module")
 def gpt2_tok(gpt2_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(gpt2_dir))
 
 
@@ -249,8 +275,12 @@ def expected_deltas(tok, ids: list[int]) -> list[str]:
     return [decoder.decode(piece_bytes(tok, i)) for i in ids]
 
 
-TEXTS = ["Hello \u6771\u4eac \U0001F642!", "\u6771\u4eac\u306f\u65e5\u672c", " \U0001F642\U0001F680 Paris.",
-         "The capital of France is Paris."]
+TEXTS = [
+    "Hello \u6771\u4eac \U0001f642!",
+    "\u6771\u4eac\u306f\u65e5\u672c",
+    " \U0001f642\U0001f680 Paris.",
+    "The capital of France is Paris.",
+]
 
 
 class TestIncrementalDetokenizerByteLevel:
@@ -263,11 +293,11 @@ class TestIncrementalDetokenizerByteLevel:
         prompt = tok.encode("The capital")
         ids = tok.encode(text, add_special_tokens=False)
         detok = IncrementalDetokenizer(tok, prompt)
-        assert detok._pieces is not None                        # the table is in use for this tokenizer
+        assert detok._pieces is not None  # the table is in use for this tokenizer
         deltas = [detok.add(i) for i in ids]
         assert detok.flush() == ""
         full = tok.decode(prompt + ids, skip_special_tokens=True)
-        assert "".join(deltas) == full[len(tok.decode(prompt, skip_special_tokens=True)):]
+        assert "".join(deltas) == full[len(tok.decode(prompt, skip_special_tokens=True)) :]
         assert all("\ufffd" not in d for d in deltas)
 
     @pytest.mark.parametrize("seed", range(20))
@@ -275,6 +305,7 @@ class TestIncrementalDetokenizerByteLevel:
         """Random ids (stray bytes, special tokens, incomplete characters included): deltas, flushes and
         candidate texts are the same with the table and without it."""
         import random
+
         rng = random.Random(seed)
         tok = gpt2_tok
         vocab = len(tok)
@@ -294,25 +325,25 @@ class TestIncrementalDetokenizerLlama:
     @pytest.mark.parametrize("text", TEXTS)
     def test_deltas_match_full_decode(self, llama_tok, text):
         tok = llama_tok
-        prompt = tok.encode("The capital")                       # BOS + pieces
+        prompt = tok.encode("The capital")  # BOS + pieces
         ids = tok.encode(text, add_special_tokens=False)
         detok = IncrementalDetokenizer(tok, prompt)
         deltas = [detok.add(i) for i in ids]
         assert detok.flush() == ""
         full = tok.decode(prompt + ids, skip_special_tokens=True)
-        assert "".join(deltas) == full[len(tok.decode(prompt, skip_special_tokens=True)):]
+        assert "".join(deltas) == full[len(tok.decode(prompt, skip_special_tokens=True)) :]
         assert deltas == expected_deltas(tok, ids)
         assert all("\ufffd" not in d for d in deltas)
 
     def test_multibyte_characters_span_byte_tokens(self, llama_tok):
         # the fixture's sentencepiece has no piece for these: they must come as <0xNN> byte tokens
-        ids = llama_tok.encode("\u6771\u4eac\U0001F642", add_special_tokens=False)
+        ids = llama_tok.encode("\u6771\u4eac\U0001f642", add_special_tokens=False)
         pieces = llama_tok.convert_ids_to_tokens(ids)
         assert sum(p.startswith("<0x") for p in pieces) == 3 + 3 + 4
         detok = IncrementalDetokenizer(llama_tok, llama_tok.encode("Hi"))
         deltas = [detok.add(i) for i in ids]
-        assert [d for d in deltas if d and d != " "] == ["\u6771", "\u4eac", "\U0001F642"]
-        assert deltas.count("") == 3 + 3 + 4 - 3          # every byte but the last of each character
+        assert [d for d in deltas if d and d != " "] == ["\u6771", "\u4eac", "\U0001f642"]
+        assert deltas.count("") == 3 + 3 + 4 - 3  # every byte but the last of each character
 
     def test_candidate_text_incomplete_is_none(self, llama_tok):
         tok = llama_tok
@@ -339,10 +370,10 @@ class TestIncrementalDetokenizerLlama:
         detok = IncrementalDetokenizer(tok, tok.encode("The capital"))
         keys = candidate_keys(tok, detok, [a, byte_a, e6, hello, eos], byte_level=False)
         assert keys[0] == "a"
-        assert keys[1] == "bytes:\\x61"                  # same text as "a": its bytes keep it apart
-        assert keys[2] == "bytes:\\xe6"                  # an incomplete character
+        assert keys[1] == "bytes:\\x61"  # same text as "a": its bytes keep it apart
+        assert keys[2] == "bytes:\\xe6"  # an incomplete character
         assert keys[3] == " Hello"
-        assert keys[4] and keys[4] not in keys[:4]       # EOS decodes to "" when skipped
+        assert keys[4] and keys[4] not in keys[:4]  # EOS decodes to "" when skipped
         assert len(set(keys)) == len(keys)
 
     def test_candidate_keys_complete_a_held_character(self, llama_tok):
@@ -352,7 +383,7 @@ class TestIncrementalDetokenizerLlama:
         detok.add(e6)
         detok.add(x9d)
         keys = candidate_keys(tok, detok, [xb1, x9e], byte_level=False)
-        assert keys == [b"\xe6\x9d\xb1".decode(), b"\xe6\x9d\x9e".decode()]   # each completes its own character
+        assert keys == [b"\xe6\x9d\xb1".decode(), b"\xe6\x9d\x9e".decode()]  # each completes its own character
 
     def test_token_bytes_sentencepiece(self, llama_tok):
         tok = llama_tok
@@ -401,6 +432,7 @@ def test_system_fingerprint_is_stable_and_follows_weights_and_settings():
 
     from app.service import CompletionService
     from app.settings import Settings
+
     info = SimpleNamespace(source="/models/a", adapters=(), vocab_size=400, context_length=256)
     worker = SimpleNamespace(require_ready=lambda: info)
 

@@ -5,6 +5,7 @@ The tiny GPT-2 (``gpt2_client``) has a ~400-token vocabulary, 256 positions, no 
 encodes to nothing) and is served as ``tiny-gpt2`` with the alias ``gpt2-alias``. Server limits are the
 defaults: max_n = max_best_of = 128, max_logprobs = 20, max_stop_sequences = 4.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,9 @@ import pytest
 
 URL = "/v1/completions"
 GOOD = {"model": "tiny-gpt2", "prompt": "Hello world", "max_tokens": 1, "temperature": 0}
-DROP = object()          # marks a field to remove from GOOD
-FAR = 100_000            # far outside the tiny vocabulary
-CONTEXT = 256            # n_positions of the tiny GPT-2
+DROP = object()  # marks a field to remove from GOOD
+FAR = 100_000  # far outside the tiny vocabulary
+CONTEXT = 256  # n_positions of the tiny GPT-2
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -31,8 +32,9 @@ def request_with(**changes) -> dict:
     return body
 
 
-def assert_error(resp, status: int, param: str | None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> dict:
+def assert_error(
+    resp, status: int, param: str | None, code: str | None = None, type_: str = "invalid_request_error"
+) -> dict:
     body = resp.get_json(silent=True)
     assert resp.status_code == status, (resp.status_code, resp.get_data(as_text=True))
     assert resp.mimetype == "application/json"
@@ -79,7 +81,7 @@ BAD_FIELDS = [
     ("prompt-null-item", {"prompt": ["a", None]}, "prompt"),
     ("prompt-id-negative", {"prompt": [-1]}, "prompt"),
     ("prompt-id-outside-vocab", {"prompt": [1, FAR]}, "prompt"),
-    ("prompt-id-huge", {"prompt": [10 ** 30]}, "prompt"),
+    ("prompt-id-huge", {"prompt": [10**30]}, "prompt"),
     ("prompt-ids-second-bad", {"prompt": [[1, 2], [FAR]]}, "prompt"),
     # -- model ----------------------------------------------------------------------------------------
     ("model-number", {"model": 5}, "model"),
@@ -152,10 +154,10 @@ BAD_FIELDS = [
     ("logit_bias-word-key", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit_bias-float-key", {"logit_bias": {"1.5": 1}}, "logit_bias"),
     ("logit_bias-spaced-key", {"logit_bias": {" 1": 1}}, "logit_bias"),
-    ("logit_bias-superscript-key", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),   # "²".isdigit() is True
+    ("logit_bias-superscript-key", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²".isdigit() is True
     ("logit_bias-outside-vocab", {"logit_bias": {str(FAR): 1}}, "logit_bias"),
     ("logit_bias-negative-id", {"logit_bias": {"-1": 5}}, "logit_bias"),
-    ("logit_bias-5000-digit-key", {"logit_bias": {"7" * 5000: 1}}, "logit_bias"),      # int() refuses 4300+
+    ("logit_bias-5000-digit-key", {"logit_bias": {"7" * 5000: 1}}, "logit_bias"),  # int() refuses 4300+
     ("logit_bias-over-100", {"logit_bias": {"1": 101}}, "logit_bias"),
     ("logit_bias-under-minus-100", {"logit_bias": {"1": -100.5}}, "logit_bias"),
     ("logit_bias-string-value", {"logit_bias": {"1": "x"}}, "logit_bias"),
@@ -167,37 +169,60 @@ BAD_FIELDS = [
     ("response_format-unknown-type", {"response_format": {"type": "sound"}}, "response_format"),
     ("response_format-not-an-object", {"response_format": "json"}, "response_format"),
     ("response_format-json_schema-missing", {"response_format": {"type": "json_schema"}}, "response_format"),
-    ("response_format-schema-not-object", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": [1]}}}, "response_format"),
-    ("response_format-bad-name", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "a b", "schema": {"type": "object"}}}}, "response_format"),
-    ("response_format-llama.cpp-schema-123", {"response_format": {"type": "json_object", "schema": 123}},
-     "response_format"),
-    ("response_format-bad-schema-type", {"response_format": {"type": "json_object", "schema": {"type": 123}}},
-     "response_format"),
-    ("response_format-schema-hiccup", {"response_format": {"type": "json_object", "schema": {"type": "hiccup"}}},
-     "response_format"),
-    ("structured_outputs-two-kinds", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
-     "structured_outputs"),
+    (
+        "response_format-schema-not-object",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+        "response_format",
+    ),
+    (
+        "response_format-bad-name",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {"type": "object"}}}},
+        "response_format",
+    ),
+    (
+        "response_format-llama.cpp-schema-123",
+        {"response_format": {"type": "json_object", "schema": 123}},
+        "response_format",
+    ),
+    (
+        "response_format-bad-schema-type",
+        {"response_format": {"type": "json_object", "schema": {"type": 123}}},
+        "response_format",
+    ),
+    (
+        "response_format-schema-hiccup",
+        {"response_format": {"type": "json_object", "schema": {"type": "hiccup"}}},
+        "response_format",
+    ),
+    ("structured_outputs-two-kinds", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("structured_outputs-none", {"structured_outputs": {}}, "structured_outputs"),
     ("structured_outputs-bad-regex", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ("structured_outputs-empty-choice", {"structured_outputs": {"choice": []}}, "structured_outputs"),
     ("structured_outputs-choice-empty-string", {"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs"),
     ("structured_outputs-json-text-not-json", {"structured_outputs": {"json": "{oops"}}, "structured_outputs"),
-    ("structured_outputs-bad-grammar", {"structured_outputs": {"grammar": "start: undefined_rule"}},
-     "structured_outputs"),
+    (
+        "structured_outputs-bad-grammar",
+        {"structured_outputs": {"grammar": "start: undefined_rule"}},
+        "structured_outputs",
+    ),
     ("structured_outputs-structural_tag", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
-    ("structured_outputs-and-response_format", {"structured_outputs": {"regex": "a"},
-                                                "response_format": {"type": "json_object"}}, "structured_outputs"),
-    ("structured_outputs-with-allowed_token_ids", {"structured_outputs": {"regex": "a"},
-                                                   "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    (
+        "structured_outputs-and-response_format",
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs-with-allowed_token_ids",
+        {"structured_outputs": {"regex": "a"}, "allowed_token_ids": [1, 2]},
+        "allowed_token_ids",
+    ),
     # -- allowed_token_ids, logprobs_mode, seed ---------------------------------------------------------
     ("allowed_token_ids-outside-vocab", {"allowed_token_ids": [1, FAR]}, "allowed_token_ids"),
     ("allowed_token_ids-empty", {"allowed_token_ids": []}, "allowed_token_ids"),
     ("allowed_token_ids-strings", {"allowed_token_ids": ["1"]}, "allowed_token_ids"),
     ("logprobs_mode-unknown", {"logprobs_mode": "raw_logits"}, "logprobs_mode"),
-    ("seed-above-int64", {"seed": 2 ** 63}, "seed"),
-    ("seed-below-int64", {"seed": -(2 ** 63) - 1}, "seed"),
+    ("seed-above-int64", {"seed": 2**63}, "seed"),
+    ("seed-below-int64", {"seed": -(2**63) - 1}, "seed"),
     # -- stop_token_ids ---------------------------------------------------------------------------------
     ("stop_token_ids-outside-vocab", {"stop_token_ids": [FAR]}, "stop_token_ids"),
     ("stop_token_ids-negative", {"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -209,12 +234,14 @@ BAD_FIELDS = [
     ("suffix", {"suffix": "the end"}, "suffix"),
     ("suffix-number", {"suffix": 5}, "suffix"),
     ("stream-best_of", {"stream": True, "n": 1, "best_of": 2}, "best_of"),
-    ("stream_options-include_usage-string", {"stream": True, "stream_options": {"include_usage": "yes"}},
-     "stream_options"),
+    (
+        "stream_options-include_usage-string",
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options",
+    ),
     ("stream-string", {"stream": "yes"}, "stream"),
     ("stream_options-without-stream", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("stream_options-stream-false", {"stream": False, "stream_options": {"include_usage": True}},
-     "stream_options"),
+    ("stream_options-stream-false", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
     ("stream_options-not-object", {"stream_options": "usage"}, "stream_options"),
     # -- other types --------------------------------------------------------------------------------------
     ("echo-string", {"echo": "yes"}, "echo"),
@@ -239,6 +266,7 @@ def test_bad_field_is_400_naming_it(gpt2_client, changes, param):
 @pytest.fixture(scope="module")
 def vocab_size(gpt2_dir):
     from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(gpt2_dir).vocab_size
 
 
@@ -247,15 +275,23 @@ def test_token_id_vocab_boundary(gpt2_client, vocab_size, field):
     def body(token):
         value = {"prompt": [1, token], "logit_bias": {str(token): 1}, "stop_token_ids": [token]}[field]
         return request_with(**{field: value})
+
     assert gpt2_client.post(URL, json=body(vocab_size - 1)).status_code == 200
     assert_error(gpt2_client.post(URL, json=body(vocab_size)), 400, field)
     assert_still_serving(gpt2_client)
 
 
 # -- non-JSON numbers ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("field,literal", [("temperature", "NaN"), ("top_p", "NaN"),
-                                           ("repetition_penalty", "Infinity"), ("presence_penalty", "-Infinity"),
-                                           ("logit_bias", '{"1": NaN}')])
+@pytest.mark.parametrize(
+    "field,literal",
+    [
+        ("temperature", "NaN"),
+        ("top_p", "NaN"),
+        ("repetition_penalty", "Infinity"),
+        ("presence_penalty", "-Infinity"),
+        ("logit_bias", '{"1": NaN}'),
+    ],
+)
 def test_nan_and_infinity_are_rejected(gpt2_client, field, literal):
     """NaN/Infinity are not JSON (RFC 8259), although Python's parser takes them; they must never reach the
     sampler (an infinite repetition_penalty passes a plain ``> 0`` check)."""
@@ -268,13 +304,16 @@ def test_nan_and_infinity_are_rejected(gpt2_client, field, literal):
     assert_still_serving(gpt2_client)
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                   "repetition_penalty", "logit_bias"])
+@pytest.mark.parametrize(
+    "field",
+    ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"],
+)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_non_finite_numbers_rejected_by_the_schema(field, value):
     """The same rule for callers that parse JSON themselves (the batch CLI reads JSONL with json.loads)."""
     from app.errors import InvalidRequestError
     from app.protocol import CompletionRequest, parse_request
+
     body = {"prompt": "x", field: {"1": value} if field == "logit_bias" else value}
     with pytest.raises(InvalidRequestError) as info:
         parse_request(CompletionRequest, body)
@@ -282,22 +321,29 @@ def test_non_finite_numbers_rejected_by_the_schema(field, value):
 
 
 # -- model ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("changes", [{"model": "no-such-model"}, {"model": DROP, "engine": "no-such-model"},
-                                     {"model": "TINY-GPT2"}], ids=["model", "engine", "case-sensitive"])
+@pytest.mark.parametrize(
+    "changes",
+    [{"model": "no-such-model"}, {"model": DROP, "engine": "no-such-model"}, {"model": "TINY-GPT2"}],
+    ids=["model", "engine", "case-sensitive"],
+)
 def test_unknown_model_is_404(gpt2_client, changes):
     resp = gpt2_client.post(URL, json=request_with(**changes))
     err = assert_error(resp, 404, "model", code="model_not_found")
-    assert "tiny-gpt2" in err["message"]          # says what is served
+    assert "tiny-gpt2" in err["message"]  # says what is served
     assert_still_serving(gpt2_client)
 
 
-@pytest.mark.parametrize("changes,reported", [
-    ({"model": DROP, "engine": "tiny-gpt2"}, "tiny-gpt2"),
-    ({"model": DROP, "engine": "gpt2-alias"}, "gpt2-alias"),
-    ({"model": "gpt2-alias"}, "gpt2-alias"),
-    ({"model": DROP}, "tiny-gpt2"),
-    ({"model": None}, "tiny-gpt2"),
-], ids=["engine", "engine-alias", "alias", "no-model", "null-model"])
+@pytest.mark.parametrize(
+    "changes,reported",
+    [
+        ({"model": DROP, "engine": "tiny-gpt2"}, "tiny-gpt2"),
+        ({"model": DROP, "engine": "gpt2-alias"}, "gpt2-alias"),
+        ({"model": "gpt2-alias"}, "gpt2-alias"),
+        ({"model": DROP}, "tiny-gpt2"),
+        ({"model": None}, "tiny-gpt2"),
+    ],
+    ids=["engine", "engine-alias", "alias", "no-model", "null-model"],
+)
 def test_engine_alias_and_default_model(gpt2_client, changes, reported):
     resp = gpt2_client.post(URL, json=request_with(**changes))
     assert resp.status_code == 200, resp.get_data(as_text=True)
@@ -305,12 +351,15 @@ def test_engine_alias_and_default_model(gpt2_client, changes, reported):
 
 
 # -- context length ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt_len,max_tokens,param", [
-    (CONTEXT - 5, 6, "max_tokens"),          # 251 + 6 = 257 > 256
-    (10, CONTEXT, "max_tokens"),             # 10 + 256
-    (CONTEXT + 1, 0, "prompt"),              # the prompt alone is too long
-    (CONTEXT, None, "prompt"),               # null max_tokens needs room for at least one token
-])
+@pytest.mark.parametrize(
+    "prompt_len,max_tokens,param",
+    [
+        (CONTEXT - 5, 6, "max_tokens"),  # 251 + 6 = 257 > 256
+        (10, CONTEXT, "max_tokens"),  # 10 + 256
+        (CONTEXT + 1, 0, "prompt"),  # the prompt alone is too long
+        (CONTEXT, None, "prompt"),  # null max_tokens needs room for at least one token
+    ],
+)
 def test_context_length_exceeded(gpt2_client, prompt_len, max_tokens, param):
     resp = gpt2_client.post(URL, json=request_with(prompt=[5] * prompt_len, max_tokens=max_tokens))
     assert_error(resp, 400, param, code="context_length_exceeded")
@@ -318,11 +367,16 @@ def test_context_length_exceeded(gpt2_client, prompt_len, max_tokens, param):
 
 
 def test_context_length_exceeded_string_and_batch(gpt2_client):
-    long_text = "The capital of France is Paris. " * 60      # far more than 256 tokens
-    assert_error(gpt2_client.post(URL, json=request_with(prompt=long_text)), 400, "prompt",
-                 code="context_length_exceeded")
-    assert_error(gpt2_client.post(URL, json=request_with(prompt=["short", long_text])), 400, "prompt",
-                 code="context_length_exceeded")
+    long_text = "The capital of France is Paris. " * 60  # far more than 256 tokens
+    assert_error(
+        gpt2_client.post(URL, json=request_with(prompt=long_text)), 400, "prompt", code="context_length_exceeded"
+    )
+    assert_error(
+        gpt2_client.post(URL, json=request_with(prompt=["short", long_text])),
+        400,
+        "prompt",
+        code="context_length_exceeded",
+    )
     assert_still_serving(gpt2_client)
 
 
@@ -336,8 +390,7 @@ def test_prompt_filling_context_exactly(gpt2_client):
 
 
 def test_max_tokens_null_runs_to_the_context(gpt2_client):
-    resp = gpt2_client.post(URL, json=request_with(prompt=[5] * (CONTEXT - 4), max_tokens=None,
-                                                   ignore_eos=True))
+    resp = gpt2_client.post(URL, json=request_with(prompt=[5] * (CONTEXT - 4), max_tokens=None, ignore_eos=True))
     assert resp.status_code == 200, resp.get_data(as_text=True)
     body = resp.get_json()
     assert body["usage"] == {"prompt_tokens": 252, "completion_tokens": 4, "total_tokens": 256}
@@ -352,8 +405,10 @@ ACCEPTED = [
     ("unknown-fields", {"foo": 1, "metadata": [1, 2], "service_tier": None}),
     ("response_format-text", {"response_format": {"type": "text"}}),
     ("response_format-json_object", {"response_format": {"type": "json_object"}}),
-    ("response_format-json_schema-no-name", {"response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"const": "42"}}}}),
+    (
+        "response_format-json_schema-no-name",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "42"}}}},
+    ),
     ("structured_outputs-json-as-text", {"structured_outputs": {"json": '{"type": "integer"}'}}),
     ("temperature-int", {"temperature": 1, "seed": 1}),
     ("temperature-2", {"temperature": 2, "seed": 1}),
@@ -375,11 +430,11 @@ ACCEPTED = [
     ("suffix-empty", {"suffix": ""}),
     ("suffix-null", {"suffix": None}),
     ("stream-false", {"stream": False}),
-    ("prompt-empty-string", {"prompt": ""}),         # conditioned on the start token, as OpenAI does
+    ("prompt-empty-string", {"prompt": ""}),  # conditioned on the start token, as OpenAI does
     ("prompt-list-empty-string", {"prompt": [""]}),
     ("prompt-list-second-empty", {"prompt": ["ok", ""]}),
-    ("seed-int64-extremes", {"seed": -(2 ** 63), "temperature": 1}),
-    ("seed-int64-max", {"seed": 2 ** 63 - 1, "temperature": 1}),
+    ("seed-int64-extremes", {"seed": -(2**63), "temperature": 1}),
+    ("seed-int64-max", {"seed": 2**63 - 1, "temperature": 1}),
     ("user", {"user": "someone"}),
     ("token-id-prompt", {"prompt": [1, 2, 3]}),
     ("token-id-prompts", {"prompt": [[1, 2], [3]]}),
@@ -395,10 +450,31 @@ def test_accepted(gpt2_client, changes):
 
 
 # OpenAI documents these as nullable: null means the default (clients such as LangChain send explicit nulls)
-NULLABLE = ["temperature", "top_p", "n", "stream", "logprobs", "echo", "stop", "presence_penalty",
-            "frequency_penalty", "best_of", "logit_bias", "seed", "user", "suffix", "stream_options",
-            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens"]
+NULLABLE = [
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "logprobs",
+    "echo",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "best_of",
+    "logit_bias",
+    "seed",
+    "user",
+    "suffix",
+    "stream_options",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+]
 
 
 @pytest.mark.parametrize("field", NULLABLE)
@@ -412,8 +488,9 @@ def test_null_means_default(gpt2_client, field):
 
 def test_every_logit_bias_key_outside_the_vocabulary_is_named(gpt2_client):
     keys = [str(FAR + i) for i in range(10)]
-    body = assert_error(gpt2_client.post(URL, json=request_with(logit_bias={**{k: 1 for k in keys}, "5": 1})),
-                        400, "logit_bias")
+    body = assert_error(
+        gpt2_client.post(URL, json=request_with(logit_bias={**{k: 1 for k in keys}, "5": 1})), 400, "logit_bias"
+    )
     message = body if isinstance(body, str) else body.get("message", "")
     assert all(k in message for k in keys[:8]) and "and 2 more" in message and " 5," not in message
 
@@ -422,14 +499,22 @@ def test_logprobs_above_the_vocabulary_are_400_whatever_the_cap(gpt2_dir, gpt2_w
     """SAKER_MAX_LOGPROBS may be raised past 20; a k above the vocabulary is still a 400, not a crash."""
     from app import create_app
     from conftest import make_settings
-    client = create_app(make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_logprobs=100_000),
-                        engine=gpt2_worker).test_client()
+
+    client = create_app(
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_logprobs=100_000), engine=gpt2_worker
+    ).test_client()
     vocab = gpt2_worker.info.vocab_size
     ok = client.post(URL, json=request_with(logprobs=vocab, max_tokens=1))
     assert ok.status_code == 200 and len(ok.get_json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= vocab - 1
     assert_error(client.post(URL, json=request_with(logprobs=vocab + 1)), 400, "logprobs")
-    chat = client.post("/v1/chat/completions", json={"model": "tiny-gpt2", "messages": [{"role": "user",
-                                                     "content": "x"}], "logprobs": True,
-                                                     "top_logprobs": vocab + 5})
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-gpt2",
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": vocab + 5,
+        },
+    )
     assert chat.status_code == 400 and chat.get_json()["error"]["param"] in ("top_logprobs", "messages")
     assert client.post(URL, json=GOOD).status_code == 200

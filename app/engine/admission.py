@@ -7,6 +7,7 @@ Waiters are served first come, first served. The worker sets ``capacity`` to SAK
 requests are handed to the scheduler at once, the rest wait here.
 No torch and no Flask here.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,16 +37,16 @@ class Admission:
             raise ValueError("max_queue must be >= 0 or None (unbounded)")
         if timeout is not None and timeout <= 0:
             raise ValueError("timeout must be > 0 or None (wait forever)")
-        self.max_queue = max_queue          # None: unbounded
-        self.timeout = timeout              # None: wait as long as it takes
+        self.max_queue = max_queue  # None: unbounded
+        self.timeout = timeout  # None: wait as long as it takes
         self.capacity = capacity
-        self.active = 0                     # requests holding a slot
-        self.waiting = 0                    # requests waiting for one
-        self.rejected = 0                   # turned away because the queue was full (429)
-        self.timed_out = 0                  # gave up waiting (503)
+        self.active = 0  # requests holding a slot
+        self.waiting = 0  # requests waiting for one
+        self.rejected = 0  # turned away because the queue was full (429)
+        self.timed_out = 0  # gave up waiting (503)
         self._mean_hold_s: float | None = None
         self._cond = threading.Condition()
-        self._waiters: collections.deque[_Ticket] = collections.deque()   # first come, first served
+        self._waiters: collections.deque[_Ticket] = collections.deque()  # first come, first served
 
     # -- the seam -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -69,7 +70,8 @@ class Admission:
                 raise OverloadedError(
                     f"The model is overloaded: {self.waiting} requests are already waiting for it, the most "
                     f"allowed (SAKER_MAX_QUEUE={self.max_queue}). Retry after {retry} s.",
-                    headers={"Retry-After": str(retry)})
+                    headers={"Retry-After": str(retry)},
+                )
             ticket = _Ticket()
             self._waiters.append(ticket)
             self.waiting = len(self._waiters)
@@ -84,7 +86,8 @@ class Admission:
                     raise QueueTimeoutError(
                         f"The model is overloaded: this request waited {self.timeout:g} s for its turn, the "
                         f"longest allowed (SAKER_QUEUE_TIMEOUT={self.timeout:g}). Retry after {retry} s.",
-                        headers={"Retry-After": str(retry)})
+                        headers={"Retry-After": str(retry)},
+                    )
                 self._cond.wait(remaining)
             # the releaser handed its slot over: ``active`` already counts this request
 
@@ -109,5 +112,9 @@ class Admission:
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:
-            return {"active": self.active, "waiting": self.waiting, "rejected": self.rejected,
-                    "timed_out": self.timed_out}
+            return {
+                "active": self.active,
+                "waiting": self.waiting,
+                "rejected": self.rejected,
+                "timed_out": self.timed_out,
+            }

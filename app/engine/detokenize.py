@@ -11,6 +11,7 @@ turn a whole run of byte tokens into U+FFFD per byte once the run is invalid UTF
 followed by a stray byte). Here the released characters stay and only the new ids are decoded (by themselves:
 a stray byte reads as one U+FFFD).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
@@ -49,8 +50,7 @@ def _fast_decode(tokenizer: Decoder) -> Callable[..., str]:
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "decode"):
         clean = getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-                         False)
+        forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
         is_bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
         if not clean or (is_bpe and not forced):
             decode = backend.decode
@@ -62,14 +62,17 @@ def piece_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[int, str]
     one and nothing else: there, after text that ends on a whole character, a token adds exactly its own text
     (its bytes appended to complete UTF-8). None for other tokenizers (sentencepiece decoders strip or add
     spaces by position; decoder chains may rewrite text)."""
+
     def make() -> dict:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             import json
+
             decoder = json.loads(backend.to_str()).get("decoder") or {}
             if decoder.get("type") == "ByteLevel":
                 return {True: {}, False: {}}
         return {}
+
     return tokenizer_memo(tokenizer, "pieces", make).get(skip_special_tokens)
 
 
@@ -84,7 +87,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
         self._prefix: tuple[tuple[int, int], str] | None = None
         self._pieces = piece_texts(tokenizer, skip_special_tokens)
-        self._whole: bool | None = None         # released text ends on a whole character (None: not known)
+        self._whole: bool | None = None  # released text ends on a whole character (None: not known)
 
     def _alone(self, token_id: int) -> str | None:
         """The text ``token_id`` adds, from the piece table, when that is exact: a byte-level tokenizer, nothing
@@ -110,7 +113,7 @@ class IncrementalDetokenizer:
         the slice does not change until an offset moves): every candidate of a step shares it."""
         offsets = (self.prefix_offset, self.read_offset)
         if self._prefix is None or self._prefix[0] != offsets:
-            self._prefix = (offsets, self._decode(self.ids[self.prefix_offset:self.read_offset]))
+            self._prefix = (offsets, self._decode(self.ids[self.prefix_offset : self.read_offset]))
         return self._prefix[1]
 
     def add(self, token_id: int) -> str:
@@ -123,9 +126,9 @@ class IncrementalDetokenizer:
             return alone
         self.ids.append(token_id)
         prefix_text = self._prefix_text()
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-            delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
+            delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset :])
             self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
             self.read_offset = len(self.ids)
             self._whole = True
@@ -137,15 +140,15 @@ class IncrementalDetokenizer:
         if self.read_offset >= len(self.ids):
             return ""
         prefix_text = self._prefix_text()
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset:])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        delta = self._new_part(prefix_text, new_text, self.ids[self.read_offset :])
         self.read_offset = len(self.ids)
         self._whole = None
         return delta
 
     def _new_part(self, prefix_text: str, new_text: str, new_ids: Sequence[int]) -> str:
         if new_text.startswith(prefix_text):
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         # a stray byte re-read the released byte run as U+FFFD: keep what is out, read the new ids alone
         return self._decode(new_ids)
 
@@ -155,7 +158,7 @@ class IncrementalDetokenizer:
         if alone is not None:
             return None if alone.endswith(REPLACEMENT) else alone
         prefix_text = self._prefix_text()
-        new_text = self._decode(self.ids[self.prefix_offset:] + [token_id])
+        new_text = self._decode(self.ids[self.prefix_offset :] + [token_id])
         if new_text.endswith(REPLACEMENT):
             return None
-        return self._new_part(prefix_text, new_text, self.ids[self.read_offset:] + [token_id])
+        return self._new_part(prefix_text, new_text, self.ids[self.read_offset :] + [token_id])

@@ -15,6 +15,7 @@ One pipe carries everything, in order:
 
 The serving side's ``EngineClient`` looks like a ``Scheduler`` to the worker (``submit`` returns a ``Ticket``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,7 +35,8 @@ log = logging.getLogger("saker.engine")
 @dataclass
 class EngineFacts:
     """What the serving side needs to know of the loaded model."""
-    info: object                     # worker.ModelInfo
+
+    info: object  # worker.ModelInfo
     tokenizer: object
     eos_token_ids: tuple[int, ...]
     byte_level: bool
@@ -46,6 +48,7 @@ class EngineFacts:
 @dataclass
 class FrontRunner:
     """The serving side's stand-in for the ``ModelRunner``: what requests and the output side read of it."""
+
     tokenizer: object
     eos_token_ids: tuple[int, ...]
     byte_level: bool
@@ -100,8 +103,9 @@ class _ForwardingTicket(Ticket):
     def fail(self, group, exc) -> None:
         try:
             import pickle
+
             pickle.dumps(exc)
-        except Exception:   # noqa: BLE001 - what cannot cross the pipe crosses as its message
+        except Exception:
             exc = RuntimeError(f"{type(exc).__name__}: {exc}")
         self._hand_over(("fail", self.rid, group.tag, exc))
 
@@ -110,6 +114,7 @@ def engine_main(settings, conn) -> None:
     """The engine process: load (on a thread that exits, so the scheduler thread owns torch's thread pool), then
     serve the pipe until it closes."""
     from app.engine.worker import Worker
+
     logging.basicConfig(level=getattr(logging, str(settings.log_level).upper(), logging.INFO))
     worker = Worker.from_settings(settings.model_copy(update={"engine_process": False}))
     worker.load_in_background().join()
@@ -125,8 +130,20 @@ def engine_main(settings, conn) -> None:
     runner, scheduler = worker.runner, worker.scheduler
     outbox = _Outbox(send)
     scheduler.after_iteration = lambda: outbox.flush((scheduler.kv_usage, scheduler.steps))
-    send(("ready", EngineFacts(worker.info, runner.tokenizer, tuple(runner.eos_token_ids), runner.byte_level,
-                               tuple(runner.adapters), worker.kv_cache_tokens, worker.load_seconds or 0.0)))
+    send(
+        (
+            "ready",
+            EngineFacts(
+                worker.info,
+                runner.tokenizer,
+                tuple(runner.eos_token_ids),
+                runner.byte_level,
+                tuple(runner.adapters),
+                worker.kv_cache_tokens,
+                worker.load_seconds or 0.0,
+            ),
+        )
+    )
     requests: dict[int, list[RequestGroup]] = {}
     while True:
         try:
@@ -136,8 +153,9 @@ def engine_main(settings, conn) -> None:
         kind = message[0]
         if kind == "submit":
             _, rid, items, params, eager = message
-            groups = [RequestGroup(runner, ids, params, max_length=max_length, tag=tag)
-                      for tag, ids, max_length in items]
+            groups = [
+                RequestGroup(runner, ids, params, max_length=max_length, tag=tag) for tag, ids, max_length in items
+            ]
             requests[rid] = groups
             scheduler.submit(groups, eager, ticket=_ForwardingTicket(groups, eager, rid, outbox, send))
         elif kind == "cancel":
@@ -157,7 +175,7 @@ class _RemoteTicket(Ticket):
     def __init__(self, groups, eager, client: "EngineClient", rid: int):
         super().__init__(groups, eager)
         self.client, self.rid = client, rid
-        self.remaining = len(groups)             # prompts the engine has not ended yet
+        self.remaining = len(groups)  # prompts the engine has not ended yet
 
     def cancel(self) -> None:
         super().cancel()
@@ -180,12 +198,13 @@ class EngineClient:
         self.max_rows_seen = 0
         self.waiting = 0
         self.facts: EngineFacts | None = None
-        self.gone: str | None = None             # why the engine process is no longer there
-        self.on_exit = None                      # called with that reason (the worker turns not ready)
+        self.gone: str | None = None  # why the engine process is no longer there
+        self.on_exit = None  # called with that reason (the worker turns not ready)
 
     def start(self) -> EngineFacts:
         """Start the engine and wait until it has loaded the model (ConfigError when it could not)."""
         from app.errors import ConfigError
+
         self.process.start()
         try:
             kind, payload = self._conn.recv()
@@ -205,6 +224,7 @@ class EngineClient:
         except OSError:
             if message[0] == "submit":
                 from app.errors import ModelNotReadyError
+
                 raise ModelNotReadyError(self.gone or "the engine process is not running") from None
 
     def submit(self, groups: list[RequestGroup], eager: bool = True) -> Ticket:
@@ -259,7 +279,7 @@ class EngineClient:
         self.gone = f"the engine process exited (code {self.process.exitcode})"
         log.error("saker: %s; failing %d waiting requests", self.gone, len(self._tickets))
         error = RuntimeError(self.gone)
-        for rid, ticket in list(self._tickets.items()):
+        for ticket in list(self._tickets.values()):
             for group in ticket.groups:
                 ticket._events.put([(group.tag, error)])
         self._tickets.clear()
@@ -269,4 +289,3 @@ class EngineClient:
     def close(self) -> None:
         if self.process.is_alive():
             self.process.terminate()
-

@@ -5,6 +5,7 @@ ids and values, and whether a row ended on a token-level rule. The output side (
 the request that reads them) turns them into text events (``PromptEvent``, ``TokenEvent``): detokenizing, stop
 strings, logprob keys.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,11 +17,12 @@ from app.engine.params import TokenLogprobs
 class PromptNumbers:
     """After the prefill: the prompt's length and, for echo with logprobs, each prompt token's raw logprob and
     the top k (row ``i`` predicts prompt token ``i + 1``)."""
+
     prompt_tokens: int
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_values: list[list[float]] | None = None
-    ranks: list[int] | None = None           # prompt_logprobs: each token's rank in its distribution (1: the top)
+    ranks: list[int] | None = None  # prompt_logprobs: each token's rank in its distribution (1: the top)
 
 
 @dataclass
@@ -28,6 +30,7 @@ class TokenNumbers:
     """One generated token of candidate ``index``: its raw logprob and top k when asked, and ``ends`` when a
     token-level rule (EOS, a stop token, max_tokens, the context) ended the candidate's row with it;
     ``complete`` when the token completed a constrained output (structured outputs: the row ends, reason stop)."""
+
     index: int
     token_id: int
     logprob: float | None
@@ -40,19 +43,21 @@ class TokenNumbers:
 @dataclass
 class PromptEvent:
     """After the prefill: the prompt's text and, when asked, its token strings and logprobs."""
+
     prompt_tokens: int
     text: str
     logprobs: TokenLogprobs | None
-    prompt_logprobs: list | None = None      # vLLM's shape: None, then {token_id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list | None = None  # vLLM's shape: None, then {token_id: {logprob, rank, decoded_token}}
 
 
 @dataclass
 class TokenEvent:
     """One generated token of candidate ``index``."""
+
     index: int
     token_id: int
-    text: str                                # text this token completes (held-back characters excluded)
+    text: str  # text this token completes (held-back characters excluded)
     logprob: float | None
     top_logprobs: dict[str, float] | None
-    finish_reason: str | None = None         # set on the candidate's last token
-    text_end: int | None = None              # where the candidate's text is cut (stop strings / tokens)
+    finish_reason: str | None = None  # set on the candidate's last token
+    text_end: int | None = None  # where the candidate's text is cut (stop strings / tokens)

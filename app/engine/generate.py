@@ -4,6 +4,7 @@ One prompt is prefilled once; its KV cache is expanded to the request's candidat
 then each decode step is one forward for every live sequence. Logprobs come from the logits of the forward
 that picked the token; echo logprobs from the prefill's logits. Finished sequences leave the batch.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers  # noqa: F401 - re-exported
+from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers
 from app.engine.grammar import grammars_for
 from app.engine.kv_cache import SlotStore, mergeable
 from app.engine.logprobs import raw_logprobs
@@ -25,6 +26,7 @@ from app.engine.stopping import StoppingCriteria
 @dataclass
 class Candidate:
     """One row of a group on the engine side: which candidate it is and how many tokens it has."""
+
     index: int
     generated: int = 0
 
@@ -34,14 +36,22 @@ class RequestGroup:
     only: ids, parameters, per-row sampling state and token-level stop rules; text is made by the output side
     (``output.RequestDecoder``), which may end a candidate early (a stop string) through ``finish_candidate``."""
 
-    def __init__(self, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, *,
-                 max_length: int, timings: Timings | None = None, tag: int = 0):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_length: int,
+        timings: Timings | None = None,
+        tag: int = 0,
+    ):
         self.runner = runner
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.max_length = max_length
         self.timings = timings or Timings()
-        self.tag = tag                              # which prompt of its request this is
+        self.tag = tag  # which prompt of its request this is
         self.want_logprobs = params.logprobs is not None
         self.want_candidate_logprob = self.want_logprobs or params.num_candidates > params.n
         self.k = params.logprobs or 0
@@ -50,16 +60,21 @@ class RequestGroup:
         self.prompt_k = max(self.k if params.echo else 0, params.prompt_logprobs or 0)
         self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
         self.seqs: list[Candidate] = []
-        self.stopping = StoppingCriteria(eos_token_ids=frozenset(runner.eos_token_ids),
-                                         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                                         min_tokens=params.min_tokens, max_tokens=self.max_new, max_length=max_length)
-        self._prompt_lp: list[float] = []           # echo + logprobs: the prompt's numbers so far (score_prompt)
+        self.stopping = StoppingCriteria(
+            eos_token_ids=frozenset(runner.eos_token_ids),
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            max_tokens=self.max_new,
+            max_length=max_length,
+        )
+        self._prompt_lp: list[float] = []  # echo + logprobs: the prompt's numbers so far (score_prompt)
         self._prompt_top_ids: list[list[int]] = []
         self._prompt_top_values: list[list[float]] = []
         self._prompt_ranks: list[int] = []
         self.cancelled = False
-        self.tokens_made = 0                         # tokens the engine sampled for this group (all rows)
-        self._finish: list[int] = []                 # candidates the output side ended (stop strings)
+        self.tokens_made = 0  # tokens the engine sampled for this group (all rows)
+        self._finish: list[int] = []  # candidates the output side ended (stop strings)
 
     @property
     def rows(self) -> int:
@@ -106,7 +121,7 @@ class RequestGroup:
             return
         k, ranked = self.prompt_k, self.params.prompt_logprobs is not None
         lp = raw_logprobs(logits[:count])
-        ids = torch.tensor(self.prompt_ids[start + 1:start + 1 + count], device=lp.device).view(-1, 1)
+        ids = torch.tensor(self.prompt_ids[start + 1 : start + 1 + count], device=lp.device).view(-1, 1)
         chosen = lp.gather(-1, ids)
         parts = [chosen.double()]
         if ranked:
@@ -120,8 +135,8 @@ class RequestGroup:
             if ranked:
                 self._prompt_ranks.append(int(row[1]))
             if k:
-                self._prompt_top_values.append(row[first:first + k])
-                self._prompt_top_ids.append([int(i) for i in row[first + k:]])
+                self._prompt_top_values.append(row[first : first + k])
+                self._prompt_top_ids.append([int(i) for i in row[first + k :]])
 
     def prompt_numbers(self) -> PromptNumbers:
         """The prompt's numbers: with echo + logprobs or prompt_logprobs, each prompt token's raw logprob, rank and
@@ -130,9 +145,13 @@ class RequestGroup:
         if not self.needs_prompt_logits:
             return PromptNumbers(count)
         top = self.prompt_k > 0
-        return PromptNumbers(count, self._prompt_lp, self._prompt_top_ids if top else None,
-                             self._prompt_top_values if top else None,
-                             self._prompt_ranks if self.params.prompt_logprobs is not None else None)
+        return PromptNumbers(
+            count,
+            self._prompt_lp,
+            self._prompt_top_ids if top else None,
+            self._prompt_top_values if top else None,
+            self._prompt_ranks if self.params.prompt_logprobs is not None else None,
+        )
 
     # -- decoding ---------------------------------------------------------------------------------------
     def begin(self, device, vocab: int) -> SamplingRows:
@@ -164,10 +183,17 @@ class RequestGroup:
             seq.generated += 1
             done = at in complete
             ends = done or stopping.ends(token_id, seq.generated, prompt_len + seq.generated)
-            events.append(TokenNumbers(seq.index, token_id, numbers.logprobs[at] if want_lp else None,
-                                       numbers.top_ids[at][:k] if k and self.want_logprobs else None,
-                                       numbers.top_values[at][:k] if k and self.want_logprobs else None, ends,
-                                       done))
+            events.append(
+                TokenNumbers(
+                    seq.index,
+                    token_id,
+                    numbers.logprobs[at] if want_lp else None,
+                    numbers.top_ids[at][:k] if k and self.want_logprobs else None,
+                    numbers.top_values[at][:k] if k and self.want_logprobs else None,
+                    ends,
+                    done,
+                )
+            )
             if not ends:
                 keep.append(row)
         self.tokens_made += len(events)
@@ -178,8 +204,9 @@ class RequestGroup:
             self.seqs = [self.seqs[i] for i in keep]
 
 
-def sample_step(groups: list[RequestGroup], logits: torch.Tensor, rows: SamplingRows
-                ) -> tuple[list[tuple[list[TokenNumbers], list[int]]], torch.Tensor]:
+def sample_step(
+    groups: list[RequestGroup], logits: torch.Tensor, rows: SamplingRows
+) -> tuple[list[tuple[list[TokenNumbers], list[int]]], torch.Tensor]:
     """One step for groups whose rows are consecutive in ``logits`` (B, V) and in ``rows``: the batch-wide
     sampler, one transfer to the host, then each group's token-level stops. Returns each group's (events, rows
     that go on) and the tokens (B,) on the device."""
@@ -247,13 +274,13 @@ class SlotBatch(BatchBase):
         self.runner = runner
         self.groups: list[RequestGroup] = []
         self.store = SlotStore(kv_cache_tokens)
-        self.slot_of: list[int] = []                # slot of each row, in row order
-        self.lengths_host: list[int] = []           # tokens each row has in its slot (row order)
+        self.slot_of: list[int] = []  # slot of each row, in row order
+        self.lengths_host: list[int] = []  # tokens each row has in its slot (row order)
         self._slot_index: torch.Tensor | None = None
-        self._in_order = False                      # rows sit in slots 0..n-1 in order (logits need no gather)
-        self.lengths: torch.Tensor | None = None    # per slot: tokens in the slot (= position fed next)
+        self._in_order = False  # rows sit in slots 0..n-1 in order (logits need no gather)
+        self.lengths: torch.Tensor | None = None  # per slot: tokens in the slot (= position fed next)
         self.next_tokens: torch.Tensor | None = None  # per slot: the token fed next
-        self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
+        self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
 
     @property
     def cache(self):
@@ -269,8 +296,8 @@ class SlotBatch(BatchBase):
             lengths = torch.zeros(size, dtype=torch.long, device=device)
             tokens = torch.zeros(size, dtype=torch.long, device=device)
             if self.lengths is not None:
-                lengths[:self.lengths.shape[0]] = self.lengths
-                tokens[:self.next_tokens.shape[0]] = self.next_tokens
+                lengths[: self.lengths.shape[0]] = self.lengths
+                tokens[: self.next_tokens.shape[0]] = self.next_tokens
             self.lengths, self.next_tokens = lengths, tokens
 
     def add(self, group: RequestGroup, cache, tokens: torch.Tensor, sampling: SamplingRows) -> None:
@@ -349,8 +376,13 @@ class SlotBatch(BatchBase):
                     row += 1
         try:
             step = compiled or runner.slot_step
-            logits = step(self.next_tokens[:rows], self.lengths[:rows], store, view, **(
-                {"adapter_names": names} if names is not None else {}))
+            logits = step(
+                self.next_tokens[:rows],
+                self.lengths[:rows],
+                store,
+                view,
+                **({"adapter_names": names} if names is not None else {}),
+            )
         except torch.OutOfMemoryError as exc:
             if len(self.groups) < 2:
                 raise
@@ -397,11 +429,11 @@ class PaddedBatch(BatchBase):
         self.runner = runner
         self.groups: list[RequestGroup] = []
         self.cache = None
-        self.mask: torch.Tensor | None = None       # (B, L) 1 = real token, 0 = padding; None: no padding
+        self.mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = padding; None: no padding
         self.positions: torch.Tensor | None = None  # (B,) position of the token fed next
-        self.tokens: torch.Tensor | None = None     # (B,) token fed next
-        self.sampling: SamplingRows | None = None   # every row's sampling parameters and history
-        self.length = 0                             # cached columns
+        self.tokens: torch.Tensor | None = None  # (B,) token fed next
+        self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
+        self.length = 0  # cached columns
 
     @property
     def joinable(self) -> bool:
@@ -427,8 +459,9 @@ class PaddedBatch(BatchBase):
             return
         self.sampling = SamplingRows.cat([self.sampling, sampling])
         new_len = max(self.length, length)
-        old_mask = self.mask if self.mask is not None else \
-            torch.ones(self.rows, self.length, dtype=torch.long, device=device)
+        old_mask = (
+            self.mask if self.mask is not None else torch.ones(self.rows, self.length, dtype=torch.long, device=device)
+        )
         grp_mask = torch.ones(group.rows, length, dtype=torch.long, device=device)
         for layer, new_layer in zip(self.cache.layers, cache.layers):
             layer.keys = torch.cat([_left_pad(layer.keys, new_len), _left_pad(new_layer.keys, new_len)])
@@ -479,15 +512,17 @@ class PaddedBatch(BatchBase):
         length_before, mask_before = self.length, self.mask
         mask = None
         if self.mask is not None:
-            self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype,
-                                                         device=self.mask.device)], dim=1)
+            self.mask = torch.cat(
+                [self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype, device=self.mask.device)], dim=1
+            )
             mask = self.mask
         row_adapters = None
         if self.adapter is MIXED:
             row_adapters = [g.params.adapter for g in self.groups for _ in range(g.rows)]
         try:
-            logits = self.runner.decode(self.tokens, self.cache, attention_mask=mask, position_ids=self.positions,
-                                        row_adapters=row_adapters)
+            logits = self.runner.decode(
+                self.tokens, self.cache, attention_mask=mask, position_ids=self.positions, row_adapters=row_adapters
+            )
         except torch.OutOfMemoryError as exc:
             if len(self.groups) < 2 or not mergeable(self.cache):
                 raise
@@ -496,7 +531,6 @@ class PaddedBatch(BatchBase):
         self.positions = self.positions + 1
         self.length += 1
         return logits
-
 
     def _rewind(self, length: int, mask: torch.Tensor | None) -> None:
         """Undo a failed step: layers that appended the step's token go back to ``length`` columns (views of
@@ -528,8 +562,7 @@ def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
     return _join(batch, group, logits, cache, start)
 
 
-def admit_together(batch: SlotBatch | PaddedBatch, groups: list[RequestGroup]
-                   ) -> list[list[Event] | BaseException]:
+def admit_together(batch: SlotBatch | PaddedBatch, groups: list[RequestGroup]) -> list[list[Event] | BaseException]:
     """``admit`` for several groups (each of which ``prefills``) with one prefill forward over their prompts,
     left-padded to a common length; each group then goes on with its own row of the logits and of the cache
     (padding cut off), as if prefilled alone. Per group its events, or the exception that failed it after the
@@ -544,7 +577,7 @@ def admit_together(batch: SlotBatch | PaddedBatch, groups: list[RequestGroup]
             row_logits = row_logits[-1:]
         try:
             out.append(_join(batch, group, row_logits.unsqueeze(0), cache, start))
-        except Exception as exc:   # noqa: BLE001 - this group fails, the others go on
+        except Exception as exc:
             out.append(exc)
     return out
 
@@ -557,9 +590,9 @@ class ChunkedPrefill:
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
         self.cache = None
-        self.done = 0                       # prompt tokens in the cache
+        self.done = 0  # prompt tokens in the cache
         self.last: torch.Tensor | None = None  # the last prompt position's logits (1, 1, V)
-        self.spent = 0.0                    # seconds of forwards so far
+        self.spent = 0.0  # seconds of forwards so far
 
     def advance(self) -> bool:
         """Forward the next chunk; True once the whole prompt is in."""
@@ -570,8 +603,8 @@ class ChunkedPrefill:
             self.cache, self.done = runner.open_prefill(prompt, all_logits)
             group.timings.cached_tokens += self.done
         end = min(self.done + self.chunk, len(prompt))
-        logits = runner.extend(self.cache, prompt[self.done:end], all_logits)
-        if all_logits:                      # scored now; only the last position's logits are kept
+        logits = runner.extend(self.cache, prompt[self.done : end], all_logits)
+        if all_logits:  # scored now; only the last position's logits are kept
             group.score_prompt(logits[0], self.done)
         self.last = logits[:, -1:, :]
         self.done = end
@@ -584,8 +617,9 @@ class ChunkedPrefill:
         return _join(batch, group, self.last, self.cache, time.perf_counter() - self.spent)
 
 
-def _join(batch: SlotBatch | PaddedBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
-          ) -> list[Event]:
+def _join(
+    batch: SlotBatch | PaddedBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
+) -> list[Event]:
     """After a group's prefill (logits (1, L or 1, V), its cache): the prompt's numbers, the first tokens, and
     the group in the batch if it goes on."""
     if group.needs_prompt_logits and logits.shape[1] > 1:
@@ -606,7 +640,7 @@ def _join(batch: SlotBatch | PaddedBatch, group: RequestGroup, logits: torch.Ten
         if len(keep) < count:
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
-        batch.add(group, cache, tokens, sampling)      # the prompt's one cache row serves every candidate
+        batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
     group.timings.prefill_s += time.perf_counter() - start
     return events
 
@@ -654,12 +688,20 @@ class Generator:
     """One prompt run alone, start to end: its text events (warm-up, tests and tools). Decoding happens here,
     between steps, as a request's thread does it for the scheduler's batch."""
 
-    def __init__(self, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, *,
-                 max_length: int, timings: Timings | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_length: int,
+        timings: Timings | None = None,
+    ):
         self.group = RequestGroup(runner, prompt_ids, params, max_length=max_length, timings=timings)
 
     def __iter__(self) -> Iterator[PromptEvent | TokenEvent]:
         from app.engine.output import RequestDecoder
+
         group = self.group
         decoder = RequestDecoder(group)
         with group.runner.adapter(group.params.adapter), torch.inference_mode():

@@ -16,6 +16,7 @@ request's thread before admission, so it is latency every constrained request se
 (xgrammar pulls triton, 1 GB, and a TVM runtime) and it takes Lark grammars, regexes and the widest JSON
 Schema coverage (JSONSchemaBench). The tokenizer is built once per model (0.3 s for 49k tokens).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,20 +42,23 @@ def grammar_text(constraint: Constraint) -> str:
     """The constraint as an llguidance grammar (its JSON form)."""
     import llguidance
     from llguidance.gbnf_to_lark import any_to_lark
+
     kind, source = constraint.kind, constraint.source
     try:
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(source)),
-                                                                 defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                closed_objects(json.loads(source)), defaults=JSON_OPTIONS
+            )
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(source)
         if kind == "choice":
             choices = json.loads(source)
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+            )
         if kind == "grammar":
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(source))
-    except (ValueError, TypeError) as exc:   # gbnf_to_lark and the JSON schema reader raise on bad input
+    except (ValueError, TypeError) as exc:  # gbnf_to_lark and the JSON schema reader raise on bad input
         raise GrammarError(str(exc)) from None
     raise GrammarError(f"unknown constraint kind {kind!r}")
 
@@ -64,7 +68,7 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
-        self.words = (vocab_size + 31) // 32          # int32 words of one row's bitmask
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
         self._lltok = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
@@ -76,12 +80,16 @@ class Grammars:
             with self._lock:
                 if self._lltok is None:
                     import llguidance.hf
+
                     try:
-                        self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                                   eos_token=list(self.eos_token_ids) or None)
-                    except Exception as exc:   # noqa: BLE001 - slow tokenizers, vocabularies it cannot read
-                        raise GrammarError(f"structured outputs are not available for this tokenizer "
-                                           f"({type(self.hf_tokenizer).__name__}): {exc}") from None
+                        self._lltok = llguidance.hf.from_tokenizer(
+                            self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids) or None
+                        )
+                    except Exception as exc:
+                        raise GrammarError(
+                            f"structured outputs are not available for this tokenizer "
+                            f"({type(self.hf_tokenizer).__name__}): {exc}"
+                        ) from None
         return self._lltok
 
     def compile(self, constraint: Constraint):
@@ -91,6 +99,7 @@ class Grammars:
                 self._compiled.move_to_end(constraint)
                 return self._compiled[constraint]
         import llguidance
+
         matcher = llguidance.LLMatcher(self.lltok, grammar_text(constraint), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
@@ -119,9 +128,9 @@ class RowGrammar:
     def __init__(self, matcher, words: int):
         self.matcher = matcher
         self.mask = torch.empty(words, dtype=torch.int32)
-        self._next: Future | None = None         # the mask being computed on the grammar thread
-        self._fresh = False                      # ``mask`` is the current state's
-        self.ended = False                       # the output is complete (or the matcher failed)
+        self._next: Future | None = None  # the mask being computed on the grammar thread
+        self._fresh = False  # ``mask`` is the current state's
+        self.ended = False  # the output is complete (or the matcher failed)
 
     def _fill(self) -> None:
         self.matcher.unsafe_compute_mask_ptr(self.mask.data_ptr(), self.mask.numel() * 4)

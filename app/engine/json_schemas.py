@@ -1,5 +1,6 @@
 """How JSON schemas are read for constrained decoding, shared by structured outputs (``grammar.py``) and forced
 tool calls (``app/tool_calls.py``). No torch here."""
+
 from __future__ import annotations
 
 # JSON as models write it in prose and code (json.dumps' separators), and no free whitespace: a small model
@@ -18,7 +19,11 @@ def closed_objects(node, is_map: bool = False):
     if not isinstance(node, dict):
         return node
     out = {key: closed_objects(value, not is_map and key in _MAPS) for key, value in node.items()}
-    if not is_map and isinstance(node.get("properties"), dict) and "additionalProperties" not in node \
-            and "unevaluatedProperties" not in node:
+    if (
+        not is_map
+        and isinstance(node.get("properties"), dict)
+        and "additionalProperties" not in node
+        and "unevaluatedProperties" not in node
+    ):
         out["additionalProperties"] = False
     return out

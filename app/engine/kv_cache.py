@@ -6,6 +6,7 @@ model sees views of the filled part. Anything that replaces ``keys``/``values`` 
 the batch's left padding, trimming, a row taken out of a prefill of several prompts) is noticed at the next
 update and copied into a fresh buffer.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -13,7 +14,7 @@ import heapq
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-ROUND = 128          # buffer lengths are multiples of this
+ROUND = 128  # buffer lengths are multiples of this
 
 
 def _room(length: int) -> int:
@@ -31,8 +32,13 @@ class GrowingLayer(DynamicLayer):
     def _owned(self) -> bool:
         """Whether ``keys``/``values`` are still the filled part of our buffers."""
         buf = self._k_buf
-        return (buf is not None and self.keys.numel() > 0 and self.keys.data_ptr() == buf.data_ptr()
-                and self.keys.shape[0] == buf.shape[0] and self.values.data_ptr() == self._v_buf.data_ptr())
+        return (
+            buf is not None
+            and self.keys.numel() > 0
+            and self.keys.data_ptr() == buf.data_ptr()
+            and self.keys.shape[0] == buf.shape[0]
+            and self.values.data_ptr() == self._v_buf.data_ptr()
+        )
 
     def _rebuffer(self, needed: int) -> None:
         keys, values = self.keys, self.values
@@ -52,7 +58,7 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys.numel() == 0:                 # first write: this is the prefill
+        if self.keys.numel() == 0:  # first write: this is the prefill
             self.keys, self.values = key_states, value_states
             self._rebuffer(key_states.shape[-2])
             return self.keys, self.values
@@ -60,10 +66,10 @@ class GrowingLayer(DynamicLayer):
         new = key_states.shape[-2]
         if not self._owned() or length + new > self._k_buf.shape[-2]:
             self._rebuffer(length + new)
-        self._k_buf[..., length:length + new, :] = key_states
-        self._v_buf[..., length:length + new, :] = value_states
-        self.keys = self._k_buf[..., :length + new, :]
-        self.values = self._v_buf[..., :length + new, :]
+        self._k_buf[..., length : length + new, :] = key_states
+        self._v_buf[..., length : length + new, :] = value_states
+        self.keys = self._k_buf[..., : length + new, :]
+        self.values = self._v_buf[..., : length + new, :]
         return self.keys, self.values
 
 
@@ -83,15 +89,21 @@ def split_rows(cache, config, starts: list[int]) -> list:
     """One cache per row of a left-padded batch ``cache`` (plain dynamic layers): row ``i`` without its first
     ``starts[i]`` (padding) columns, as a fresh DynamicCache of GrowingLayers holding views of the batch's
     tensors (copied into their own buffers at their first update)."""
-    return [growing_cache(config, [layer.keys[row:row + 1, :, start:] for layer in cache.layers],
-                          [layer.values[row:row + 1, :, start:] for layer in cache.layers])
-            for row, start in enumerate(starts)]
+    return [
+        growing_cache(
+            config,
+            [layer.keys[row : row + 1, :, start:] for layer in cache.layers],
+            [layer.values[row : row + 1, :, start:] for layer in cache.layers],
+        )
+        for row, start in enumerate(starts)
+    ]
 
 
 def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
     """A fresh DynamicCache of GrowingLayers already holding these per-layer keys and values (views: they are
     copied into the layers' own buffers at the first update, so the tensors given are never written)."""
     from transformers import DynamicCache
+
     cache = DynamicCache(config=config)
     use_growing_layers(cache)
     for layer, k, v in zip(cache.layers, keys, values):
@@ -102,8 +114,11 @@ def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
 
 def kv_bytes_per_token(cache) -> int:
     """Bytes one token position takes in a prefilled cache (all layers, keys and values)."""
-    return sum(layer.keys[0, :, 0].numel() * layer.keys.element_size()
-               + layer.values[0, :, 0].numel() * layer.values.element_size() for layer in cache.layers)
+    return sum(
+        layer.keys[0, :, 0].numel() * layer.keys.element_size()
+        + layer.values[0, :, 0].numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
 
 
 def default_kv_budget(bytes_per_token: int, device: torch.device) -> int:
@@ -114,6 +129,7 @@ def default_kv_budget(bytes_per_token: int, device: torch.device) -> int:
         room = int(free * 0.9)
     else:
         import os
+
         room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     return max(1, room // max(1, bytes_per_token))
 
@@ -140,7 +156,7 @@ class SlotLayer(CacheLayerMixin):
         rows, at = store.row_ids.to(self.keys.device), store.write_at.to(self.keys.device)
         self.keys[rows, :, at] = key_states[:, :, 0]
         self.values[rows, :, at] = value_states[:, :, 0]
-        return self.keys[:store.rows, :, :store.view], self.values[:store.rows, :, :store.view]
+        return self.keys[: store.rows, :, : store.view], self.values[: store.rows, :, : store.view]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.store.view, 0
@@ -162,13 +178,13 @@ class SlotStore:
     place of a reallocation per join, when more slots or a longer row are needed (``ensure``)."""
 
     def __init__(self, budget: int | None = None):
-        self.budget = budget           # token positions the storage should stay within (None: no bound)
+        self.budget = budget  # token positions the storage should stay within (None: no bound)
         self.layers: list[SlotLayer] = []
         self.cache = None
-        self.slots = 0                 # slots with storage
-        self.wanted = 0                # slots handed out or free to hand out (storage follows at ``ensure``)
-        self.capacity = 0              # positions per slot
-        self._free: list[int] = []     # a heap: the lowest free slot first
+        self.slots = 0  # slots with storage
+        self.wanted = 0  # slots handed out or free to hand out (storage follows at ``ensure``)
+        self.capacity = 0  # positions per slot
+        self._free: list[int] = []  # a heap: the lowest free slot first
         self.used: set[int] = set()
         # the step being run (set by ``prepare``)
         self.rows = 0
@@ -205,8 +221,7 @@ class SlotStore:
                 self.used.discard(slot)
                 heapq.heappush(self._free, slot)
 
-    def ensure(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               slots: int = 0) -> None:
+    def ensure(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None, slots: int = 0) -> None:
         """Storage for every slot handed out so far (and at least ``slots``) with room for ``length`` positions
         each (``like``: per layer a keys and a values tensor to take head counts, dtypes and devices from, the
         first time)."""
@@ -217,12 +232,13 @@ class SlotStore:
             return
         slots = max(self.slots, self.wanted)
         capacity = self.capacity
-        if length > capacity:          # room to grow, within the budget when there is one
+        if length > capacity:  # room to grow, within the budget when there is one
             capacity = _room(length)
             if self.budget:
                 capacity = max(length, min(capacity, self.budget // max(1, slots)))
         if not self.layers:
             from transformers import Cache
+
             self.layers = [SlotLayer(self) for _ in like]
             self.cache = Cache(layers=self.layers)
             for layer, (keys, values) in zip(self.layers, like):
@@ -232,7 +248,7 @@ class SlotStore:
             for name in ("keys", "values"):
                 old = getattr(layer, name)
                 new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
-                new[:old.shape[0], :, :old.shape[2]] = old
+                new[: old.shape[0], :, : old.shape[2]] = old
                 setattr(layer, name, new)
         self.slots, self.capacity = slots, capacity
 

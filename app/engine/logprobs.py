@@ -1,4 +1,5 @@
 """Raw logprobs (float32 log-softmax of the logits), top-k, and OpenAI-style keys for candidate tokens."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,7 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed (each byte is shown as one printable character)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -79,7 +79,7 @@ def candidate_keys(tokenizer, detok: IncrementalDetokenizer, ids: list[int], byt
         key = text if text else None
         if key is None or key in taken:
             key = bytes_key(token_bytes(tokenizer, token_id, byte_level))
-            if key in taken or key == "bytes:":      # the tokenizer's own piece, else the id
+            if key in taken or key == "bytes:":  # the tokenizer's own piece, else the id
                 piece = tokenizer.convert_ids_to_tokens(int(token_id))
                 if piece and piece not in taken:
                     key = piece

@@ -1,4 +1,5 @@
 """Accelerator out-of-memory during a request -> 503, with the memory given back so the server goes on."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,5 +40,7 @@ def out_of_memory_as_503() -> Iterator[None]:
         return
     free_memory()
     log.error("out of memory during a request (%s); cache freed, serving on", detail)
-    raise OutOfMemoryError("The server ran out of accelerator memory for this request and freed it again; "
-                           "retry, or ask for fewer tokens (prompt, max_tokens, n, best_of)") from None
+    raise OutOfMemoryError(
+        "The server ran out of accelerator memory for this request and freed it again; "
+        "retry, or ask for fewer tokens (prompt, max_tokens, n, best_of)"
+    ) from None

@@ -3,18 +3,20 @@
 Each pass checks that it applies and leaves the model alone otherwise:
 
 - ``pack_linears_onednn``: on CPU in float32, every ``nn.Linear`` (and GPT-2's ``Conv1D``), the LM head
-  included, with at least ``MIN_PACKED_ELEMENTS`` weights becomes a ``PackedLinear``: its weight reordered once, at load, into oneDNN's blocked layout and
-  applied with ``torch.ops.mkldnn._linear_pointwise`` (the kernel ``torch.compile`` uses for linears on CPU).
+  included, with at least ``MIN_PACKED_ELEMENTS`` weights becomes a ``PackedLinear``: its weight reordered once,
+  at load, into oneDNN's blocked layout and applied with ``torch.ops.mkldnn._linear_pointwise`` (the kernel
+  ``torch.compile`` uses for linears on CPU).
   Measured on the 2-core bench machine (GPT-2-small shape, one decode step): 36.6 -> 27.8 ms at batch 1,
   93.5 -> 39.9 ms at batch 8, and a 64-token prefill 200 -> 89 ms; MKL's GEMM on the plain layouts is
   particularly slow for 2-8 rows, which is what a continuous batch decodes. oneDNN costs ~20 us more per call
-  than MKL, so small matrices (under 512 x 512; the tests' tiny models) stay as they are. The pass checks itself: one short
-  forward before and after must agree (float rounding), otherwise the original modules are put back.
+  than MKL, so small matrices (under 512 x 512; the tests' tiny models) stay as they are. The pass checks itself:
+  one short forward before and after must agree (float rounding), otherwise the original modules are put back.
   A tied LM head keeps the embedding as it was and adds the packed copy (vocab x hidden floats more memory);
   while the check runs, the original weights and the packed ones are both held.
 - ``fuse_gelu_tanh``: transformers' ``NewGELUActivation`` (GPT-2's "gelu_new", eight element-wise ops) becomes
   PyTorch's fused ``GELU(approximate="tanh")``, the same function.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +26,7 @@ from torch import nn
 
 log = logging.getLogger("saker.optimize")
 
-MIN_PACKED_ELEMENTS = 512 * 512     # below this oneDNN's per-call cost outweighs its faster GEMM (2-core CPU)
+MIN_PACKED_ELEMENTS = 512 * 512  # below this oneDNN's per-call cost outweighs its faster GEMM (2-core CPU)
 
 
 class PackedLinear(nn.Module):
@@ -40,7 +42,8 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module) -> PackedLinear:
         from transformers.pytorch_utils import Conv1D
-        if isinstance(module, Conv1D):     # GPT-2's Conv1D stores (in, out)
+
+        if isinstance(module, Conv1D):  # GPT-2's Conv1D stores (in, out)
             return cls(module.weight.t(), module.bias)
         return cls(module.weight, module.bias)
 
@@ -53,7 +56,8 @@ class PackedLinear(nn.Module):
 
 def _packable(module: nn.Module, min_elements: int) -> bool:
     from transformers.pytorch_utils import Conv1D
-    if type(module) not in (nn.Linear, Conv1D):        # exact types: quantized and PEFT layers subclass or wrap
+
+    if type(module) not in (nn.Linear, Conv1D):  # exact types: quantized and PEFT layers subclass or wrap
         return False
     weight = module.weight
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= min_elements
@@ -68,11 +72,14 @@ def _probe(model: nn.Module) -> torch.Tensor:
 
 def pack_linears_onednn(model: nn.Module, min_elements: int | None = None) -> int:
     """Swap every packable linear for a ``PackedLinear``; the number swapped (0 when the pass does not apply)."""
-    if not torch.backends.mkldnn.is_available() or getattr(model, "hf_device_map", None) \
-            or getattr(model, "peft_config", None):
+    if (
+        not torch.backends.mkldnn.is_available()
+        or getattr(model, "hf_device_map", None)
+        or getattr(model, "peft_config", None)
+    ):
         return 0
     min_elements = MIN_PACKED_ELEMENTS if min_elements is None else min_elements
-    swaps = []                                          # (parent, name, original, packed)
+    swaps = []  # (parent, name, original, packed)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _packable(child, min_elements):
@@ -88,7 +95,7 @@ def pack_linears_onednn(model: nn.Module, min_elements: int | None = None) -> in
         scale = 1.0 + before.abs().max().item()
         if after.shape != before.shape or not torch.allclose(after, before, rtol=0, atol=1e-4 * scale):
             raise ValueError(f"logits moved by {(after - before).abs().max().item():.3g}")
-    except Exception as exc:   # noqa: BLE001 - any failure means: keep the model as it was
+    except Exception as exc:
         for parent, name, original, _ in swaps:
             setattr(parent, name, original)
         log.warning("oneDNN linear packing not applied: %s: %s", type(exc).__name__, exc)
@@ -98,6 +105,7 @@ def pack_linears_onednn(model: nn.Module, min_elements: int | None = None) -> in
 
 def fuse_gelu_tanh(model: nn.Module) -> int:
     from transformers.activations import NewGELUActivation
+
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

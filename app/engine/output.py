@@ -11,6 +11,7 @@ text that could still be the start of a stop string is held back (``StopStrings.
 text is cut at the stop and the last tokens are clipped so that the token strings concatenate to the text.
 ``collect`` drains a Generator through assemblers; streaming sends each release as it comes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,8 +24,16 @@ from app.engine.params import SamplingParams, TokenLogprobs
 from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
 
 
-def _top_dict(tokenizer, byte_level: bool, detok: IncrementalDetokenizer, chosen_id: int, chosen_lp: float,
-              ids: list[int], vals: list[float], as_ids: bool = False) -> dict[str, float]:
+def _top_dict(
+    tokenizer,
+    byte_level: bool,
+    detok: IncrementalDetokenizer,
+    chosen_id: int,
+    chosen_lp: float,
+    ids: list[int],
+    vals: list[float],
+    as_ids: bool = False,
+) -> dict[str, float]:
     """``top_logprobs`` of one position: the top k plus the chosen token, keyed by their text in context (or
     ``token_id:<id>`` with return_tokens_as_token_ids)."""
     # tokens a processed distribution ruled out (-inf: a constraint's mask, allowed_token_ids, top-k) are no
@@ -38,8 +47,15 @@ def _top_dict(tokenizer, byte_level: bool, detok: IncrementalDetokenizer, chosen
 class ChoiceDecoder:
     """One candidate's text: detokenizer, stop rules, logprob keys."""
 
-    def __init__(self, index: int, tokenizer, byte_level: bool, prompt_ids: list[int], params: SamplingParams,
-                 stopping: StoppingCriteria):
+    def __init__(
+        self,
+        index: int,
+        tokenizer,
+        byte_level: bool,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stopping: StoppingCriteria,
+    ):
         self.index = index
         self.tokenizer, self.byte_level = tokenizer, byte_level
         self.want_logprobs = params.logprobs is not None
@@ -59,20 +75,28 @@ class ChoiceDecoder:
         token_id, detok = raw.token_id, self.detok
         top_dict = None
         if self.want_logprobs:
-            top_dict = _top_dict(self.tokenizer, self.byte_level, detok, token_id, raw.logprob,
-                                 raw.top_ids or [], raw.top_values or [], self.as_ids)
+            top_dict = _top_dict(
+                self.tokenizer,
+                self.byte_level,
+                detok,
+                token_id,
+                raw.logprob,
+                raw.top_ids or [],
+                raw.top_values or [],
+                self.as_ids,
+            )
         self.generated += 1
         piece = ""
         if self.stopping.stop_token(token_id, self.generated):
-            piece = detok.flush()                   # bytes held before an EOS/stop token are final now
+            piece = detok.flush()  # bytes held before an EOS/stop token are final now
             self.text += piece
         before = len(self.text)
         added = detok.add(token_id)
         piece += added
         self.text += added
         decision = self.stopping(token_id, self.text, before, self.generated, self.prompt_len + self.generated)
-        if raw.complete and decision.reason != "stop":   # the constrained output is whole (structured outputs),
-            decision = StopDecision(True, "stop")          # even on its max_tokens-th token
+        if raw.complete and decision.reason != "stop":  # the constrained output is whole (structured outputs),
+            decision = StopDecision(True, "stop")  # even on its max_tokens-th token
         if decision.stop and decision.text_end in (None, len(self.text)):
             tail = detok.flush()
             piece += tail
@@ -109,19 +133,31 @@ class RequestDecoder:
             return []
         self.generated_tokens += 1
         if event.finish_reason and not numbers.ends:
-            self.group.finish_candidate(numbers.index)       # a stop string: the engine's row must leave
+            self.group.finish_candidate(numbers.index)  # a stop string: the engine's row must leave
         return [event]
 
     def _open(self) -> None:
         group, params = self.group, self.params
         stops = StopStrings(params.stop, params.include_stop_str_in_output)
-        self.choices = [ChoiceDecoder(i, self.tokenizer, self.byte_level, self.prompt_ids, params,
-                                      StoppingCriteria(eos_token_ids=frozenset(group.runner.eos_token_ids),
-                                                       stop_token_ids=params.stop_token_ids,
-                                                       stop_strings=stops, ignore_eos=params.ignore_eos,
-                                                       min_tokens=params.min_tokens, max_tokens=group.max_new,
-                                                       max_length=group.max_length))
-                        for i in range(params.num_candidates)]
+        self.choices = [
+            ChoiceDecoder(
+                i,
+                self.tokenizer,
+                self.byte_level,
+                self.prompt_ids,
+                params,
+                StoppingCriteria(
+                    eos_token_ids=frozenset(group.runner.eos_token_ids),
+                    stop_token_ids=params.stop_token_ids,
+                    stop_strings=stops,
+                    ignore_eos=params.ignore_eos,
+                    min_tokens=params.min_tokens,
+                    max_tokens=group.max_new,
+                    max_length=group.max_length,
+                ),
+            )
+            for i in range(params.num_candidates)
+        ]
 
     def prompt(self, numbers: PromptNumbers) -> PromptEvent:
         """The prompt's text and (with echo + logprobs) its tokens, logprobs and keys; with prompt_logprobs, those
@@ -138,13 +174,20 @@ class RequestDecoder:
 
         def decoded(token_id: int) -> str:
             if token_id not in names:
-                names[token_id] = f"token_id:{token_id}" if self.params.tokens_as_ids else \
-                    self.tokenizer.decode([token_id])
+                names[token_id] = (
+                    f"token_id:{token_id}" if self.params.tokens_as_ids else self.tokenizer.decode([token_id])
+                )
             return names[token_id]
+
         out: list = [None]
         for i, token_id in enumerate(self.prompt_ids[1:]):
-            entry = {str(token_id): {"logprob": numbers.logprobs[i], "rank": numbers.ranks[i],
-                                     "decoded_token": decoded(token_id)}}
+            entry = {
+                str(token_id): {
+                    "logprob": numbers.logprobs[i],
+                    "rank": numbers.ranks[i],
+                    "decoded_token": decoded(token_id),
+                }
+            }
             ids = numbers.top_ids[i][:k] if numbers.top_ids else []
             values = numbers.top_values[i][:k] if numbers.top_values else []
             for rank, (other, value) in enumerate(zip(ids, values), start=1):
@@ -170,10 +213,18 @@ class RequestDecoder:
             else:
                 chosen = numbers.logprobs[i - 1]
                 out.token_logprobs.append(chosen)
-                out.top_logprobs.append(_top_dict(tok, self.byte_level, detok, token_id, chosen,
-                                                  numbers.top_ids[i - 1][:k] if numbers.top_ids else [],
-                                                  numbers.top_values[i - 1][:k] if numbers.top_values else [],
-                                                  params.tokens_as_ids))
+                out.top_logprobs.append(
+                    _top_dict(
+                        tok,
+                        self.byte_level,
+                        detok,
+                        token_id,
+                        chosen,
+                        numbers.top_ids[i - 1][:k] if numbers.top_ids else [],
+                        numbers.top_values[i - 1][:k] if numbers.top_values else [],
+                        params.tokens_as_ids,
+                    )
+                )
             piece = detok.add(token_id)
             out.text_offset.append(len(text))
             out.tokens.append(f"token_id:{token_id}" if params.tokens_as_ids else piece)
@@ -189,12 +240,13 @@ class RequestDecoder:
 @dataclass
 class Release:
     """Text of one choice that is final, with the logprobs of the tokens it holds."""
+
     index: int
     text: str
     logprobs: TokenLogprobs | None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_logprobs: list | None = None      # on the prompt's release of each choice, with prompt_logprobs
+    prompt_logprobs: list | None = None  # on the prompt's release of each choice, with prompt_logprobs
 
 
 class ChoiceAssembler:
@@ -203,9 +255,9 @@ class ChoiceAssembler:
         self.want_logprobs = params.logprobs is not None
         self.as_ids = params.tokens_as_ids
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
-        self.offset = text_offset           # text_offset of the next released token
-        self.text = ""                      # all generated text so far (held-back part included)
-        self.released = 0                   # how much of self.text is out
+        self.offset = text_offset  # text_offset of the next released token
+        self.text = ""  # all generated text so far (held-back part included)
+        self.released = 0  # how much of self.text is out
         self.pending: list[TokenEvent] = []
         self.token_count = 0
         self.logprob_sum = 0.0
@@ -232,7 +284,7 @@ class ChoiceAssembler:
             if self.released + len(piece) > limit:
                 if not everything:
                     break
-                piece = piece[:max(0, limit - self.released)]
+                piece = piece[: max(0, limit - self.released)]
             taken += 1
             out.text += piece
             out.token_ids.append(event.token_id)
@@ -258,13 +310,13 @@ class ChoiceAssembler:
 def prompt_release(prompt: PromptEvent, index: int, params: SamplingParams) -> Release:
     """The echoed prompt as the first release of a choice (empty without echo), with prompt_logprobs when asked."""
     if not params.echo:
-        return Release(index, "", TokenLogprobs() if params.logprobs is not None else None,
-                       prompt_logprobs=prompt.prompt_logprobs)
+        return Release(
+            index, "", TokenLogprobs() if params.logprobs is not None else None, prompt_logprobs=prompt.prompt_logprobs
+        )
     logprobs = None
     if params.logprobs is not None and prompt.logprobs is not None:
         lp = prompt.logprobs
-        logprobs = TokenLogprobs(list(lp.tokens), list(lp.token_logprobs), list(lp.top_logprobs),
-                                 list(lp.text_offset))
+        logprobs = TokenLogprobs(list(lp.tokens), list(lp.token_logprobs), list(lp.top_logprobs), list(lp.text_offset))
     return Release(index, prompt.text, logprobs, prompt_logprobs=prompt.prompt_logprobs)
 
 
@@ -303,8 +355,14 @@ class OutputStream:
         for assembler in self.assemblers:
             if assembler.finish_reason is None:
                 assembler.finish_reason = "length"
-                out.append(Release(assembler.index, "", TokenLogprobs() if assembler.want_logprobs else None,
-                                   finish_reason="length"))
+                out.append(
+                    Release(
+                        assembler.index,
+                        "",
+                        TokenLogprobs() if assembler.want_logprobs else None,
+                        finish_reason="length",
+                    )
+                )
         return out
 
     def feed(self, events: Iterable[PromptEvent | TokenEvent]) -> Iterator[Release]:
@@ -319,8 +377,8 @@ class OutputStream:
 
 @dataclass
 class ChoiceResult:
-    index: int                    # candidate index
-    text: str                     # echoed prompt text + completion text
+    index: int  # candidate index
+    text: str  # echoed prompt text + completion text
     finish_reason: str | None
     token_ids: list[int]
     logprobs: TokenLogprobs | None
@@ -330,8 +388,8 @@ class ChoiceResult:
 @dataclass
 class CompletionOutput:
     prompt_tokens: int
-    choices: list[ChoiceResult]   # the n kept candidates, in output order
-    completion_tokens: int        # all candidates' tokens (best_of included)
+    choices: list[ChoiceResult]  # the n kept candidates, in output order
+    completion_tokens: int  # all candidates' tokens (best_of included)
     prompt_logprobs: list | None = None
 
 
@@ -349,9 +407,18 @@ def collect(events: Iterable[PromptEvent | TokenEvent], params: SamplingParams) 
     for i in range(params.num_candidates):
         release = joined[i]
         assembler = stream.assemblers[i]
-        results.append(ChoiceResult(i, release.text, release.finish_reason or "length", release.token_ids,
-                                    release.logprobs, assembler.mean_logprob))
+        results.append(
+            ChoiceResult(
+                i,
+                release.text,
+                release.finish_reason or "length",
+                release.token_ids,
+                release.logprobs,
+                assembler.mean_logprob,
+            )
+        )
     if params.num_candidates > params.n:
-        results = sorted(results, key=lambda r: -r.mean_logprob)[:params.n]
-    return CompletionOutput(stream.prompt.prompt_tokens, results, stream.completion_tokens,
-                            stream.prompt.prompt_logprobs)
+        results = sorted(results, key=lambda r: -r.mean_logprob)[: params.n]
+    return CompletionOutput(
+        stream.prompt.prompt_tokens, results, stream.completion_tokens, stream.prompt.prompt_logprobs
+    )

@@ -8,6 +8,7 @@ token). The budget counts cached tokens; the least recently used entries go firs
 once are the same numbers a full prefill computes for those positions (to float rounding: the forward that
 made them may have had another shape), so outputs stay within the engine's fidelity bound.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -15,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_REUSE = 16       # fewer shared tokens are not worth the copy
+MIN_REUSE = 16  # fewer shared tokens are not worth the copy
 
 
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
-    keys: list[torch.Tensor]        # per layer (1, heads, len, dim)
+    keys: list[torch.Tensor]  # per layer (1, heads, len, dim)
     values: list[torch.Tensor]
 
 
@@ -40,7 +41,7 @@ class PrefixCache:
         self.tokens = 0
         self.hits = 0
         self.reused_tokens = 0
-        self.queried_tokens = 0          # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.queried_tokens = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -77,8 +78,8 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        for (entry_adapter, entry_tokens) in list(self._entries):
-            if entry_adapter == adapter and len(entry_tokens) < length and tokens[:len(entry_tokens)] == entry_tokens:
+        for entry_adapter, entry_tokens in list(self._entries):
+            if entry_adapter == adapter and len(entry_tokens) < length and tokens[: len(entry_tokens)] == entry_tokens:
                 self._remove((entry_adapter, entry_tokens))
         keys = [layer.keys[:1, :, :length].clone() for layer in layers]
         values = [layer.values[:1, :, :length].clone() for layer in layers]

@@ -15,6 +15,7 @@ the same codes de-quantized in float32 by plain tensor arithmetic (``int4_codes`
 
 Measured on the 2-core machine (SmolLM2-135M, one token, batch 1): see docs/performance.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,7 @@ from torch import nn
 
 log = logging.getLogger("saker.quantize")
 
-GROUP = 32                           # int4: weights per (scale, zero) group along the input dimension
+GROUP = 32  # int4: weights per (scale, zero) group along the input dimension
 INNER_K_TILES = 2
 
 
@@ -34,15 +35,17 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.register_buffer("qweight", torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
-                             .contiguous())
+        self.register_buffer(
+            "qweight", torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).contiguous()
+        )
         self.register_buffer("scales", scale.to(weight.dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scales.dtype), self.qweight,
-                                                 self.scales)
+        out = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, shape[-1]).to(self.scales.dtype), self.qweight, self.scales
+        )
         out = out.reshape(*shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
@@ -65,16 +68,23 @@ def int4_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, group: int = GROUP):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        group: int = GROUP,
+    ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group = group
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(),
-                                                                                           INNER_K_TILES))
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), INNER_K_TILES)
+        )
         # (K / group, N, 2): each group's scale and zero, the layout the kernel reads
-        self.register_buffer("scale_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-                             .to(dtype))
+        self.register_buffer("scale_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -84,8 +94,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(self.scale_zeros.dtype),
-                                                         self.packed, self.group, self.scale_zeros)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(self.scale_zeros.dtype), self.packed, self.group, self.scale_zeros
+        )
         out = out.reshape(*shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
@@ -95,13 +106,15 @@ class Int4Linear(nn.Module):
 
 def _weight_of(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     from transformers.pytorch_utils import Conv1D
-    if isinstance(module, Conv1D):                  # GPT-2's Conv1D stores (in, out)
+
+    if isinstance(module, Conv1D):  # GPT-2's Conv1D stores (in, out)
         return module.weight.t(), module.bias
     return module.weight, module.bias
 
 
 def quantizable(module: nn.Module, mode: str) -> bool:
     from transformers.pytorch_utils import Conv1D
+
     if type(module) not in (nn.Linear, Conv1D) or module.weight.device.type != "cpu":
         return False
     weight, _ = _weight_of(module)
@@ -125,6 +138,10 @@ def quantize_model(model: nn.Module, mode: str) -> int:
         module = Int8Linear(weight, bias) if mode == "int8" or child is head else Int4Linear.from_weight(weight, bias)
         setattr(parent, name, module)
     if swaps:
-        log.info("weight-only %s: %d linears (the LM head included%s)", mode, len(swaps),
-                 ", at int8" if mode == "int4" else "")
+        log.info(
+            "weight-only %s: %d linears (the LM head included%s)",
+            mode,
+            len(swaps),
+            ", at int8" if mode == "int4" else "",
+        )
     return len(swaps)

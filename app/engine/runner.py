@@ -1,4 +1,5 @@
 """The model's forward passes: prefill a prompt, decode a batch step, pick a PEFT adapter."""
+
 from __future__ import annotations
 
 import contextlib
@@ -6,11 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.kv_cache import (default_kv_budget, growing_cache, kv_bytes_per_token, mergeable, split_rows,
-                                 use_growing_layers)
+from app.engine.kv_cache import (
+    default_kv_budget,
+    growing_cache,
+    kv_bytes_per_token,
+    mergeable,
+    split_rows,
+    use_growing_layers,
+)
 from app.engine.logprobs import is_byte_level
 
-MIXED = object()      # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
+MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
 
 
 @dataclass
@@ -18,13 +25,13 @@ class ModelRunner:
     model: torch.nn.Module
     tokenizer: object
     eos_token_ids: tuple[int, ...]
-    adapters: tuple[str, ...] = ()            # named PEFT adapters (the model is a PeftModel when any)
+    adapters: tuple[str, ...] = ()  # named PEFT adapters (the model is a PeftModel when any)
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
-    prefix_cache: object = None               # a PrefixCache (SAKER_PREFIX_CACHE_TOKENS > 0), or None
-    compiled_step: object = None              # SAKER_COMPILE: the slot step compiled (CUDA graphs on CUDA), or None
-    mixes_adapters: bool = False              # every named adapter is LoRA: one batch may mix them (and the base)
-    _active_adapter: object = field(default="", repr=False)   # "": not chosen yet
+    prefix_cache: object = None  # a PrefixCache (SAKER_PREFIX_CACHE_TOKENS > 0), or None
+    compiled_step: object = None  # SAKER_COMPILE: the slot step compiled (CUDA graphs on CUDA), or None
+    mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
+    _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
     _prefills_together: bool | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -33,7 +40,8 @@ class ModelRunner:
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(
-            str(getattr(configs.get(name), "peft_type", "")).endswith("LORA") for name in self.adapters)
+            str(getattr(configs.get(name), "peft_type", "")).endswith("LORA") for name in self.adapters
+        )
 
     def can_join(self, running: set, adapter: str | None) -> bool:
         """Whether a request for ``adapter`` may share a decode batch with requests for the ``running`` ones."""
@@ -74,12 +82,14 @@ class ModelRunner:
         """A fresh cache for a prompt's prefill, seeded from the prefix cache when a kept prompt shares its
         start: (cache, prompt tokens already in it)."""
         from transformers import DynamicCache
+
         entry, start = None, 0
         if self.prefix_cache is not None and not all_logits and self.prefills_together:
             entry, start = self.prefix_cache.lookup(self._prefix_key(self._active_adapter), prompt_ids)
         if entry is not None:
-            return growing_cache(self.model.config, [k[..., :start, :] for k in entry.keys],
-                                 [v[..., :start, :] for v in entry.values]), start
+            return growing_cache(
+                self.model.config, [k[..., :start, :] for k in entry.keys], [v[..., :start, :] for v in entry.values]
+            ), start
         cache = DynamicCache(config=self.model.config)
         use_growing_layers(cache)
         return cache, 0
@@ -87,8 +97,9 @@ class ModelRunner:
     def extend(self, cache, ids: list[int], all_logits: bool) -> torch.Tensor:
         """Forward more prompt tokens after those in ``cache`` (their positions follow); logits (1, n or 1, V)."""
         tokens = torch.tensor([ids], dtype=torch.long, device=self.input_device)
-        return self.model(input_ids=tokens, past_key_values=cache, use_cache=True,
-                          logits_to_keep=0 if all_logits else 1).logits
+        return self.model(
+            input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
+        ).logits
 
     def cached_prefix(self, prompt_ids: list[int], adapter: str | None) -> int:
         """How many of the prompt's tokens a prefill with this adapter would take from the prefix cache."""
@@ -105,24 +116,31 @@ class ModelRunner:
         if self.prefix_cache is not None and self.prefills_together:
             try:
                 self.prefix_cache.store(self._prefix_key(self._active_adapter), prompt_ids, cache.layers)
-            except torch.OutOfMemoryError:      # keeping it is optional: give the memory back instead
+            except torch.OutOfMemoryError:  # keeping it is optional: give the memory back instead
                 self.prefix_cache.clear()
 
-    def prefill_together(self, prompts: list[list[int]], all_logits: bool
-                         ) -> tuple[list[torch.Tensor], list]:
+    def prefill_together(self, prompts: list[list[int]], all_logits: bool) -> tuple[list[torch.Tensor], list]:
         """One forward over several prompts, left-padded to the longest, each row with its own positions and a
         mask over its padding. Per prompt: its logits (L, V), or (1, V) for the last position only, and its
         KV cache without the padding (see ``kv_cache.split_rows``)."""
         from transformers import DynamicCache
+
         longest = max(len(p) for p in prompts)
         pads = [longest - len(p) for p in prompts]
         ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=torch.long, device=self.input_device)
-        mask = torch.tensor([[0] * pad + [1] * len(p) for pad, p in zip(pads, prompts)], dtype=torch.long,
-                            device=self.input_device)
+        mask = torch.tensor(
+            [[0] * pad + [1] * len(p) for pad, p in zip(pads, prompts)], dtype=torch.long, device=self.input_device
+        )
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=0 if all_logits else 1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
         logits = [out.logits[i, pad:] if all_logits else out.logits[i] for i, pad in enumerate(pads)]
         caches = split_rows(cache, self.model.config, pads)
         for prompt, row in zip(prompts, caches):
@@ -134,14 +152,20 @@ class ModelRunner:
         """Whether prompts can share a prefill: the model's cache layers are plain (can be split by row)."""
         if self._prefills_together is None:
             from transformers import DynamicCache
+
             cache = DynamicCache(config=self.model.config)
             use_growing_layers(cache)
             self._prefills_together = mergeable(cache)
         return self._prefills_together
 
-    def decode(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-               position_ids: torch.Tensor | None = None, row_adapters: list[str | None] | None = None
-               ) -> torch.Tensor:
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        cache,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        row_adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:
         """One step for a batch of sequences; float32 logits (B, V). With left padding, ``attention_mask``
         (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions. ``row_adapters``
         (under ``adapter(MIXED)``) names each row's LoRA adapter, None for the base model."""
@@ -159,10 +183,14 @@ class ModelRunner:
         """The cache of a one-token forward: what one position of this model's keys and values looks like
         (layers, heads, dtype, device)."""
         from transformers import DynamicCache
+
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.input_device),
-                       past_key_values=cache, use_cache=True)
+            self.model(
+                input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.input_device),
+                past_key_values=cache,
+                use_cache=True,
+            )
         return cache
 
     def default_kv_budget(self) -> int:
@@ -170,8 +198,9 @@ class ModelRunner:
         from the bytes one position of this model's cache takes."""
         return default_kv_budget(kv_bytes_per_token(self.probe_cache()), self.input_device)
 
-    def slot_step(self, tokens: torch.Tensor, lengths: torch.Tensor, store, view: int,
-                  adapter_names: list[str] | None = None) -> torch.Tensor:
+    def slot_step(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, store, view: int, adapter_names: list[str] | None = None
+    ) -> torch.Tensor:
         """One decode step over slots ``[0, n)`` of a ``SlotStore``: ``tokens`` (n,) fed at positions ``lengths``
         (n,), each slot attending to its first ``lengths[i] + 1`` positions of a ``view``-long window. A function
         of tensors and two ints only, so that it compiles as one graph (no break, no recompile while rows join
@@ -182,8 +211,14 @@ class ModelRunner:
         positions = torch.arange(view, device=lengths.device)
         mask = (positions.view(1, -1) <= lengths.view(-1, 1)).view(n, 1, 1, view)
         extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
-        out = self.model(input_ids=tokens.view(n, 1), past_key_values=store.cache, attention_mask=mask,
-                         position_ids=lengths.view(n, 1), use_cache=True, **extra)
+        out = self.model(
+            input_ids=tokens.view(n, 1),
+            past_key_values=store.cache,
+            attention_mask=mask,
+            position_ids=lengths.view(n, 1),
+            use_cache=True,
+            **extra,
+        )
         return out.logits[:, -1, :].float()
 
     def compile_step(self) -> None:

@@ -13,6 +13,7 @@ in the step itself (no generator objects, nothing that depends on the other rows
 depend on what else is in the batch, a seed reproduces them, a stop string only cuts them, and the step has no
 host-side state (a CUDA graph can hold it).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ from app.engine.grammar import RowGrammar, allowed_tokens, prefetch
 from app.engine.params import Constraint, SamplingParams
 
 NEG_INF = float("-inf")
-_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)     # splitmix64 constants as signed int64
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 constants as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _STEP = 0xD1B54A32D192ED03 - (1 << 64)
@@ -55,6 +56,7 @@ def sorted_descending(scores: torch.Tensor) -> torch.Tensor:
     is several times faster than torch's for this."""
     if scores.device.type == "cpu":
         import numpy as np
+
         return torch.from_numpy(np.ascontiguousarray(np.sort(scores.numpy(), axis=-1)[:, ::-1]))
     return torch.sort(scores, dim=-1, descending=True).values
 
@@ -63,12 +65,13 @@ def sequence_seed(seed: int | None, index: int) -> int:
     """Seed of candidate ``index`` of a request: its own stream, so a sequence's samples do not depend on the
     others (an unseeded request draws a random base)."""
     base = seed if seed is not None else secrets.randbits(63)
-    return (base * 1_000_003 + index * 0x9E3779B1) % (2 ** 63)
+    return (base * 1_000_003 + index * 0x9E3779B1) % (2**63)
 
 
 @dataclass(frozen=True)
 class RowSpec:
     """What one row asked for (host side: decides which passes a step needs)."""
+
     greedy: bool
     temperature: float
     top_k: int
@@ -79,25 +82,34 @@ class RowSpec:
     frequency: float
     min_tokens: int
     bias: tuple[tuple[int, float], ...]
-    suppress: tuple[int, ...]               # ids kept out before min_tokens (EOS, stop tokens)
-    logprobs: int                           # top-k of the raw logprobs this row reports (0: none)
-    wants_logprob: bool                     # the chosen token's logprob (logprobs or best_of ranking)
+    suppress: tuple[int, ...]  # ids kept out before min_tokens (EOS, stop tokens)
+    logprobs: int  # top-k of the raw logprobs this row reports (0: none)
+    wants_logprob: bool  # the chosen token's logprob (logprobs or best_of ranking)
     allowed: tuple[int, ...] | None = None  # only these may be chosen (allowed_token_ids)
-    processed: bool = False                 # report the processed distribution's logprobs, not the raw one
-    constraint: Constraint | None = None    # structured outputs: each row's own matcher masks its scores
+    processed: bool = False  # report the processed distribution's logprobs, not the raw one
+    constraint: Constraint | None = None  # structured outputs: each row's own matcher masks its scores
 
     @classmethod
     def of(cls, params: SamplingParams, suppress: tuple[int, ...], wants_logprob: bool) -> "RowSpec":
         sampled = not params.greedy
-        return cls(greedy=params.greedy, temperature=params.temperature if sampled else 1.0,
-                   top_k=params.top_k if sampled and params.top_k > 0 else 0,
-                   top_p=params.top_p if sampled else 1.0, min_p=params.min_p if sampled else 0.0,
-                   repetition=params.repetition_penalty, presence=params.presence_penalty,
-                   frequency=params.frequency_penalty, min_tokens=params.min_tokens,
-                   bias=params.logit_bias, suppress=suppress if params.min_tokens > 0 else (),
-                   logprobs=params.logprobs or 0, wants_logprob=wants_logprob,
-                   allowed=params.allowed_token_ids, processed=params.processed_logprobs,
-                   constraint=params.constraint)
+        return cls(
+            greedy=params.greedy,
+            temperature=params.temperature if sampled else 1.0,
+            top_k=params.top_k if sampled and params.top_k > 0 else 0,
+            top_p=params.top_p if sampled else 1.0,
+            min_p=params.min_p if sampled else 0.0,
+            repetition=params.repetition_penalty,
+            presence=params.presence_penalty,
+            frequency=params.frequency_penalty,
+            min_tokens=params.min_tokens,
+            bias=params.logit_bias,
+            suppress=suppress if params.min_tokens > 0 else (),
+            logprobs=params.logprobs or 0,
+            wants_logprob=wants_logprob,
+            allowed=params.allowed_token_ids,
+            processed=params.processed_logprobs,
+            constraint=params.constraint,
+        )
 
 
 class SamplingRows:
@@ -107,9 +119,18 @@ class SamplingRows:
     so far, the counts/seen masks penalties need, constrained rows' matchers) follows its rows through
     ``select`` and ``cat``."""
 
-    def __init__(self, specs: list[RowSpec], seeds: list[int], vocab: int, device, *,
-                 steps: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                 seen: torch.Tensor | None = None, grammars: list[RowGrammar | None] | None = None):
+    def __init__(
+        self,
+        specs: list[RowSpec],
+        seeds: list[int],
+        vocab: int,
+        device,
+        *,
+        steps: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+        seen: torch.Tensor | None = None,
+        grammars: list[RowGrammar | None] | None = None,
+    ):
         self.specs, self.seed_list, self.vocab, self.device = specs, seeds, vocab, device
         self.grammars = grammars if grammars and any(g is not None for g in grammars) else None
         self.constrained = [i for i, g in enumerate(grammars) if g is not None] if self.grammars else []
@@ -131,8 +152,9 @@ class SamplingRows:
         self.top_p = column("top_p") if any(s.top_p < 1.0 for s in specs) else None
         self.log_min_p = None
         if any(s.min_p > 0 for s in specs):
-            self.log_min_p = torch.tensor([math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs],
-                                          dtype=torch.float32, device=device).view(-1, 1)
+            self.log_min_p = torch.tensor(
+                [math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs], dtype=torch.float32, device=device
+            ).view(-1, 1)
         self.repetition = column("repetition") if any(s.repetition != 1.0 for s in specs) else None
         self.presence = column("presence") if any(s.presence or s.frequency for s in specs) else None
         self.frequency = column("frequency") if self.presence is not None else None
@@ -169,8 +191,15 @@ class SamplingRows:
             self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
 
     @classmethod
-    def for_prompt(cls, spec: RowSpec, seeds: list[int], prompt_ids: list[int], vocab: int, device,
-                   grammars: list[RowGrammar] | None = None) -> "SamplingRows":
+    def for_prompt(
+        cls,
+        spec: RowSpec,
+        seeds: list[int],
+        prompt_ids: list[int],
+        vocab: int,
+        device,
+        grammars: list[RowGrammar] | None = None,
+    ) -> "SamplingRows":
         """The rows of one prompt's candidates (all with the same spec), before their first token."""
         rows = cls([spec] * len(seeds), seeds, vocab, device, grammars=grammars)
         if rows.seen is not None and prompt_ids:
@@ -186,10 +215,20 @@ class SamplingRows:
         if keep == list(range(len(self.specs))):
             return self
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        pick = (lambda t: t.index_select(0, index) if t is not None else None)
-        return SamplingRows([self.specs[i] for i in keep], [self.seed_list[i] for i in keep], self.vocab,
-                            self.device, steps=pick(self.steps), counts=pick(self.counts), seen=pick(self.seen),
-                            grammars=[self.grammars[i] for i in keep] if self.grammars else None)
+
+        def pick(t):
+            return t.index_select(0, index) if t is not None else None
+
+        return SamplingRows(
+            [self.specs[i] for i in keep],
+            [self.seed_list[i] for i in keep],
+            self.vocab,
+            self.device,
+            steps=pick(self.steps),
+            counts=pick(self.counts),
+            seen=pick(self.seen),
+            grammars=[self.grammars[i] for i in keep] if self.grammars else None,
+        )
 
     @staticmethod
     def cat(parts: list["SamplingRows"]) -> "SamplingRows":
@@ -202,13 +241,25 @@ class SamplingRows:
         def joined(name, dtype):
             if all(getattr(p, name) is None for p in parts):
                 return None
-            return torch.cat([getattr(p, name) if getattr(p, name) is not None else
-                              torch.zeros(len(p), first.vocab, dtype=dtype, device=first.device) for p in parts])
+            return torch.cat(
+                [
+                    getattr(p, name)
+                    if getattr(p, name) is not None
+                    else torch.zeros(len(p), first.vocab, dtype=dtype, device=first.device)
+                    for p in parts
+                ]
+            )
 
-        return SamplingRows([s for p in parts for s in p.specs], [s for p in parts for s in p.seed_list],
-                            first.vocab, first.device, steps=torch.cat([p.steps for p in parts]),
-                            counts=joined("counts", torch.float32), seen=joined("seen", torch.bool),
-                            grammars=[g for p in parts for g in (p.grammars or [None] * len(p))])
+        return SamplingRows(
+            [s for p in parts for s in p.specs],
+            [s for p in parts for s in p.seed_list],
+            first.vocab,
+            first.device,
+            steps=torch.cat([p.steps for p in parts]),
+            counts=joined("counts", torch.float32),
+            seen=joined("seen", torch.bool),
+            grammars=[g for p in parts for g in (p.grammars or [None] * len(p))],
+        )
 
     def record(self, tokens: torch.Tensor) -> None:
         """After a step: every row has one more token (history for penalties, the counter for draws)."""
@@ -263,7 +314,7 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         # (tokens tied with the last one kept all stay, whatever their ids)
         ordered = sorted_descending(scores)
         vocab = ordered.shape[-1]
-        count = None                                    # (B, 1): how many of the sorted tokens stay
+        count = None  # (B, 1): how many of the sorted tokens stay
         if rows.top_k is not None:
             count = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
         if rows.top_p is not None:
@@ -275,7 +326,7 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
             nucleus = torch.where(rows.top_p < 1.0, nucleus, vocab)
             count = nucleus if count is None else torch.minimum(count, nucleus)
         scores = scores.masked_fill(scores < ordered.gather(1, count - 1), NEG_INF)
-    if rows.log_min_p is not None:                     # p < min_p * p_max  <=>  s < s_max + log(min_p)
+    if rows.log_min_p is not None:  # p < min_p * p_max  <=>  s < s_max + log(min_p)
         scores = scores.masked_fill(scores < scores.max(-1, keepdim=True).values + rows.log_min_p, NEG_INF)
     return scores
 
@@ -308,6 +359,7 @@ def choose(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 class StepNumbers:
     """A step's results on the host: per row the token, and (when any row asks) its raw logprob and the top k;
     ``complete``: the constrained rows whose output this token completed."""
+
     tokens: list[int]
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
@@ -326,7 +378,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, Step
         numbers.complete = rows.advance_grammars(numbers.tokens)
         return tokens, numbers
     lp = torch.log_softmax(logits, dim=-1)
-    if rows.processed is not None:              # logprobs_mode processed_logprobs: what the row sampled from
+    if rows.processed is not None:  # logprobs_mode processed_logprobs: what the row sampled from
         lp = torch.where(rows.processed, torch.log_softmax(scores, dim=-1), lp)
     column = tokens.view(-1, 1)
     parts = [column.double(), lp.gather(-1, column).double()]
@@ -334,10 +386,10 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, Step
     if k:
         top = torch.topk(lp, k, dim=-1)
         parts += [top.values.double(), top.indices.double()]
-    host = torch.cat(parts, dim=1).tolist()     # float64 holds float32 values and token ids exactly
+    host = torch.cat(parts, dim=1).tolist()  # float64 holds float32 values and token ids exactly
     numbers = StepNumbers([int(r[0]) for r in host], [r[1] for r in host])
     numbers.complete = rows.advance_grammars(numbers.tokens)
     if k:
-        numbers.top_values = [r[2:2 + k] for r in host]
-        numbers.top_ids = [[int(i) for i in r[2 + k:]] for r in host]
+        numbers.top_values = [r[2 : 2 + k] for r in host]
+        numbers.top_ids = [[int(i) for i in r[2 + k :]] for r in host]
     return tokens, numbers

@@ -7,6 +7,7 @@ the running batch. Every step is one forward for all rows; finished candidates l
 client went away is dropped at the next step. A step whose forward runs out of memory fails the newest group
 only and is retried for the others. Events go back to each request through its ``Ticket``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -20,8 +21,18 @@ from typing import Iterator
 import torch
 
 from app.engine.events import PromptEvent, TokenEvent
-from app.engine.generate import (BatchOutOfMemory, ChunkedPrefill, Event, RequestGroup, admit,
-                                 admit_together, drop, drop_finished, new_batch, step)
+from app.engine.generate import (
+    BatchOutOfMemory,
+    ChunkedPrefill,
+    Event,
+    RequestGroup,
+    admit,
+    admit_together,
+    drop,
+    drop_finished,
+    new_batch,
+    step,
+)
 from app.engine.output import RequestDecoder
 from app.engine.runner import ModelRunner
 
@@ -44,7 +55,7 @@ class Ticket:
         self.eager = eager
         self.decoders = {group.tag: RequestDecoder(group) for group in groups}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._held: list[tuple[int, list[Event]]] = []     # lazy: events not handed over yet
+        self._held: list[tuple[int, list[Event]]] = []  # lazy: events not handed over yet
         self._ready: collections.deque[tuple[int, PromptEvent | TokenEvent]] = collections.deque()
         self._open = len(groups)
         self.submitted = time.perf_counter()
@@ -76,7 +87,7 @@ class Ticket:
         for group in self.groups:
             group.cancelled = True
 
-    alive = None                # a callable: False once the reader's client is gone (checked while waiting)
+    alive = None  # a callable: False once the reader's client is gone (checked while waiting)
     POLL_S = 0.25
 
     _checked = 0.0
@@ -101,10 +112,11 @@ class Ticket:
         if not self.alive():
             self.cancel()
             from app.errors import ClientClosedError
+
             raise ClientClosedError("the client closed the connection; generation stopped") from None
 
     def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
-        while self._ready:          # decoded before an earlier iteration stopped (events come a step at a time)
+        while self._ready:  # decoded before an earlier iteration stopped (events come a step at a time)
             yield self._ready.popleft()
         while self._open:
             for tag, item in self._next_batch():
@@ -121,24 +133,32 @@ class Ticket:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, max_batch_size: int = 8, max_batch_tokens: int | None = None,
-                 prefill_tokens: int = 0, prefill_chunk: int = 0, kv_cache_tokens: int | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_batch_size: int = 8,
+        max_batch_tokens: int | None = None,
+        prefill_tokens: int = 0,
+        prefill_chunk: int = 0,
+        kv_cache_tokens: int | None = None,
+    ):
         self.runner = runner
         self.max_batch_size = max(1, max_batch_size)
         self.max_batch_tokens = max_batch_tokens
         self.kv_cache_tokens = kv_cache_tokens  # the KV budget: rows x the longest row's reach stays within it
-        self.prefill_tokens = prefill_tokens    # padded prompt tokens one shared prefill may hold (0: alone)
-        self.prefill_chunk = prefill_chunk      # longer prompts are prefilled this many tokens per iteration (0: whole)
+        self.prefill_tokens = prefill_tokens  # padded prompt tokens one shared prefill may hold (0: alone)
+        self.prefill_chunk = prefill_chunk  # longer prompts are prefilled this many tokens per iteration (0: whole)
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
-        self._reuse: dict[int, int] = {}         # id(group) -> prefix-cache tokens, for this iteration's decisions
+        self._reuse: dict[int, int] = {}  # id(group) -> prefix-cache tokens, for this iteration's decisions
         self.batch = new_batch(runner, kv_cache_tokens)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.steps = 0
-        self.max_rows_seen = 0                  # the largest batch a step has served (stats and tests)
-        self.after_iteration = None             # called after each iteration (the engine process sends its events)
+        self.max_rows_seen = 0  # the largest batch a step has served (stats and tests)
+        self.after_iteration = None  # called after each iteration (the engine process sends its events)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="saker-scheduler", daemon=True)
@@ -163,7 +183,7 @@ class Scheduler:
         while True:
             try:
                 self._iteration()
-            except Exception:   # noqa: BLE001 - the loop must survive anything; groups were failed already
+            except Exception:
                 log.exception("scheduler iteration failed")
             if self.after_iteration is not None:
                 self.after_iteration()
@@ -173,9 +193,9 @@ class Scheduler:
             while not self._pending and not self.batch.groups and not self._prefilling:
                 self._cond.wait()
             taken: list[tuple[RequestGroup, Ticket]] = []
-            if not self._pending:               # the common case while decoding: nothing to weigh
+            if not self._pending:  # the common case while decoding: nothing to weigh
                 return taken
-            coming = [job.group for job in self._prefilling]        # admitted, still prefilling in chunks
+            coming = [job.group for job in self._prefilling]  # admitted, still prefilling in chunks
             # a group with more candidates than max_batch_size runs alone at first, then others fill up to
             # max_batch_size rows beside it (its rows do not count against that limit, only against the KV
             # budget): small requests do not wait for a large one to end
@@ -196,8 +216,10 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
-                    if self.kv_cache_tokens and (all_rows + group.params.num_candidates) \
-                            * max(reach, group.reach) > self.kv_cache_tokens:
+                    if (
+                        self.kv_cache_tokens
+                        and (all_rows + group.params.num_candidates) * max(reach, group.reach) > self.kv_cache_tokens
+                    ):
                         break
                     if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
                         break
@@ -231,11 +253,11 @@ class Scheduler:
             i = 0
             while i < len(taken):
                 if self.batch.groups and not self.batch.joinable:
-                    with self._cond:            # this model's cache cannot be joined: one group at a time
+                    with self._cond:  # this model's cache cannot be joined: one group at a time
                         self._pending.extendleft(reversed(taken[i:]))
                     break
                 if self._chunked(taken[i][0]):
-                    self._register(taken[i:i + 1])
+                    self._register(taken[i : i + 1])
                     self._prefilling.append(ChunkedPrefill(taken[i][0], self.prefill_chunk))
                     i += 1
                     continue
@@ -247,7 +269,7 @@ class Scheduler:
                 drop(self.batch, group)
                 self._forget(group).done(group)
             running = list(self.batch.groups)
-            if drop_finished(self.batch):            # candidates the output side ended (stop strings)
+            if drop_finished(self.batch):  # candidates the output side ended (stop strings)
                 for group in running:
                     if group not in self.batch.groups:
                         self._forget(group).done(group)
@@ -256,10 +278,10 @@ class Scheduler:
             start = time.perf_counter()
             try:
                 results = self._step()
-            except BaseException as exc:        # noqa: BLE001 - a failed forward fails every group in it
+            except BaseException as exc:
                 failed, self.batch = self.batch.groups, new_batch(self.runner, self.kv_cache_tokens)
                 _drop_frames(exc)
-                self._after_failure(exc)        # memory back before the requests hear of it
+                self._after_failure(exc)  # memory back before the requests hear of it
                 for group in failed:
                     self._forget(group).fail(group, exc)
                 return
@@ -277,20 +299,26 @@ class Scheduler:
         ``prefill_tokens`` padded prompt tokens, at most a third of them padding. Just ``taken[i]`` otherwise."""
         first = taken[i][0]
         if self.prefill_tokens <= 0 or not self._shares_prefill(first):
-            return taken[i:i + 1]
-        chunk, longest, total = taken[i:i + 1], len(first.prompt_ids), len(first.prompt_ids)
+            return taken[i : i + 1]
+        chunk, longest, total = taken[i : i + 1], len(first.prompt_ids), len(first.prompt_ids)
         scoring = first.needs_prompt_logits
-        for group, ticket in taken[i + 1:]:
+        for group, ticket in taken[i + 1 :]:
             length = len(group.prompt_ids)
             padded = (len(chunk) + 1) * max(longest, length)
             scoring = scoring or group.needs_prompt_logits
             # a forward that keeps every position's logits holds padded x vocabulary floats: no more than a
             # prefill chunk's worth (the bound a long prompt's scoring has)
-            limit = min(self.prefill_tokens, self.prefill_chunk) if scoring and self.prefill_chunk > 0 \
+            limit = (
+                min(self.prefill_tokens, self.prefill_chunk)
+                if scoring and self.prefill_chunk > 0
                 else self.prefill_tokens
-            if not self._shares_prefill(group) or group.params.adapter != first.params.adapter \
-                    or padded > limit \
-                    or 2 * padded > 3 * (total + length):
+            )
+            if (
+                not self._shares_prefill(group)
+                or group.params.adapter != first.params.adapter
+                or padded > limit
+                or 2 * padded > 3 * (total + length)
+            ):
                 break
             chunk.append((group, ticket))
             longest, total = max(longest, length), total + length
@@ -327,7 +355,7 @@ class Scheduler:
 
     def _advance_prefill(self) -> None:
         """One chunk of the oldest prompt being prefilled in chunks; once it is all in, the group joins."""
-        for job in [job for job in self._prefilling if job.group.cancelled]:   # clients gone: their rows free now
+        for job in [job for job in self._prefilling if job.group.cancelled]:  # clients gone: their rows free now
             self._prefilling.remove(job)
             self._forget(job.group).done(job.group)
         if not self._prefilling:
@@ -340,7 +368,7 @@ class Scheduler:
                     return
                 self._prefilling.popleft()
                 events = job.finish(self.batch)
-        except BaseException as exc:           # noqa: BLE001 - this group fails, the batch goes on
+        except BaseException as exc:
             if self._prefilling and self._prefilling[0] is job:
                 self._prefilling.popleft()
             job.cache = None
@@ -362,9 +390,13 @@ class Scheduler:
             try:
                 with self.runner.adapter(groups[0].params.adapter):
                     outcomes = admit_together(self.batch, groups)
-            except BaseException as exc:        # noqa: BLE001 - e.g. out of memory: try them one at a time
-                log.warning("prefill of %d prompts together failed (%s: %s); one at a time", len(groups),
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            except BaseException as exc:
+                log.warning(
+                    "prefill of %d prompts together failed (%s: %s); one at a time",
+                    len(groups),
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
                 _drop_frames(exc)
                 self._after_failure(exc)
         if outcomes is None:
@@ -373,7 +405,7 @@ class Scheduler:
                 try:
                     with self.runner.adapter(group.params.adapter):
                         outcomes.append(admit(self.batch, group))
-                except BaseException as exc:    # noqa: BLE001 - this group fails, the batch goes on
+                except BaseException as exc:
                     _drop_frames(exc)
                     outcomes.append(exc)
         for (group, ticket), outcome in zip(chunk, outcomes):
@@ -396,12 +428,15 @@ class Scheduler:
                 newest = self.batch.groups[-1]
                 drop(self.batch, newest)
                 error = oom.error
-                _drop_frames(error)                             # the failed forward's activations
+                _drop_frames(error)  # the failed forward's activations
                 del oom
                 self._after_failure(error)
                 self._forget(newest).fail(newest, error)
-                log.warning("out of memory in a step of %d groups: the newest request failed, %d go on",
-                            len(self.batch.groups) + 1, len(self.batch.groups))
+                log.warning(
+                    "out of memory in a step of %d groups: the newest request failed, %d go on",
+                    len(self.batch.groups) + 1,
+                    len(self.batch.groups),
+                )
 
     def _forget(self, group: RequestGroup) -> Ticket:
         return self._tickets.pop(id(group))
@@ -409,8 +444,9 @@ class Scheduler:
     def _after_failure(self, exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
             from app.engine.oom import free_memory
+
             if self.runner.prefix_cache is not None:
-                self.runner.prefix_cache.clear()    # kept prompts are the first memory to give back
+                self.runner.prefix_cache.clear()  # kept prompts are the first memory to give back
             free_memory()
 
 

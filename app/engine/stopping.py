@@ -1,4 +1,5 @@
 """Stop decisions: ``StoppingCriteria(...) -> (stop, reason)``, and stop-string matching with holdback."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StopDecision:
     stop: bool
-    reason: str | None = None       # "stop" | "length"
-    text_end: int | None = None     # where the returned text ends (stop strings and stop tokens cut it)
+    reason: str | None = None  # "stop" | "length"
+    text_end: int | None = None  # where the returned text ends (stop strings and stop tokens cut it)
 
 
 CONTINUE = StopDecision(False)
@@ -47,9 +48,17 @@ class StopStrings:
 class StoppingCriteria:
     """Per-sequence stop rules: EOS (unless ignore_eos), stop tokens, stop strings, min/max tokens, context."""
 
-    def __init__(self, *, eos_token_ids: frozenset[int], stop_token_ids: tuple[int, ...] = (),
-                 stop_strings: StopStrings | None = None, ignore_eos: bool = False, min_tokens: int = 0,
-                 max_tokens: int | None = None, max_length: int | None = None):
+    def __init__(
+        self,
+        *,
+        eos_token_ids: frozenset[int],
+        stop_token_ids: tuple[int, ...] = (),
+        stop_strings: StopStrings | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        max_tokens: int | None = None,
+        max_length: int | None = None,
+    ):
         self.eos = frozenset() if ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(stop_token_ids)
         self.stop_strings = stop_strings or StopStrings(())
@@ -58,7 +67,7 @@ class StoppingCriteria:
         self.max_length = max_length
 
     def stop_token(self, token_id: int, num_generated: int) -> str | None:
-        """"eos" or "stop_token" when this token ends the sequence by itself (min_tokens permitting)."""
+        """ "eos" or "stop_token" when this token ends the sequence by itself (min_tokens permitting)."""
         if num_generated < self.min_tokens:
             return None
         if token_id in self.eos:
@@ -77,8 +86,9 @@ class StoppingCriteria:
             return True
         return self.max_length is not None and total_length >= self.max_length
 
-    def __call__(self, token_id: int, text: str, text_before: int, num_generated: int,
-                 total_length: int) -> StopDecision:
+    def __call__(
+        self, token_id: int, text: str, text_before: int, num_generated: int, total_length: int
+    ) -> StopDecision:
         """``text``: the generated text so far (this token included); ``text_before``: its length before.
         An EOS or stop token ends the text before itself (a stop token's text is kept with
         include_stop_str_in_output)."""

@@ -1,5 +1,6 @@
 """The one owner of the model in a process: loads it (in the background), then serves requests through the
 scheduler's continuous batch. Admission decides how many run at once and how many may wait."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ log = logging.getLogger("saker.worker")
 
 @dataclass(frozen=True)
 class ModelInfo:
-    names: tuple[str, ...]            # main served name first, then aliases
-    adapters: tuple[str, ...]         # named PEFT adapters, each its own model name
+    names: tuple[str, ...]  # main served name first, then aliases
+    adapters: tuple[str, ...]  # named PEFT adapters, each its own model name
     context_length: int
     vocab_size: int
     source: str
@@ -40,7 +41,7 @@ def context_length(model, tokenizer) -> int:
         if isinstance(value, int) and value > 0:
             return value
     value = getattr(tokenizer, "model_max_length", None)
-    return value if isinstance(value, int) and 0 < value < 10 ** 9 else 2048
+    return value if isinstance(value, int) and 0 < value < 10**9 else 2048
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
@@ -57,19 +58,29 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 class Worker:
-    def __init__(self, names: tuple[str, ...], loader: Callable[[], LoadedModel], admission: Admission | None = None,
-                 *, max_batch_size: int = 8, max_batch_tokens: int | None = None, compile: bool | None = False,
-                 prefill_batch_tokens: int = 4096, prefix_cache_tokens: int = 4096, prefill_chunk_tokens: int = 512,
-                 kv_cache_tokens: int | None = None):
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        loader: Callable[[], LoadedModel],
+        admission: Admission | None = None,
+        *,
+        max_batch_size: int = 8,
+        max_batch_tokens: int | None = None,
+        compile: bool | None = False,
+        prefill_batch_tokens: int = 4096,
+        prefix_cache_tokens: int = 4096,
+        prefill_chunk_tokens: int = 512,
+        kv_cache_tokens: int | None = None,
+    ):
         self.names = names
         self._loader = loader
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.prefill_batch_tokens = prefill_batch_tokens    # padded prompt tokens of a shared prefill (0: off)
-        self.prefix_cache_tokens = prefix_cache_tokens      # prompt tokens whose KV is kept for reuse (0: off)
-        self.prefill_chunk_tokens = prefill_chunk_tokens    # longer prompts are prefilled in chunks (0: off)
-        self.kv_cache_tokens = kv_cache_tokens              # the decode batch's KV budget (None: derived at load)
-        self.compile = compile                  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
+        self.prefill_batch_tokens = prefill_batch_tokens  # padded prompt tokens of a shared prefill (0: off)
+        self.prefix_cache_tokens = prefix_cache_tokens  # prompt tokens whose KV is kept for reuse (0: off)
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # longer prompts are prefilled in chunks (0: off)
+        self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)
+        self.compile = compile  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
         self.scheduler: Scheduler | None = None
         # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
         self.admission = admission or Admission(capacity=max_batch_size)
@@ -82,21 +93,28 @@ class Worker:
     @classmethod
     def from_settings(cls, settings) -> "Worker":
         if settings.engine_process:
-            worker = cls(tuple(settings.model_names), None,
-                         Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
-                                   capacity=settings.max_batch_size), max_batch_size=settings.max_batch_size)
+            worker = cls(
+                tuple(settings.model_names),
+                None,
+                Admission(
+                    max_queue=settings.max_queue, timeout=settings.queue_timeout, capacity=settings.max_batch_size
+                ),
+                max_batch_size=settings.max_batch_size,
+            )
             worker._engine_settings = settings
             return worker
-        return cls(tuple(settings.model_names), lambda: load_model(settings),
-                   Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout,
-                             capacity=settings.max_batch_size),
-                   max_batch_size=settings.max_batch_size,
-                   max_batch_tokens=settings.max_batch_tokens,
-                   prefill_batch_tokens=settings.prefill_batch_tokens,
-                   prefix_cache_tokens=settings.prefix_cache_tokens,
-                   prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                   kv_cache_tokens=settings.kv_cache_tokens,
-                   compile=settings.compile)
+        return cls(
+            tuple(settings.model_names),
+            lambda: load_model(settings),
+            Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout, capacity=settings.max_batch_size),
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            prefill_batch_tokens=settings.prefill_batch_tokens,
+            prefix_cache_tokens=settings.prefix_cache_tokens,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            kv_cache_tokens=settings.kv_cache_tokens,
+            compile=settings.compile,
+        )
 
     @classmethod
     def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **kwargs) -> "Worker":
@@ -116,29 +134,41 @@ class Worker:
             raise
         model, tok = loaded.model, loaded.tokenizer
         self.runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
-        self.info = ModelInfo(self.names, tuple(loaded.adapters), context_length(model, tok),
-                              self.runner.vocab_size, loaded.source)
+        self.info = ModelInfo(
+            self.names, tuple(loaded.adapters), context_length(model, tok), self.runner.vocab_size, loaded.source
+        )
         if self.prefix_cache_tokens:
             self.runner.prefix_cache = PrefixCache(self.prefix_cache_tokens)
         self.warm_up()
         if self.kv_cache_tokens is None:
             self.kv_cache_tokens = self.runner.default_kv_budget()
-        self.scheduler = Scheduler(self.runner, max_batch_size=self.max_batch_size,
-                                   max_batch_tokens=self.max_batch_tokens, prefill_tokens=self.prefill_batch_tokens,
-                                   prefill_chunk=self.prefill_chunk_tokens, kv_cache_tokens=self.kv_cache_tokens)
+        self.scheduler = Scheduler(
+            self.runner,
+            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            prefill_tokens=self.prefill_batch_tokens,
+            prefill_chunk=self.prefill_chunk_tokens,
+            kv_cache_tokens=self.kv_cache_tokens,
+        )
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
             self.compile_decode_step()
         self.scheduler.start()
         self.load_seconds = loaded.load_seconds
-        log.info("serving %s as %s from %s (loaded in %.1f s, context %d)", self.names[0],
-                 ", ".join(self.names + self.info.adapters), loaded.source, loaded.load_seconds,
-                 self.info.context_length)
+        log.info(
+            "serving %s as %s from %s (loaded in %.1f s, context %d)",
+            self.names[0],
+            ", ".join(self.names + self.info.adapters),
+            loaded.source,
+            loaded.load_seconds,
+            self.info.context_length,
+        )
         self._ready.set()
 
     def _load_engine_process(self, settings) -> None:
         """SAKER_ENGINE_PROCESS: the model loads and runs in the engine process; this one keeps its tokenizer and
         an ``EngineClient`` in the scheduler's place."""
         from app.engine.engine_process import EngineClient, FrontRunner
+
         client = EngineClient(settings)
         try:
             facts = client.start()
@@ -154,9 +184,11 @@ class Worker:
         def engine_exited(reason: str) -> None:
             self.error = reason
             self._ready.clear()
+
         client.on_exit = engine_exited
-        log.info("serving %s from %s in an engine process (pid %d)", self.names[0], self.info.source,
-                 client.process.pid)
+        log.info(
+            "serving %s from %s in an engine process (pid %d)", self.names[0], self.info.source, client.process.pid
+        )
         self._ready.set()
 
     def warm_up(self) -> None:
@@ -179,10 +211,15 @@ class Worker:
         slots = min(self.max_batch_size, max(1, self.kv_cache_tokens // self.info.context_length))
         length = min(self.info.context_length, max(1, self.kv_cache_tokens // max(1, slots)))
         import torch
+
         with torch.inference_mode():
             batch.warm_up(self.runner.probe_cache(), self.max_batch_size, length)
-        log.info("compiled the decode step for batches up to %d rows, %d positions per slot (%.1f s)",
-                 self.max_batch_size, length, time.perf_counter() - start)
+        log.info(
+            "compiled the decode step for batches up to %d rows, %d positions per slot (%.1f s)",
+            self.max_batch_size,
+            length,
+            time.perf_counter() - start,
+        )
 
     def load_in_background(self, on_error: Callable[[str], None] | None = None) -> threading.Thread:
         def run():
@@ -192,11 +229,12 @@ class Worker:
                 log.error("saker: %s", exc)
                 if on_error:
                     on_error(str(exc))
-            except Exception as exc:   # noqa: BLE001 - reported as one line, the worker stays down
+            except Exception as exc:
                 self.error = f"model load failed: {type(exc).__name__}: {exc}"
                 log.exception("saker: model load failed")
                 if on_error:
                     on_error(self.error)
+
         thread = threading.Thread(target=run, name="saker-load", daemon=True)
         thread.start()
         return thread
@@ -223,6 +261,7 @@ class Worker:
         """Compile a request's structured-output constraint before it is admitted (cached by constraint): one
         that llguidance cannot take is a 400 naming ``param``."""
         from app.engine.grammar import GrammarError, grammars_for
+
         info = self.require_ready()
         try:
             grammars_for(self.runner.tokenizer, info.vocab_size, tuple(self.runner.eos_token_ids)).compile(constraint)
@@ -230,9 +269,15 @@ class Worker:
             raise InvalidRequestError(f"{param}: {exc}", param=param) from None
 
     # -- serving ----------------------------------------------------------------------------------------
-    def events(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings,
-               eager: bool = True, alive: Callable[[], bool] | None = None
-               ) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
+    def events(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        max_length: int,
+        timings: Timings,
+        eager: bool = True,
+        alive: Callable[[], bool] | None = None,
+    ) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
         """Run the prompts (as groups of the scheduler's batch, side by side with other requests), yielding
         ``(prompt index, event)``. Closing the iterator (a dropped client) cancels the request: the
         scheduler drops it at the next step. Not ``eager``: events come when each prompt is done (stop strings
@@ -241,8 +286,9 @@ class Worker:
         queued = time.perf_counter()
         with self.admission.slot(), out_of_memory_as_503():
             admitted = time.perf_counter()
-            groups = [RequestGroup(self.runner, ids, params, max_length=max_length, tag=p)
-                      for p, ids in enumerate(prompts)]
+            groups = [
+                RequestGroup(self.runner, ids, params, max_length=max_length, tag=p) for p, ids in enumerate(prompts)
+            ]
             ticket = self.scheduler.submit(groups, eager=eager or bool(params.stop))
             ticket.alive = alive
             ended_early = True
@@ -255,12 +301,21 @@ class Worker:
                 timings.prefill_s += sum(g.timings.prefill_s for g in groups)
                 timings.decode_s += max(g.timings.decode_s for g in groups)
                 # a request cut short (its client left) counts what the engine made, handed over or not
-                timings.generated_tokens += max(ticket.generated_tokens, sum(g.tokens_made for g in groups)) \
-                    if ended_early else ticket.generated_tokens
+                timings.generated_tokens += (
+                    max(ticket.generated_tokens, sum(g.tokens_made for g in groups))
+                    if ended_early
+                    else ticket.generated_tokens
+                )
                 timings.cached_tokens += sum(g.timings.cached_tokens for g in groups)
 
-    def stream(self, prompts: list[list[int]], params: SamplingParams, max_length: int, timings: Timings,
-               alive: Callable[[], bool] | None = None) -> Iterator[tuple[int, Release]]:
+    def stream(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        max_length: int,
+        timings: Timings,
+        alive: Callable[[], bool] | None = None,
+    ) -> Iterator[tuple[int, Release]]:
         """``(prompt index, release)`` as each choice's text becomes final (stop strings held back). ``alive``: as
         for ``complete`` (a client that leaves before the first token stops the prefill's work too)."""
         outs = [OutputStream(params) for _ in prompts]
@@ -273,8 +328,9 @@ class Worker:
             for release in out.finish():
                 yield p, release
 
-    def complete(self, prompts: list[list[int]], params: SamplingParams, max_length: int,
-                 alive: Callable[[], bool] | None = None) -> tuple[list[CompletionOutput], Timings]:
+    def complete(
+        self, prompts: list[list[int]], params: SamplingParams, max_length: int, alive: Callable[[], bool] | None = None
+    ) -> tuple[list[CompletionOutput], Timings]:
         """Every prompt to the end; the outputs in prompt order. ``alive``: whether the client is still there
         (asked while waiting; when it is gone the request is cancelled and ``ClientClosedError`` raised)."""
         timings = Timings()
@@ -283,6 +339,6 @@ class Worker:
             for p, event in self.events(prompts, params, max_length, timings, eager=False, alive=alive):
                 per_prompt[p].append(event)
         except ClientClosedError as exc:
-            exc.timings = timings                   # what was done before it stopped, for the access log
+            exc.timings = timings  # what was done before it stopped, for the access log
             raise
         return [collect(events, params) for events in per_prompt], timings

@@ -5,11 +5,13 @@
         CreateChatCompletionResponse CreateChatCompletionStreamResponse ListModelsResponse Model ErrorResponse \
         > tests/data/openai_chat_completions_schema.json
 
-Takes the named schemas (default: ``Response`` and ``ResponseStreamEvent``) with every schema they reference (transitively) from
+Takes the named schemas (default: ``Response`` and ``ResponseStreamEvent``) with every schema they reference
+(transitively) from
 ``components/schemas``, rewrites ``#/components/schemas/X`` to ``#/$defs/X`` (a self-contained JSON Schema 2020-12
 document), turns the 2019-09 ``$recursiveRef: "#"`` (CompoundFilter) into a plain ``$ref`` to its own definition,
 turns OpenAPI 3.0's ``nullable: true`` into JSON Schema (``null`` added to the type or enum), and leaves out what
 does not validate: descriptions, titles, examples, ``x-*`` extensions and OpenAPI's ``discriminator``."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +19,7 @@ import sys
 
 ROOTS = ("Response", "ResponseStreamEvent")
 DROP = {"description", "title", "example", "examples", "deprecated", "discriminator", "$recursiveAnchor"}
-NAMED = {"properties", "patternProperties", "$defs", "definitions"}      # maps of names to schemas
+NAMED = {"properties", "patternProperties", "$defs", "definitions"}  # maps of names to schemas
 
 
 def clean(node, name):
@@ -26,7 +28,7 @@ def clean(node, name):
     if not isinstance(node, dict):
         return node
     out = {}
-    if node.get("nullable") is True:          # OpenAPI 3.0's nullable, which JSON Schema does not know: null allowed
+    if node.get("nullable") is True:  # OpenAPI 3.0's nullable, which JSON Schema does not know: null allowed
         node = {k: v for k, v in node.items() if k != "nullable"}
         if isinstance(node.get("type"), str):
             node["type"] = [node["type"], "null"]
@@ -73,10 +75,12 @@ def main(path: str, commit: str, *roots: str) -> None:
             todo += sorted(found)
     doc = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "description": (f"OpenAI's {', '.join(roots)} schemas and every schema they reference, from "
-                        f"github.com/openai/openai-openapi, openapi.json (components/schemas) at commit {commit}; "
-                        "made self-contained by tests/data/extract_openai_schema.py (refs to #/$defs, descriptions "
-                        "and x-* extensions left out). Validate against #/$defs/<one of them>."),
+        "description": (
+            f"OpenAI's {', '.join(roots)} schemas and every schema they reference, from "
+            f"github.com/openai/openai-openapi, openapi.json (components/schemas) at commit {commit}; "
+            "made self-contained by tests/data/extract_openai_schema.py (refs to #/$defs, descriptions "
+            "and x-* extensions left out). Validate against #/$defs/<one of them>."
+        ),
         "$defs": {name: clean(schemas[name], name) for name in sorted(keep)},
     }
     json.dump(doc, sys.stdout, indent=1, sort_keys=False)
