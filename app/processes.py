@@ -1,12 +1,166 @@
-"""Stopping the servers the bench, the reliability run and the replica bench start (gunicorn, nginx): each runs in
-a session of its own, so its whole process group can be signalled."""
+"""Starting and stopping the servers that the bench, the reliability run, the replica bench and the tests run on
+127.0.0.1: ``free_port``, ``GunicornServer`` (``gunicorn -c gunicorn.conf.py -b 127.0.0.1:PORT wsgi:app`` in a
+session of its own, its output in a log file, waited on until ``/health`` or ``/readyz`` answers 200) and
+``stop_process`` (the whole process group can be signalled). Standard library only: no torch, no Flask."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# what a server started here never needs from the Hub (and must not wait for)
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+API_KEY_VARIABLES = ("SAKER_API_KEYS", "SAKER_API_KEY_FILE")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it; another process could still take it first)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def without_api_keys(name: str) -> bool:
+    """An ``inherit`` filter for a private server: the caller's API keys stay out (it would not know them)."""
+    return name.upper() not in API_KEY_VARIABLES
+
+
+class ServerStartError(RuntimeError):
+    """The server exited (or never answered) before it was ready; the message ends with its log's tail."""
+
+    def __init__(self, message: str, log_tail: str, returncode: int | None = None):
+        super().__init__(f"{message}\n{log_tail}" if log_tail else message)
+        self.log_tail = log_tail
+        self.returncode = returncode
+
+
+class ServerNotReady(ServerStartError, TimeoutError):
+    """The server still ran but did not answer 200 within the time given."""
+
+
+class GunicornServer:
+    """``gunicorn -c gunicorn.conf.py -b 127.0.0.1:PORT [args] wsgi:app`` started at once, in its own process
+    group, with ``env`` over the caller's environment (names that ``inherit`` rejects left out) and over
+    ``OFFLINE_ENV``; stdout and stderr go to ``log_dir/{name}-{port}.log``. A context manager: leaving stops it.
+
+    ``wait_ready()`` polls ``ready_path`` until it answers 200 and raises ``ServerStartError`` (the exit status
+    and the log's tail) when the server exits first, ``ServerNotReady`` when time runs out."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        *,
+        log_dir: Path = ROOT / ".cache",
+        name: str = "gunicorn",
+        args: Sequence[str] = (),
+        app: str = "wsgi:app",
+        ready_path: str = "/health",
+        inherit: Callable[[str], bool] | None = None,
+        cwd: Path = ROOT,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ):
+        self.host = host
+        self.port = port or free_port(host)
+        self.address = f"{host}:{self.port}"
+        self.url = f"http://{self.address}"
+        self.name = name
+        self.ready_path = ready_path
+        self.env = {**OFFLINE_ENV, **env}
+        inherited = {k: v for k, v in os.environ.items() if inherit is None or inherit(k)}
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        self.log = open(self.log_path, "w+")  # open while the server runs; stop() closes it
+        gunicorn = str(Path(sys.executable).parent / "gunicorn")
+        try:
+            self.proc = subprocess.Popen(
+                [gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, *args, app],
+                cwd=cwd,
+                env={**inherited, **self.env},
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except BaseException:
+            self.log.close()
+            raise
+
+    def __enter__(self) -> GunicornServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def answers(self, path: str | None = None, timeout: float = 5) -> int | None:
+        """The status of ``GET path`` (default: ``ready_path``), None when the server does not answer."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("GET", path or self.ready_path, headers={"Connection": "close"})
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        except (OSError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+
+    def wait_ready(self, timeout: float = 300, path: str | None = None) -> float:
+        """Poll until ``path`` (default: ``ready_path``) answers 200; the seconds it took."""
+        start = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} on {self.address} exited {self.proc.returncode} before it was ready; its log:",
+                    self.tail(),
+                    self.proc.returncode,
+                )
+            if self.answers(path) == 200:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise ServerNotReady(
+                    f"{self.name} on {self.address} not ready after {timeout:.0f} s; its log:", self.tail()
+                )
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        """All the server has written so far."""
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.output()[-chars:]
+
+    def worker_pids(self) -> list[int]:
+        """The master's children (the workers) and theirs (an engine process), recursively."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            except OSError:
+                children = []
+            out.extend(children)
+            todo.extend(children)
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30, *, group: bool = True) -> int | None:
+        """``stop_process`` (to the group, or with ``group=False`` to the master alone), then the log is closed;
+        the exit status."""
+        stop_process(self.proc, sig, timeout, group=group)
+        if not self.log.closed:
+            self.log.close()
+        return self.proc.returncode
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30, *, group: bool = True) -> None:

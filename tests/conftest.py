@@ -1,4 +1,4 @@
-"""Session fixtures: tiny models built offline in seconds, apps and clients over them.
+"""Session fixtures: tiny models built offline in seconds (``app/tiny_models.py``), apps and clients over them.
 
 - ``gpt2_dir``: GPT-2 (2 layers) with a byte-level BPE trained by ``tokenizers``.
 - ``llama_dir``: Llama (2 layers) with a sentencepiece BPE (byte_fallback) so CJK/emoji span tokens.
@@ -7,122 +7,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
+from app.tiny_models import build_gpt2, build_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-CORPUS = [
-    "The capital of France is Paris. The capital of Italy is Rome.",
-    "Once upon a time there was a small model that liked to count: one two three four five.",
-    "Hello world! Hello there, general Kenobi. The quick brown fox jumps over the lazy dog.",
-    "Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the office?",
-    "Answer: east east\n\nAnswer: north north\n\nAnswer: south west\n",
-    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
-    "Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 and symbols ! ? , . ; : ' \" ( ) [ ] { } - + * / = < >",
-    "Café naïve résumé façade — “quotes” and ‘apostrophes’ … ellipsis",
-]
-# Rare characters: they stay out of the sentencepiece vocabulary and fall back to bytes.
-RARE = "東京は日本の首都です。 🙂🚀 Ελληνικά ქართული"
-
-
-def _corpus_lines() -> list[str]:
-    return CORPUS * 20 + [RARE]
-
-
-def build_gpt2(path: Path) -> Path:
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(_corpus_lines(), vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
-    path.mkdir(parents=True, exist_ok=True)
-    bpe.save_model(str(path))
-    tok = GPT2TokenizerFast.from_pretrained(
-        str(path), bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>", add_bos_token=False
-    )
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=256,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        initializer_range=0.2,
-    )
-    model = GPT2LMHeadModel(config).eval()
-    model.save_pretrained(path)
-    return path
-
-
-def build_llama(path: Path) -> Path:
-    import sentencepiece as spm
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    text_file = path / "corpus.txt"
-    text_file.write_text("\n".join(_corpus_lines()), encoding="utf-8")
-    spm.SentencePieceTrainer.train(
-        input=str(text_file),
-        model_prefix=str(path / "tokenizer"),
-        vocab_size=420,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=0.99,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        add_dummy_prefix=True,
-        minloglevel=2,
-    )
-    text_file.unlink()
-    (path / "tokenizer.vocab").unlink()
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "LlamaTokenizer",
-                "add_bos_token": True,
-                "add_eos_token": False,
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "model_max_length": 256,
-                "legacy": False,
-                "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
-            }
-        )
-    )
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
