@@ -5,13 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import select
-import socket
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.access_log import RequestRecord, current_record
+from app.client_watch import ClientConnection
 from app import lifecycle
 from app.errors import (
     APIError,
@@ -189,17 +188,7 @@ def _client_alive(environ):
     """A check that the client of a plain request is still connected (gunicorn hands the socket over): readable
     with nothing to read means it closed. None where there is no socket (the test client)."""
     sock = environ.get("gunicorn.socket")
-    if sock is None:
-        return None
-
-    def alive() -> bool:
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return not readable or bool(sock.recv(1, socket.MSG_PEEK))
-        except (OSError, ValueError):
-            return False
-
-    return alive
+    return None if sock is None else ClientConnection(sock)
 
 
 def _event_stream(service, job, record: RequestRecord) -> Response:

@@ -78,6 +78,34 @@ def test_slot_store_joins_and_leaves_move_no_other_rows_data():
     assert torch.equal(layer.keys[1:3, :, :7], kept)
 
 
+def test_slot_store_stays_within_its_budget_while_rows_join():
+    """A long row, then short rows joining one by one (admission keeps rows x reach within the budget): the
+    store's slots x capacity never passes the budget, although it hands out slots 8 at a time and gives rows
+    room to grow; the long row's keys survive every resize."""
+    from types import SimpleNamespace
+
+    from app.engine.kv_cache import SlotStore
+
+    torch.manual_seed(0)
+    budget = 4096
+    store = SlotStore(budget=budget)
+
+    def prompt(length):
+        return [
+            SimpleNamespace(keys=torch.randn(1, 2, length, 4), values=torch.randn(1, 2, length, 4)) for _ in range(2)
+        ]
+
+    long = prompt(1000)
+    store.write(store.allocate(1), long)
+    assert store.slots * store.capacity <= budget
+    live = 1001
+    for joined in range(1, 4):  # 4 rows x 1001 positions fit 4096; the long row is the longest
+        store.write(store.allocate(1), prompt(20), live=live)
+        assert store.slots * store.capacity <= budget, (joined, store.slots, store.capacity)
+        assert store.capacity >= live and store.slots >= store.high
+        assert torch.equal(store.layers[1].keys[0, :, :1000], long[1].keys[0])
+
+
 def test_an_idle_batch_gives_its_storage_back(gpt2_worker):
     """After a long request and then a wide one, the slot store holds nothing once the batch is idle (it would
     otherwise keep slots x the longest row ever seen: memory above the KV budget that never came back)."""

@@ -304,7 +304,7 @@ class SlotBatch(BatchBase):
         """Join a prefilled group: its cache (one row, or one per candidate), its candidates' first tokens,
         their sampling state."""
         slots = self.store.allocate(group.rows)
-        length = self.store.write(slots, cache.layers)
+        length = self.store.write(slots, cache.layers, live=max(self.lengths_host, default=0) + 1)
         self._per_slot(tokens.device)
         index = torch.tensor(slots, dtype=torch.long, device=tokens.device)
         self.lengths[index] = length

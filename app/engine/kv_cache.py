@@ -221,21 +221,31 @@ class SlotStore:
                 self.used.discard(slot)
                 heapq.heappush(self._free, slot)
 
-    def ensure(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None, slots: int = 0) -> None:
+    def ensure(
+        self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None, slots: int = 0, live: int = 0
+    ) -> None:
         """Storage for every slot handed out so far (and at least ``slots``) with room for ``length`` positions
         each (``like``: per layer a keys and a values tensor to take head counts, dtypes and devices from, the
-        first time)."""
-        while self.wanted < slots:
+        first time; ``live``: the positions the longest running row already holds, which a resize keeps).
+
+        With a budget, slots x capacity stays within it: the room to grow (about 1.5x) and the slots handed out
+        ahead (8 at a time) are cut to what the budget leaves, down to what the rows need (admission keeps rows x
+        their reach within the budget, so what they need fits)."""
+        asked = slots
+        while self.wanted < asked:
             heapq.heappush(self._free, self.wanted)
             self.wanted += 1
-        if self.layers and self.wanted <= self.slots and length <= self.capacity:
+        need = max(length, live)
+        if self.layers and self.wanted <= self.slots and need <= self.capacity:
             return
         slots = max(self.slots, self.wanted)
-        capacity = self.capacity
-        if length > capacity:  # room to grow, within the budget when there is one
-            capacity = _room(length)
-            if self.budget:
-                capacity = max(length, min(capacity, self.budget // max(1, slots)))
+        capacity = self.capacity if need <= self.capacity else _room(need)
+        if self.budget and slots * capacity > self.budget:
+            capacity = max(need, self.budget // slots)
+            if slots * capacity > self.budget:  # slots handed out ahead: keep only those in use (or asked for)
+                slots = max(self.high, asked, 1)
+                self._trim(slots)
+                capacity = max(need, self.budget // slots)
         if not self.layers:
             from transformers import Cache
 
@@ -248,15 +258,22 @@ class SlotStore:
             for name in ("keys", "values"):
                 old = getattr(layer, name)
                 new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
-                new[: old.shape[0], :, : old.shape[2]] = old
+                keep_slots, keep_positions = min(slots, old.shape[0]), min(capacity, old.shape[2])
+                new[:keep_slots, :, :keep_positions] = old[:keep_slots, :, :keep_positions]
                 setattr(layer, name, new)
         self.slots, self.capacity = slots, capacity
 
-    def write(self, slots: list[int], layers) -> int:
+    def _trim(self, slots: int) -> None:
+        """Hand out no slot at or past ``slots`` (none of them is in use)."""
+        self.wanted = slots
+        self._free = [slot for slot in self._free if slot < slots]
+        heapq.heapify(self._free)
+
+    def write(self, slots: list[int], layers, live: int = 0) -> int:
         """Write a prefilled cache (per layer keys/values of 1 row, or one row per slot) into ``slots``;
-        returns its length."""
+        returns its length (``live``: positions the longest running row holds, see ``ensure``)."""
         length = layers[0].keys.shape[-2]
-        self.ensure(length + 1, [(layer.keys, layer.values) for layer in layers])
+        self.ensure(length + 1, [(layer.keys, layer.values) for layer in layers], live=live)
         index = torch.tensor(slots, dtype=torch.long, device=self.layers[0].keys.device)
         for slot_layer, layer in zip(self.layers, layers):
             at = index.to(slot_layer.keys.device)

@@ -88,9 +88,27 @@ class Ticket:
             group.cancelled = True
 
     alive = None  # a callable: False once the reader's client is gone (checked while waiting)
-    POLL_S = 0.25
-
+    POLL_S = 0.05
     _checked = 0.0
+    _unwatch = None
+
+    def watch_client(self, alive) -> None:
+        """Cancel when ``alive()`` turns False: asked every ``POLL_S`` while the reader waits or events flow, and
+        at once when ``alive`` can tell us (``alive.watch(callback)``, e.g. an epoll on the client's socket)."""
+        self.alive = alive
+        watch = getattr(alive, "watch", None)
+        if watch is not None:
+            self._unwatch = watch(self.wake)
+
+    def unwatch_client(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+
+    def wake(self) -> None:
+        """From another thread: the client may have gone; the reader asks at once."""
+        self._checked = float("-inf")
+        self._events.put([])
 
     def _next_batch(self) -> list:
         """The next message; with ``alive`` set, a client that went away cancels the request: checked while it

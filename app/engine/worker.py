@@ -290,12 +290,14 @@ class Worker:
                 RequestGroup(self.runner, ids, params, max_length=max_length, tag=p) for p, ids in enumerate(prompts)
             ]
             ticket = self.scheduler.submit(groups, eager=eager or bool(params.stop))
-            ticket.alive = alive
+            if alive is not None:
+                ticket.watch_client(alive)
             ended_early = True
             try:
                 yield from ticket
                 ended_early = False
             finally:
+                ticket.unwatch_client()
                 ticket.cancel()
                 timings.queue_s = admitted - queued + max(g.timings.queue_s for g in groups)
                 timings.prefill_s += sum(g.timings.prefill_s for g in groups)

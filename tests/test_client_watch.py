@@ -1,0 +1,99 @@
+"""Knowing that a client left (app/client_watch.py) and cancelling its request at once (scheduler.Ticket): no model."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from app.client_watch import ClientConnection, ClientWatcher
+
+
+def test_the_watcher_calls_back_once_when_the_peer_closes():
+    watcher = ClientWatcher()
+    ours, theirs = socket.socketpair()
+    called = threading.Event()
+    calls = []
+    watcher.watch(ours, lambda: (calls.append(1), called.set()))
+    connection = ClientConnection(ours, watcher)
+    assert connection()  # nothing to read: still there
+    theirs.close()
+    assert called.wait(10)
+    assert not connection()  # readable with nothing to read: gone
+    time.sleep(0.1)
+    assert calls == [1] and watcher.watched == 0
+    ours.close()
+
+
+def test_pipelined_bytes_are_not_a_close_and_unwatching_stops_the_callback():
+    watcher = ClientWatcher()
+    ours, theirs = socket.socketpair()
+    called = threading.Event()
+    unwatch = watcher.watch(ours, called.set)
+    theirs.sendall(b"GET /next HTTP/1.1\r\n")  # the next request of a kept-alive connection
+    assert not called.wait(0.3)
+    assert ClientConnection(ours, watcher)()
+    unwatch()
+    assert watcher.watched == 0
+    theirs.close()
+    assert not called.wait(0.3)
+    ours.close()
+
+
+def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
+    """With polling out of the picture (a poll interval of an hour), only the watcher's wake-up can end the
+    wait: the reader raises ClientClosedError and the request's groups are cancelled."""
+    from types import SimpleNamespace
+
+    from app.engine.scheduler import Ticket
+    from app.errors import ClientClosedError
+
+    group = SimpleNamespace(tag=0, cancelled=False)
+    ticket = Ticket([], eager=True)
+    ticket.groups, ticket._open = [group], 1
+    ticket.POLL_S = 3600
+    there = [True]
+    woken = {}
+
+    class Alive:
+        def __call__(self):
+            return there[0]
+
+        def watch(self, callback):
+            woken["callback"] = callback
+            return lambda: woken.pop("callback", None)
+
+    ticket.watch_client(Alive())
+    outcome = {}
+
+    def read():
+        try:
+            list(ticket)
+        except ClientClosedError as exc:
+            outcome["error"] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.2)  # the reader is waiting for events
+    assert reader.is_alive()
+    there[0] = False
+    woken["callback"]()
+    reader.join(10)
+    assert not reader.is_alive() and "error" in outcome and group.cancelled
+    ticket.unwatch_client()
+    assert "callback" not in woken
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="POSIX sockets")
+def test_a_half_closed_client_counts_as_gone():
+    """A client that shuts down its sending side after its request looks like one that left (nginx's default
+    too): documented in docs/api.md."""
+    watcher = ClientWatcher()
+    ours, theirs = socket.socketpair()
+    called = threading.Event()
+    watcher.watch(ours, called.set)
+    theirs.shutdown(socket.SHUT_WR)
+    assert called.wait(10)
+    assert not ClientConnection(ours, watcher)()
+    ours.close()
+    theirs.close()
