@@ -5,8 +5,8 @@ conversation, sends all of it with each new message to ``POST {url}/chat/complet
 prints ``delta.content`` as it arrives (a server that answers 400 to streaming gets plain requests from then on).
 Commands start with ``/`` (``/help`` lists them); ``//text`` sends a message that starts with ``/``.
 
-Standard library only (``urllib`` and a small server-sent-events reader): ``requests`` and ``openai`` are
-development dependencies of this project, not runtime ones.
+Standard library only (``urllib`` and the server-sent-events reader of ``app/sse.py``): ``requests`` and
+``openai`` are development dependencies of this project, not runtime ones.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, fields, replace
 from typing import IO, Any, Callable, Iterator
+
+from app.sse import iter_data
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 TIMEOUT_S = 600.0  # a long generation may take a while before (or between) tokens
@@ -86,48 +88,6 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-# -- server-sent events ------------------------------------------------------------------------------------
-
-_LINE_END = re.compile(r"\r\n|\r|\n")
-
-
-def iter_sse(stream: IO[bytes]) -> Iterator[str]:
-    """The ``data`` of each server-sent event read from a binary stream, as soon as its blank line arrives.
-
-    Follows the WHATWG rules: lines end in CRLF, LF or CR; ``data:`` lines (one optional space after the colon)
-    of one event are joined with newlines; comment lines (``:``) and other fields (``event``, ``id``, ``retry``)
-    are skipped; an event without data is not dispatched. An event cut off by the end of the stream is still
-    delivered (lenient: some servers forget the last blank line).
-    """
-    data: list[str] = []
-    for line in _lines(stream):
-        if line == "":
-            if data:
-                yield "\n".join(data)
-            data = []
-            continue
-        if line.startswith(":"):
-            continue
-        name, colon, value = line.partition(":")
-        if name == "data":
-            data.append(value[1:] if value.startswith(" ") else value)
-    if data:
-        yield "\n".join(data)
-
-
-def _lines(stream: IO[bytes]) -> Iterator[str]:
-    """Lines without their ends, each as soon as it is complete (readline() returns at LF or at the end)."""
-    while True:
-        raw = stream.readline()
-        if not raw:
-            return
-        parts = _LINE_END.split(raw.decode("utf-8", "replace"))  # UTF-8 never holds a CR or LF byte inside
-        last = parts.pop()  # "" after a line end
-        yield from parts
-        if last:
-            yield last  # the stream ended without a line end
-
-
 @dataclass
 class Reply:
     content: str = ""
@@ -141,9 +101,7 @@ def iter_chat_stream(stream: IO[bytes], reply: Reply | None = None) -> Iterator[
     the stream began) raises ChatError.
     """
     reply = reply if reply is not None else Reply()
-    for data in iter_sse(stream):
-        if data.strip() == "[DONE]":
-            return
+    for data in iter_data(stream):
         try:
             chunk = json.loads(data)
         except ValueError:

@@ -25,7 +25,6 @@ from app.chat_client import (
     Reply,
     format_error,
     iter_chat_stream,
-    iter_sse,
     parse_line,
     parse_params,
     printable,
@@ -307,20 +306,6 @@ def test_bad_url_is_one_clear_error():
 
 
 # -- SSE and error bodies ----------------------------------------------------------------------------------
-
-
-def test_iter_sse_follows_the_event_stream_rules():
-    raw = (
-        b": a comment, skipped\r\n"
-        b"event: message\r\nid: 7\r\ndata: one\r\n\r\n"  # CRLF
-        b"data:two\n\n"  # no space after the colon
-        b"data: three\rdata:  four\r\r"  # lone CR; only one leading space is dropped
-        b"retry: 100\n\n"  # an event without data: nothing
-        b"data\n\n"  # a bare field name: empty data
-        + "data: caf\u00e9 \U0001f642\n\n".encode()  # UTF-8
-        + b"data: cut off"
-    )  # no blank line at the end
-    assert list(iter_sse(io.BytesIO(raw))) == ["one", "two", "three\n four", "", "caf\u00e9 \U0001f642", "cut off"]
 
 
 def test_iter_chat_stream_collects_content_and_stops_at_done():

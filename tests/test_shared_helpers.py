@@ -24,6 +24,20 @@ def test_lines_end_in_crlf_lf_or_cr_even_when_split_between_pieces():
     assert next(lines) == "a"
 
 
+def test_the_event_stream_rules_on_a_binary_stream():
+    raw = (
+        b": a comment, skipped\r\n"
+        b"event: message\r\nid: 7\r\ndata: one\r\n\r\n"  # CRLF
+        b"data:two\n\n"  # no space after the colon
+        b"data: three\rdata:  four\r\r"  # lone CR; only one leading space is dropped
+        b"retry: 100\n\n"  # an event without data: nothing
+        b"data\n\n"  # a bare field name: empty data
+        + "data: caf\u00e9 \U0001f642\n\n".encode()  # UTF-8
+        + b"data: cut off"
+    )  # no blank line at the end
+    assert list(iter_data(io.BytesIO(raw))) == ["one", "two", "three\n four", "", "caf\u00e9 \U0001f642", "cut off"]
+
+
 def test_utf8_split_inside_a_character_and_invalid_bytes():
     data = "data: café 🙂\n\n".encode()
     pieces = [data[i : i + 1] for i in range(len(data))]  # one byte at a time
