@@ -141,3 +141,13 @@ def test_keep_alive_pipelining_and_expect_continue(server):
                 ).status_code
                 == 200
             )
+
+
+def test_a_head_ended_by_bare_line_feeds_is_answered_at_once(server):
+    """RFC 9112 lets a recipient take a bare LF as a line end: such a head is handed to the parser when it ends
+    (its verdict, whatever it is, comes at once), not held until the head timeout's 408."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\nHost: x\n\n")
+        status, body = read_response(sock)
+    assert status != 408, body
+    assert status == 200 or json.loads(body)["error"]["type"] == "invalid_request_error", (status, body)
