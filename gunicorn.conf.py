@@ -10,11 +10,14 @@ finish for up to ``graceful_timeout`` seconds, then exits. Give the orchestrator
 that (``docker stop -t``, ``terminationGracePeriodSeconds``). SIGINT/SIGQUIT stop at once.
 """
 
+import logging
+import logging.config
 import os
 import sys
 
 from app.errors import ConfigError
 from app.gunicorn_errors import install as _json_protocol_errors
+from app.log_config import adopt_library_loggers, capture_stray_output, logging_config, quiet_progress_bars
 from app.settings import load_settings
 
 try:
@@ -74,20 +77,39 @@ forwarded_allow_ips = "127.0.0.1,::1"
 _json_protocol_errors()
 
 # -- logs ------------------------------------------------------------------------------------------------
-# gunicorn's access log stays off: saker writes one JSON line per request itself (SAKER_ACCESS_LOG), with
-# the request id, token counts and timings. Errors and saker's log go to stderr.
+# gunicorn's access log stays off: saker writes one line per request itself (SAKER_ACCESS_LOG), with the request
+# id, token counts and timings.
 accesslog = None
+# gunicorn's own handler for its error log; replaced by the stderr handler of logconfig_dict below.
 errorlog = "-"
 loglevel = _settings.log_level
+# One logging configuration (app/log_config.py) for gunicorn's lines, saker's and the access log: one layout,
+# SAKER_LOG_FORMAT=text or json, on stderr; the access log to SAKER_ACCESS_LOG. The master applies it here already
+# (for the lines below), gunicorn again when it sets up its logger; workers inherit it.
+logconfig_dict = logging_config(_settings)
+logging.config.dictConfig(logconfig_dict)
+capture_stray_output()
+# No tqdm progress bars from transformers/huggingface_hub in a server's log (set before a worker imports them).
+quiet_progress_bars()
+
+
+# A worker, once the app is loaded (transformers imported): transformers' own stderr handler gives way to the
+# root's, so its warnings are in the one format too.
+def post_worker_init(worker):
+    adopt_library_loggers()
+
+
 # gunicorn 27's control socket (a shared path under ~/.gunicorn) is not used by saker; several servers on one
 # host would fight over it.
 control_socket_disable = True
 
 _busy = _settings.max_batch_size + _settings.max_queue  # threads the model's requests can hold at once
 if threads <= _busy:
-    print(
-        f"saker: warning: SAKER_THREADS={threads} leaves no thread for /health while SAKER_MAX_BATCH_SIZE="
-        f"{_settings.max_batch_size} requests run and SAKER_MAX_QUEUE={_settings.max_queue} wait; set "
-        f"SAKER_THREADS to at least {_busy + 2}",
-        file=sys.stderr,
+    logging.getLogger("saker").warning(
+        "SAKER_THREADS=%d leaves no thread for /health while SAKER_MAX_BATCH_SIZE=%d requests run and "
+        "SAKER_MAX_QUEUE=%d wait; set SAKER_THREADS to at least %d",
+        threads,
+        _settings.max_batch_size,
+        _settings.max_queue,
+        _busy + 2,
     )

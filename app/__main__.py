@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat", help="an interactive chat shell for a running server (this one or any OpenAI-compatible one)"
     )
     chat_client.add_arguments(chat)
-    from app import bench as bench_command
+    from app.bench import cli as bench_command
 
     bench = sub.add_parser(
         "bench",
@@ -68,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"saker: {exc}", file=sys.stderr)
         return 2
+    from app.log_config import adopt_library_loggers, configure_logging
+
+    configure_logging(settings)  # the same logging configuration as gunicorn's (SAKER_LOG_FORMAT, app/log_config.py)
     if args.command == "batch":
         return batch_command.run(args, settings, hard_exit=True)
     if args.command == "serve":
         from app import create_app
 
         app = create_app(settings, exit_on_load_error=True)
+        adopt_library_loggers()
         app.run(host=settings.host, port=settings.port, threaded=True)
     return 0
 

@@ -1,5 +1,6 @@
-"""Structured access log: one JSON line per request, written when the request is done (for a stream: when its
-last frame is sent or the client goes away).
+"""Structured access log: one line per request, written when the request is done (for a stream: when its
+last frame is sent or the client goes away), through the ``saker.access`` logger (``app/log_config.py``): on
+stderr in the one log format (``SAKER_LOG_FORMAT``), in a file as JSON lines.
 
 Each line holds the request id, method, route, path, status, client address (after ProxyFix), timings
 (total, queue wait, prefill, decode, time to first token), token counts and the error code when known. Prompts
@@ -10,16 +11,15 @@ The same ``RequestRecord`` feeds the Prometheus metrics (``app/metrics.py``), so
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable
 
 from flask import Flask, g, request
+
+from app.log_config import route_access_log
 
 
 @dataclass
@@ -114,7 +114,7 @@ class RequestRecord:
             return None if value is None else round(value * 1000, 3)
 
         entry = {
-            "time": datetime.fromtimestamp(self.started_at, timezone.utc).isoformat(timespec="milliseconds"),
+            "started_at": datetime.fromtimestamp(self.started_at, timezone.utc).isoformat(timespec="milliseconds"),
             "request_id": self.request_id,
             "method": self.method,
             "route": self.route,
@@ -144,26 +144,22 @@ def current_record() -> RequestRecord | None:
 
 
 class AccessLog:
-    """Writes the JSON lines: ``"-"`` = stderr, ``"off"`` = nowhere, else appended to that file."""
+    """Logs a record per request on ``saker.access``: ``"-"`` = stderr with the other log lines, ``"off"`` =
+    nowhere, else appended to that file (JSON lines). The logger's handlers are set by the logging configuration
+    (``app/log_config.py``) and made to match ``destination`` here; one access log per process (the last one
+    built decides where the lines go)."""
 
     def __init__(self, destination: str = "-", log_prompts: bool = False):
         self.destination = destination
         self.log_prompts = log_prompts
-        self._lock = threading.Lock()
-        self._file = None
-        if destination not in ("-", "off"):
-            path = Path(destination).expanduser()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1, encoding="utf-8")  # kept open: it lives with the app
+        self._logger = route_access_log(destination)
 
     def write(self, record: RequestRecord) -> None:
         if self.destination == "off":
             return
-        line = json.dumps(record.as_dict(self.log_prompts), ensure_ascii=False, separators=(",", ":"), default=str)
-        with self._lock:
-            stream = self._file if self._file is not None else sys.stderr
-            stream.write(line + "\n")
-            stream.flush()
+        self._logger.info(
+            "%s %s %s", record.method, record.path, record.status, extra={"fields": record.as_dict(self.log_prompts)}
+        )
 
 
 def install_access_log(app: Flask, access_log: AccessLog, on_finish: list[Callable[[RequestRecord], None]]) -> None:

@@ -293,8 +293,13 @@ class Settings(BaseSettings):
     access_log: str = Field("-", description="Where the JSON access log goes: - (stderr), a file path, or off.")
     log_prompts: bool = Field(False, description="Put prompts and outputs in the access log (off: never logged).")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Layout of every log line on stderr (gunicorn's, saker's, the access log): `text` is "
+        "`time level [pid] logger: message key=value...`, `json` one JSON object per line.",
+    )
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower_log_level(cls, value):
         return value.lower() if isinstance(value, str) else value
