@@ -11,10 +11,16 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
-from app import bench
+from app.bench import cli, parts, plan
+from app.bench import report as bench_report
+from app.bench.parts import s as part_s
+from app.bench.parts.s_grammar import compile_schema
 from servers import ROOT
 
 
@@ -96,9 +102,11 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     assert r["off_cached_prompt_tokens"]["max"] == 0  # the main server runs with the cache off
     assert r["on_cached_prompt_tokens"]["min"] >= r["context_tokens"]  # every measured request reused the context
     assert isinstance(r["ratio"], float)
+    assert r["sides"] == {"on": "prefix cache on", "off": "prefix cache off"}
 
     assert "| A | ratio server / generate() (median of pairs)" in report["table_markdown"]
     assert "ratio 8 / 1" in proc.stdout  # the printed table
+    assert "bench took " in proc.stdout.splitlines()[-1]  # and how long the run took
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
 
@@ -163,7 +171,7 @@ def test_quick_bench_structured_outputs(tmp_path, saker_cache):
         assert isinstance(lv["ratio"], float) and isinstance(lv["met"], bool) and lv["goal"] == 0.9
     assert stops >= 1
     compile_ = s["compile"]
-    assert compile_["schema_bytes"] == len(json.dumps(bench.compile_schema())) and compile_["vocab"] == 49152
+    assert compile_["schema_bytes"] == len(json.dumps(compile_schema())) and compile_["vocab"] == 49152
     for key in ("tokenizer_build_ms", "first_ms", "cached_ms", "first_mask_ms", "new_schema_warm_ms"):
         assert compile_[key]["n"] == 3
     assert s["per_step"]["steps"] > 0 and set(s["per_step"]["sampler_mask_ms"]) == {"1", "8"}
@@ -171,37 +179,37 @@ def test_quick_bench_structured_outputs(tmp_path, saker_cache):
     assert "S 1 client" in report["goals"] and "S 8 clients" in report["goals"]
 
 
-def parts(only=None, gpu=False):
-    return bench.parse_parts(argparse.Namespace(only=only, gpu=gpu))
+def parts_of(only=None, gpu=False):
+    return cli.parse_parts(argparse.Namespace(only=only, gpu=gpu))
 
 
 def test_parts_include_s():
-    assert "S" in parts() and parts()[-1] == "S"
-    assert parts(gpu=True)[-2:] == ("S", "D")
-    assert parts("s, a") == ("A", "S")
+    assert "S" in parts_of() and parts_of()[-1] == "S"
+    assert parts_of(gpu=True)[-2:] == ("S", "D")
+    assert parts_of("s, a") == ("A", "S")
     with pytest.raises(SystemExit):
-        parts("S,X")
+        parts_of("S,X")
 
 
 def test_plan_s_full_and_quick():
-    full, quick = bench.Plan(), bench.Plan.quick()
+    full, quick = plan.Plan(), plan.Plan.quick()
     assert (full.s_rounds, full.s_clients, full.s_tokens) == (3, 8, 96)
     assert (quick.s_rounds, quick.s_clients, quick.s_tokens) == (1, 8, 96)
-    assert bench.GOALS["S 1 client"] == bench.GOALS["S 8 clients"] == (">=", 0.9)
+    assert plan.GOALS["S 1 client"] == plan.GOALS["S 8 clients"] == (">=", 0.9)
 
 
 def test_s_schemas_are_valid_and_compile():
     from app.engine.grammar import grammar_text
     from app.protocol import json_constraint
 
-    big = bench.compile_schema()
+    big = compile_schema()
     assert 1900 <= len(json.dumps(big)) <= 2200  # "a 2 kB schema"
     if importlib.util.find_spec("jsonschema") is not None:
         import jsonschema
 
-        for schema in (big, bench.S_SCHEMA):
+        for schema in (big, part_s.S_SCHEMA):
             jsonschema.Draft202012Validator.check_schema(schema)
-    for schema in (big, bench.S_SCHEMA):
+    for schema in (big, part_s.S_SCHEMA):
         assert grammar_text(json_constraint(schema))  # llguidance takes both
 
 
@@ -253,7 +261,7 @@ def test_table_rows_for_s():
         },
         "errors": {},
     }
-    rows = bench.table_rows(report)
+    rows = bench_report.table_rows(report)
     assert all(row[0] == "S" for row in rows)
     goals = {row[1]: row[4] for row in rows}
     assert goals["1 client: ratio constrained / free (median of rounds)"] == ">= 0.9: met"
@@ -269,5 +277,175 @@ def test_table_rows_for_s():
         "8 clients: ratio constrained / free with the same lengths",
     ):
         assert words in measures
-    assert "| S | 8 clients: ratio constrained / free (median of rounds) | 0.85 |" in bench.markdown_table(report)
-    assert "0.95" in bench.format_table(report)
+    assert "| S | 8 clients: ratio constrained / free (median of rounds) | 0.85 |" in bench_report.markdown_table(
+        report
+    )
+    assert "0.95" in bench_report.format_table(report)
+
+
+# -- issue 13: the parts and their defaults are defined once ---------------------------------------------------------
+def test_help_and_docstring_read_the_parts_from_one_definition():
+    import app.bench
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    help_text = " ".join(proc.stdout.split())  # argparse wraps lines
+    default = ",".join(parts.DEFAULT_PARTS)
+    assert parts.DEFAULT_PARTS == parts.ALL_PARTS[:-1] and parts.GPU_PARTS == ("D",)
+    assert f"default {default}" in help_text and f"default {default}" in app.bench.__doc__
+    assert parts.overview() in app.bench.__doc__
+    for part in parts.PARTS:
+        assert f" {part.letter} {part.title}" in help_text and f"  {part.letter}  {part.title}" in app.bench.__doc__
+    assert parts_of() == parts.DEFAULT_PARTS and parts_of(gpu=True) == parts.ALL_PARTS
+
+
+def test_every_part_has_its_module():
+    for part in parts.PARTS:
+        module = parts.module(part.letter)
+        assert module.__name__ == f"app.bench.parts.{part.letter.lower()}"
+        assert module.__doc__.startswith(part.letter) and callable(module.run) and callable(module.rows)
+
+
+# -- issue 13: --quick promises no time and spends none replacing repetitions ----------------------------------------
+def test_quick_plan_has_no_budgets_and_does_less():
+    full, quick = plan.Plan(), plan.Plan.quick()
+    assert set(quick.budgets()) == {"a_budget", "t_budget", "b_budget", "c_budget", "l_budget", "s_budget"}
+    assert all(value == 0 for value in quick.budgets().values())
+    assert all(value > 0 for value in full.budgets().values())
+    for name, value in vars(quick).items():
+        if isinstance(value, (int, float)) and not name.endswith("_budget"):
+            assert value <= getattr(full, name), name
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    quick_help = next(a.help for a in parser._actions if "--quick" in a.option_strings)
+    assert "minute" not in quick_help and "prints how long it took" in quick_help
+
+
+class _BusyCpu:
+    """Every repetition disturbed by other processes."""
+
+    def snapshot(self):
+        return 0
+
+    def since(self, snap):
+        return {"foreign_cpu_share": 0.5}
+
+
+def test_no_budget_means_disturbed_repetitions_are_kept_not_replaced():
+    from app.bench.runner import Bench
+
+    fake = SimpleNamespace(cpu=_BusyCpu(), log=lambda message: None)
+    assert len(Bench.repeat(fake, lambda i: i, reps=3, extra=3, budget=0.0)) == 3
+    assert len(Bench.repeat(fake, lambda i: i, reps=3, extra=3, budget=60.0)) == 6
+
+
+def test_elapsed_line():
+    run = {"duration_s": 185.4, "quick": True, "results": {"A": {"seconds": 20.2}, "C": {"seconds": 4}}}
+    assert bench_report.elapsed(run) == "bench took 3 min 05 s (--quick): A 20 s, C 4 s"
+    assert bench_report.elapsed({"duration_s": 9.0, "results": {}}) == "bench took 9 s"
+
+
+# -- issue 13: R against a server the bench did not start says what it measured -------------------------------------
+def test_r_sides_are_labelled_with_what_is_known():
+    from app.bench.parts import r
+
+    def bench(env=None, external=False):
+        return SimpleNamespace(external=external, main_name="m", server_info={"m": {"env": env or {}}})
+
+    assert r.main_side(bench(external=True)) == ("served", "as served (cache not set by the bench)")
+    assert r.main_side(bench({"SAKER_PREFIX_CACHE_TOKENS": "0"})) == ("off", "prefix cache off")
+    key, label = r.main_side(bench({"SAKER_PREFIX_CACHE_TOKENS": "4096"}))  # --server-env turned it on
+    assert key == "main" and "off" not in label and "SAKER_PREFIX_CACHE_TOKENS=4096" in label
+
+
+def test_prefix_counters_from_metrics_text():
+    from app.bench.parts import r
+
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{model_name="a"} 100.0\n'
+        'vllm:prefix_cache_queries_total{model_name="b"} 20.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="a"} 90.0\n'
+    )
+    assert r.prefix_counters(text) == {"vllm:prefix_cache_queries": 120.0, "vllm:prefix_cache_hits": 90.0}
+    assert r.prefix_counters("# nothing here\n") == {}
+    delta = r.metrics_delta({"vllm:prefix_cache_queries": 120.0}, r.prefix_counters(text.replace("100.0", "300.0")))
+    assert delta == {"available": True, "queried_tokens": 200.0, "hit_tokens": 90.0, "hit_share": 0.45}
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """A foreign OpenAI-compatible server with its prefix cache on: every completion reports 96 of its 100 prompt
+    tokens as cached (vLLM's usage.prompt_tokens_details) and counts them in /metrics, when ``metrics``."""
+
+    protocol_version = "HTTP/1.1"
+    metrics = True
+    queried = hits = 0
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
+        elif self.path == "/metrics" and self.metrics:
+            text = (
+                "# TYPE vllm:prefix_cache_queries counter\n"
+                f'vllm:prefix_cache_queries_total{{model_name="stub"}} {type(self).queried}\n'
+                "# TYPE vllm:prefix_cache_hits counter\n"
+                f'vllm:prefix_cache_hits_total{{model_name="stub"}} {type(self).hits}\n'
+            )
+            self._send(200, text.encode(), "text/plain")
+        else:
+            self._send(404, b"{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        usage = {"prompt_tokens": 100, "completion_tokens": body["max_tokens"]}
+        if self.metrics:
+            usage["prompt_tokens_details"] = {"cached_tokens": 96}
+            type(self).queried += 100
+            type(self).hits += 96
+        choice = {"index": 0, "text": " x" * body["max_tokens"], "finish_reason": "length"}
+        self._send(200, json.dumps({"choices": [choice], "usage": usage}).encode())
+
+
+@pytest.mark.parametrize("reports", [True, False], ids=["reports-cache", "reports-nothing"])
+def test_r_with_url_is_labelled_as_served(tmp_path, capsys, reports):
+    import torch
+
+    handler = type("Stub", (_Stub,), {"metrics": reports})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        args = parser.parse_args(["--url", url, "--only", "R", "--quick", "--out-dir", str(tmp_path)])
+        args.threads = torch.get_num_threads()  # the bench sets it: leave this process's as it is
+        assert cli.main(args) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    result = json.loads((tmp_path / "external.json").read_text())["results"]["R"]
+    printed = capsys.readouterr().out
+    assert result["sides"] == {"served": "as served (cache not set by the bench)"}
+    assert "served_request_ms" in result and "ratio" not in result
+    assert not any(key.startswith(("on_", "off_")) for key in result)
+    assert "prefix cache off" not in printed and "as served (cache not set by the bench)" in printed
+    if reports:
+        assert result["served_cached_prompt_tokens"]["median"] == 96
+        assert result["served_metrics"]["hit_share"] == 0.96
+        assert "; 96 cached prompt tokens (as the server reports); /metrics: 96% of prompt tokens" in printed
+    else:
+        assert "served_cached_prompt_tokens" not in result and result["served_metrics"] == {"available": False}
+        assert "the server reports no prefix-cache figures" in printed

@@ -1,0 +1,131 @@
+"""What one run does: the ``Plan`` (how many requests, tokens, repetitions and seconds each part gets; full or
+``--quick``), the goals the ratios are judged against, and where things go."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = ROOT / "docs" / "performance"
+DEFAULT_CACHE = ROOT / ".cache" / "bench"
+SCHEMA = 1  # of bench.json
+
+GOALS = {
+    "A": ("<=", 0.90),
+    "B": (">=", 2.2),
+    "C": ("<=", 5.0),
+    "D": ("<=", 1.3),
+    "E greedy": (">=", 0.6),
+    "E sampled": (">=", 0.5),
+    "S 1 client": (">=", 0.9),
+    "S 8 clients": (">=", 0.9),
+}
+
+# A repetition during which other processes used more than this share of the CPU does not count (shared machines);
+# it is still recorded in the JSON, with its share.
+CLEAN_SHARE = 0.10
+
+
+def check_goal(part: str, value: float | None) -> bool | None:
+    if value is None or part not in GOALS or (isinstance(value, float) and math.isnan(value)):
+        return None
+    op, goal = GOALS[part]
+    return value <= goal if op == "<=" else value >= goal
+
+
+@dataclass
+class Plan:
+    """How much of everything one run does (full or --quick)."""
+
+    prompt_tokens: int = 64
+    a_tokens: int = 32
+    a_reps: int = 9
+    warmup: int = 2
+    b_tokens: int = 32
+    b_rounds: int = 3
+    b_single_requests: int = 4  # requests of the 1-client run, per round
+    b_clients: int = 8
+    b_per_client: int = 2  # requests per client in the 8-client run, per round
+    c_rounds: int = 10
+    c_per_round: int = 30
+    t_tokens: int = 16
+    t_reps: int = 9
+    l_levels: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    l_tokens: int = 16
+    l_requests: int = 24  # requests per level (at least 2 per client)
+    l_level_seconds: float = 30.0  # no new requests after this long at one level
+    d_tokens: int = 128
+    d_reps: int = 5
+    r_context: int = 448  # R: the shared context's tokens
+    r_questions: int = 8  # R: requests per round, each the context + its own question
+    r_tokens: int = 8
+    r_rounds: int = 3  # R: measured rounds (after one warm-up round)
+    e_levels: tuple[int, ...] = (32, 64)  # E: concurrent clients (the goal is read at 32)
+    e_per_client: int = 3  # E: requests per client
+    e_rounds: int = 3  # E: measured rounds per level and mode (the median counts)
+    e_prompt_tokens: int = 48
+    e_tokens: int = 128
+    s_tokens: int = 96  # S: max_tokens of both sides (the constrained side may end sooner)
+    s_rounds: int = 3  # S: measured rounds (the median counts)
+    s_single_requests: int = 3  # S: requests of the 1-client loop per side and round
+    s_clients: int = 8
+    s_per_client: int = 2  # S: requests per client in the 8-client loop per side and round
+    s_compile_reps: int = 9  # S: fresh compiles of the 2 kB schema
+    # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
+    a_budget: float = 90.0
+    t_budget: float = 40.0
+    b_budget: float = 150.0
+    c_budget: float = 40.0
+    l_budget: float = 200.0  # L and R: a level (round) disturbed by other processes is run again while within this
+    s_budget: float = 240.0  # S: per level
+
+    @classmethod
+    def quick(cls) -> Plan:
+        """A smoke run: every part once, short generations, the fewest repetitions a part's figures need, and no
+        time budgets at all (a repetition disturbed by other processes is kept, not replaced: on a busy machine
+        replacing them is what made a quick run long). What it costs is mostly the server starts and model loads,
+        so its length depends on the machine; the run prints how long it took."""
+        return cls(
+            l_levels=(1, 2, 4, 8, 16),
+            a_tokens=16,
+            a_reps=3,
+            warmup=1,
+            b_tokens=16,
+            b_rounds=1,
+            b_single_requests=2,
+            b_per_client=1,
+            c_rounds=3,
+            c_per_round=10,
+            t_tokens=8,
+            t_reps=3,
+            l_tokens=8,
+            l_requests=4,
+            l_level_seconds=8.0,
+            d_tokens=16,
+            d_reps=2,
+            r_context=96,
+            r_questions=3,
+            r_tokens=4,
+            r_rounds=1,
+            e_levels=(32,),
+            e_per_client=1,
+            e_rounds=1,
+            e_tokens=32,
+            s_tokens=96,
+            s_rounds=1,
+            s_single_requests=1,
+            s_per_client=1,
+            s_compile_reps=3,
+            a_budget=0.0,
+            t_budget=0.0,
+            b_budget=0.0,
+            c_budget=0.0,
+            l_budget=0.0,
+            s_budget=0.0,
+        )
+
+    def budgets(self) -> dict[str, float]:
+        """The seconds each part may spend replacing disturbed repetitions."""
+        return {name: value for name, value in vars(self).items() if name.endswith("_budget")}
