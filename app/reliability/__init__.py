@@ -1,0 +1,46 @@
+"""``python -m app reliability``: the reliability figures of the hardening issue. A measurement, not a test: it
+starts its own gunicorn on 127.0.0.1 (``gunicorn.conf.py``, saker's worker) against ``--model`` (default: the
+embedded SmolLM2-135M-Instruct, converted once into ``--cache-dir``), runs the sections below, prints a table and
+writes a JSON report (``--out``). ``--quick`` is the bounded form CI runs (tests/test_reliability.py).
+
+Sections (``--only load,bad,slow,memory,close``; all by default):
+
+- load    16, 32 and 64 closed-loop clients (threads, plain ``http.client``) for ``--load-seconds`` each: plain and
+          streamed completions and chat completions; one client in four drops every request it sends (a stream is
+          closed after its first frames, a plain request's socket right after it is sent). Each request is
+          answered (200, whole: a stream ends with ``[DONE]``), busy (a clean 429/503 in the OpenAI error shape
+          with ``Retry-After``), dropped (by us), or lost: anything else (a connection error we did not cause, a
+          5xx or another status, a truncated stream, an error frame). Goal: lost = 0, and the server's running and
+          queued counts back to 0 afterwards (no slot kept by a dropped request).
+- bad     a corpus of malformed and hostile requests over raw sockets: bad JSON, wrong types and huge numbers in
+          every field, deep nesting, invalid UTF-8, lone surrogates, bad logit_bias keys, bad response_format /
+          structured_outputs / tools / messages, malformed chunked bodies, gzip bombs, unknown encodings, protocol
+          errors (bad Content-Length, HTTP/0.9, oversized request line and headers, ...). Goal: no answer >= 500,
+          every error answer JSON in the OpenAI shape, and a normal request answered 200 afterwards.
+- slow    ``--slow-clients`` connections (200) that send their request head one line every 2 s, reconnecting when
+          answered 408, for ``--slow-seconds``, while a normal client sends a completion and a /health every 0.5 s.
+          Goal: all slow connections held at once and every normal request answered (its latency is reported).
+- memory  the gunicorn worker's RSS (VmRSS of the worker and its children, every 50 ms) before, during and after
+          the worst legal request (a prompt filling the context minus 92 tokens, n = best_of = 20, logprobs 20,
+          echo, max_tokens null: it may be refused 400 because its candidates cannot fit the KV budget, which is a
+          correct answer) and a variant that fits (n = best_of = 2, max_tokens 16). Bound: the RSS at ready + the
+          KV budget in bytes (``saker_kv_cache_budget_tokens`` x 2 x layers x KV heads x head size x dtype bytes)
+          + a transient allowance of two prefill chunks of float32 logits (chunk x vocabulary x 4 bytes x 2).
+          Full mode also runs a sequence on a second server with a small budget (``--memory-budget-tokens``, 4096):
+          a long prompt (half the budget), then a request of 2 x SAKER_MAX_BATCH_SIZE one-word rows.
+- close   how long the server works on after its client leaves: a long stream (max_tokens 4000, ignore_eos) and
+          a long plain request (also one with a ``stop`` string), closed by the client after ~1 s of decoding, and
+          (full mode) a stream and a plain request closed while a long prompt is still being prefilled. Measured
+          from the close to ``saker_requests_running`` back to 0 (/metrics polled every 20 ms) and to the server's
+          "ended early" log line, compared with one decode step and one prefill chunk (timed on the same server
+          from ``X-Saker-*`` headers). Goal: <= one step (or chunk).
+
+Timing and memory figures are reported, never asserted; the exit status is 1 when a correctness goal is missed
+(lost requests, 5xx, non-JSON errors, slow clients starving the server, a slot never released), else 0.
+"""
+
+from __future__ import annotations
+
+from app.reliability.cli import add_arguments, main
+
+__all__ = ["add_arguments", "main"]
