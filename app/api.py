@@ -272,7 +272,7 @@ def create_response():
         state, ignored = service.prepare_stream(req, body)
         return _server_sent(
             service.events(state, alive=_client_alive(request.environ)),
-            state.job,
+            state.prepared,
             record,
             _typed_frame,
             done=False,
