@@ -1,6 +1,6 @@
 """``python -m app serve [--model ... --host ... --port ...]``: the development server (Flask's).
 ``python -m app batch [settings flags] INPUT [INPUT ...] [-o OUTPUT | --output-dir DIR]``: JSONL files offline
-(see ``app/batch.py`` and docs/batch.md).
+(see ``app/batch/`` and docs/batch.md).
 ``python -m app bench [...]``: the performance suite (docs/performance.md).
 ``python -m app reliability [--quick] [--model DIR] [--out FILE]``: the reliability figures (docs/deployment.md,
 Reliability)."""

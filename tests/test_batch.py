@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from app import batch
+from app.errors import InvalidRequestError
 from app.service import CompletionService
 from tests.conftest import make_settings
 
@@ -149,11 +150,11 @@ class CountingService:
     def __getattr__(self, name):
         return getattr(self.service, name)
 
-    def complete(self, request, job=None):
+    def complete(self, request, prepared=None):
         self.calls.append(request)
         if self.on_call is not None:
             self.on_call(len(self.calls))
-        return self.service.complete(request, job)
+        return self.service.complete(request, prepared)
 
 
 @pytest.fixture(scope="module")
@@ -495,7 +496,7 @@ def test_globs_output_dir_and_outputs_not_taken_as_inputs(tmp_path, gpt2_service
 
 def test_group_items_by_token_budget():
     items = [batch.Item(i, {}, cost=c) for i, c in enumerate([30, 30, 50, 10, 200, 5], start=1)]
-    items.insert(2, batch.Item(99, {}, error=batch.InvalidRequestError("bad")))
+    items.insert(2, batch.Item(99, {}, error=InvalidRequestError("bad")))
     groups = [[i.line for i in g] for g in batch.group_items(iter(items), 64)]
     assert groups == [[1, 2, 99], [3, 4], [5], [6]]
 
