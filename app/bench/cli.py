@@ -34,7 +34,8 @@ def parts_epilog(width: int | None = None) -> str:
     out = []
     for line in parts.overview().split("\n"):
         indent = " " * (len(line) - len(line.lstrip()) + (3 if line.startswith("  ") else 0))
-        out.append(textwrap.fill(line, width, subsequent_indent=indent) if line else "")
+        wrapped = textwrap.fill(line, width, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
+        out.append(wrapped if line else "")
     return "\n".join(out)
 
 

@@ -14,6 +14,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Callable
 
+from app.sse import iter_json
+
 
 @dataclass
 class Reply:
@@ -136,21 +138,13 @@ class Client:
 
     @staticmethod
     def _read_stream(resp, start: float) -> Reply:
+        """An SSE stream (app/sse.py's reader, each event as soon as its blank line arrives) up to ``[DONE]``:
+        the first frame that carries a token stops the TTFT clock."""
         ttft = None
         frames = 0
         text = []
         usage = timing = None
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            obj = json.loads(payload)
+        for obj in iter_json(resp):
             if "error" in obj:
                 raise HTTPError(f"stream error frame: {obj['error']}")
             for choice in obj.get("choices") or []:

@@ -79,34 +79,23 @@ def _stdlib_corpus(limit_chars: int = 6_000_000) -> list[str]:
 
 
 def _train_tokenizer(path: Path, vocab: int, texts: list[str]):
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2TokenizerFast
+    """A byte-level BPE (``app.tiny_models``) that also knows the bench's prompts."""
+    from app.tiny_models import train_byte_level_bpe
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(
-        texts + [PROMPT_TEXT, TINY_PROMPT],
-        vocab_size=vocab,
-        min_frequency=2,
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    bpe.save_model(str(path))
-    tok = GPT2TokenizerFast.from_pretrained(
-        str(path), bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>", add_bos_token=False
-    )
-    tok.save_pretrained(path)
-    return tok
+    return train_byte_level_bpe(path, texts + [PROMPT_TEXT, TINY_PROMPT], vocab)
 
 
 def ensure_model(spec: ModelSpec, cache_dir: Path, log: Callable[[str], None], device: str = "cpu") -> Path:
-    """Build ``spec`` once (tokenizer trained in seconds, random weights, seed 0); later runs reuse the folder."""
+    """Build ``spec`` once (tokenizer trained in seconds, random weights, seed 0, by ``app.tiny_models``); later
+    runs reuse the folder."""
     target = cache_dir / spec.dir_name
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     import shutil
 
     import torch
+
+    from app.tiny_models import gpt2_model, llama_model
 
     start = time.perf_counter()
     log(f"building {spec.name} into {target} (once)")
@@ -123,43 +112,32 @@ def ensure_model(spec: ModelSpec, cache_dir: Path, log: Callable[[str], None], d
 
             tok = GPT2TokenizerFast.from_pretrained(str(tok_source))
             tok.save_pretrained(tmp)
-        torch.manual_seed(0)
-        eos = tok.eos_token_id
         if spec.kind == "gpt2":
-            from transformers import GPT2Config, GPT2LMHeadModel
-
-            config = GPT2Config(
-                vocab_size=len(tok),
-                n_positions=spec.positions,
-                n_embd=spec.width,
-                n_layer=spec.layers,
-                n_head=spec.heads,
-                bos_token_id=eos,
-                eos_token_id=eos,
+            model = gpt2_model(
+                tok,
+                positions=spec.positions,
+                width=spec.width,
+                layers=spec.layers,
+                heads=spec.heads,
                 initializer_range=0.2 if spec.width <= 64 else 0.02,
             )
-            model = GPT2LMHeadModel(config).eval()
         else:
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            config = LlamaConfig(
-                vocab_size=len(tok),
-                hidden_size=spec.width,
-                intermediate_size=spec.intermediate,
-                num_hidden_layers=spec.layers,
-                num_attention_heads=spec.heads,
-                num_key_value_heads=spec.kv_heads,
-                max_position_embeddings=spec.positions,
-                rope_theta=500000.0,
+            model = llama_model(
+                tok,
+                width=spec.width,
+                intermediate=spec.intermediate,
+                layers=spec.layers,
+                heads=spec.heads,
+                kv_heads=spec.kv_heads,
+                positions=spec.positions,
+                initializer_range=0.02,
                 tie_word_embeddings=True,
-                bos_token_id=eos,
-                eos_token_id=eos,
+                device=device if device.startswith("cuda") else "cpu",
+                rope_theta=500000.0,
+                bos_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
                 dtype="bfloat16",
-            )
-            build_device = device if device.startswith("cuda") else "cpu"
-            with torch.device(build_device):
-                model = LlamaForCausalLM(config)
-            model = model.to(torch.bfloat16).eval()
+            ).to(torch.bfloat16)
         model.save_pretrained(tmp)
         del model
         if not target.exists():

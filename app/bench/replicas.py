@@ -1,4 +1,5 @@
-"""``python -m app.replica_bench``: saker replicas behind nginx (``deploy/nginx/saker-replicas.conf``), measured.
+"""``python -m app.bench.replicas`` (``make bench-replicas``): saker replicas behind nginx
+(``deploy/nginx/saker-replicas.conf``), measured.
 
 1. Throughput: generated tokens/s of ``--clients`` (16) closed-loop clients through nginx in front of 1 replica,
    then in front of 2 (the same replica settings; each replica gets ``--torch-threads`` threads, by default half
@@ -10,272 +11,55 @@
    interleaved (direct, nginx, direct, ...) over kept-alive connections; the difference is what the router
    adds. Goal <= 2 ms. Two tiny requests: ``GET /livez`` (no model work) and a 1-token completion.
 
-The model is app/bench.py's GPT-2-small-shaped one (12 layers, 768 wide, random weights, built once into
-``.cache/bench``) or, with ``--model tiny``, the tests' size. The replicas are real gunicorns on 127.0.0.1 and
-nginx runs in the foreground as the current user with every path under ``--work-dir``; everything is stopped at
-the end. ``Router`` and ``render_replicas_conf`` are also what tests/test_replicas.py runs the shipped config with.
+The model is the bench's GPT-2-small-shaped one (``app/bench/models.py``: 12 layers, 768 wide, random weights,
+built once into ``.cache/bench``) or, with ``--model tiny``, the tests' size. The replicas are real gunicorns on
+127.0.0.1 and nginx runs in the foreground as the current user with every path under ``--work-dir``
+(``app/bench/nginx.py``); everything is stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
-from app.processes import stop_process
-
-ROOT = Path(__file__).resolve().parent.parent
-REPLICAS_CONF = ROOT / "deploy" / "nginx" / "saker-replicas.conf"
-
-# every request nginx answers, one JSON line: which replica(s) it went to (a retried request lists several)
-ROUTER_LOG_FORMAT = (
-    'escape=json \'{"msec":$msec,"request_time":$request_time,"request_id":"$saker_request_id",'
-    '"session":"$http_x_session_id","uri":"$uri","status":$status,'
-    '"upstream":"$upstream_addr","upstream_status":"$upstream_status"}\''
-)
-
-_UPSTREAM = re.compile(r"^(upstream\s+[\w.-]+\s*\{)(.*?)(^\})", re.S | re.M)
-_SERVER_LINE = re.compile(r"^([ \t]*)server[ \t]+(\S+?)((?:[ \t]+[^;\n]*)?);[^\n]*\n", re.M)
+from app.bench.nginx import Router, nginx_binary
+from app.processes import ROOT, GunicornServer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def nginx_binary() -> str | None:
-    """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
-
-
-def render_replicas_conf(text: str, replicas: Sequence[str], listen: str) -> str:
-    """``deploy/nginx/saker-replicas.conf`` with the ``server`` lines of every upstream block replaced by one per
-    replica address (keeping the parameters of the block's first line) and ``listen 80;`` by ``listen``."""
-    if not replicas:
-        raise ValueError("at least one replica")
-    blocks = 0
-
-    def upstream(match: re.Match) -> str:
-        nonlocal blocks
-        blocks += 1
-        head, body, tail = match.groups()
-        lines = list(_SERVER_LINE.finditer(body))
-        if not lines:
-            raise ValueError(f"no server line in {head!r}")
-        indent, params = lines[0].group(1), lines[0].group(3)
-        new = "".join(f"{indent}server {addr}{params};\n" for addr in replicas)
-        out, at = [], 0
-        for i, line in enumerate(lines):
-            out.append(body[at : line.start()])
-            if i == 0:
-                out.append(new)
-            at = line.end()
-        out.append(body[at:])
-        return head + "".join(out) + tail
-
-    text = _UPSTREAM.sub(upstream, text)
-    text, listens = re.subn(r"^(\s*)listen 80;", rf"\g<1>listen {listen};", text, flags=re.M)
-    if blocks < 1 or listens != 1:
-        raise ValueError(f"unexpected config shape: {blocks} upstream blocks, {listens} `listen 80;` lines")
-    return text
-
-
-class Router:
-    """nginx in the foreground as the current user, every path (pid, logs, temp files) under ``root``, serving
-    ``site`` (deploy/nginx/saker-replicas.conf) with its upstreams pointed at ``replicas`` and its listener on a
-    free loopback port. Its access log (``access()``) says which replica each request went to."""
-
-    def __init__(self, root: Path, replicas: Sequence[str], site: Path = REPLICAS_CONF, workers: int = 1):
-        self.binary = nginx_binary()
-        if not self.binary:
-            raise RuntimeError("nginx is not installed (apt-get install nginx)")
-        self.root, self.site = root, site
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        root.mkdir(parents=True, exist_ok=True)
-        self.configure(replicas)
-        user = ""
-        if os.geteuid() == 0:  # workers would otherwise switch to nobody and lose the temp paths
-            import grp
-            import pwd
-
-            user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
-        temp = "\n".join(
-            f"    {name}_temp_path {root / name};" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
-        (root / "nginx.conf").write_text(f"""
-daemon off;
-worker_processes {workers};
-pid {root / "nginx.pid"};
-error_log {root / "error.log"} info;
-{user}
-events {{ worker_connections 1024; }}
-http {{
-    log_format saker_router {ROUTER_LOG_FORMAT};
-    access_log {root / "access.log"} saker_router;
-{temp}
-    include {root / "saker.conf"};
-}}
-""")
-        self.proc = subprocess.Popen(
-            [self.binary, "-p", str(root), "-c", str(root / "nginx.conf"), "-e", str(root / "error.log")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def configure(self, replicas: Sequence[str]) -> None:
-        self.replicas = list(replicas)
-        (self.root / "saker.conf").write_text(
-            render_replicas_conf(self.site.read_text(), self.replicas, f"127.0.0.1:{self.port}")
-        )
-
-    def reload(self, replicas: Sequence[str], timeout: float = 15) -> None:
-        """Point the upstreams at ``replicas`` and reload (SIGHUP, as ``nginx -s reload``); returns once the new
-        workers run and the old ones no longer accept connections."""
-        self.configure(replicas)
-        log = self.output()
-        started, stopping = log.count("start worker process"), log.count("gracefully shutting down")
-        os.kill(self.proc.pid, signal.SIGHUP)
-        deadline = time.time() + timeout
-        # the new workers run and the old ones have stopped accepting (they finish what they hold)
-        while (log := self.output()).count("start worker process") <= started or log.count(
-            "gracefully shutting down"
-        ) <= stopping:
-            if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"nginx did not reload: {self.output()[-2000:]}")
-            time.sleep(0.05)
-
-    def check_config(self) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                self.binary,
-                "-t",
-                "-p",
-                str(self.root),
-                "-c",
-                str(self.root / "nginx.conf"),
-                "-e",
-                str(self.root / "error.log"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.output()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"nginx not listening: {self.output()}")
-
-    def output(self) -> str:
-        log = self.root / "error.log"
-        return log.read_text(errors="replace") if log.exists() else ""
-
-    def access(self, wait_for: Sequence[str] = (), timeout: float = 10) -> list[dict]:
-        """nginx's access log, one dict per request; waits until the request ids ``wait_for`` are in it (nginx
-        writes a line once the answer is sent, so just after the client has it)."""
-        log = self.root / "access.log"
-        deadline = time.time() + timeout
-        while True:
-            lines = [
-                json.loads(line)
-                for line in (log.read_text().splitlines() if log.exists() else [])
-                if line.endswith("}")
-            ]
-            if not wait_for or time.time() > deadline or set(wait_for) <= {x["request_id"] for x in lines}:
-                return lines
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGQUIT, 15)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-
-class Replica:
+class Replica(GunicornServer):
     """One saker replica: ``gunicorn -c gunicorn.conf.py wsgi:app`` on 127.0.0.1 (one worker), its own process
-    group."""
+    group, ready when ``/readyz`` answers; the caller's SAKER_* settings are not inherited (but the cache dir)."""
 
     def __init__(self, model_dir: Path, name: str, env: dict[str, str], log_dir: Path):
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.address}"
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith("SAKER_") or k in ("SAKER_CACHE_DIR",)}
-        full_env = {
-            **inherited,
-            "SAKER_MODEL": str(model_dir),
-            "SAKER_SERVED_MODEL_NAME": name,
-            "SAKER_WORKERS": "1",
-            "SAKER_LOG_LEVEL": "warning",
-            "SAKER_ACCESS_LOG": "off",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            **env,
-        }
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"replica-{self.port}.log"
-        self.log = open(self.log_path, "w+")
-        gunicorn = str(Path(sys.executable).parent / "gunicorn")
-        self.proc = subprocess.Popen(
-            [gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, "wsgi:app"],
-            cwd=ROOT,
-            env=full_env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        super().__init__(
+            {
+                "SAKER_MODEL": str(model_dir),
+                "SAKER_SERVED_MODEL_NAME": name,
+                "SAKER_WORKERS": "1",
+                "SAKER_LOG_LEVEL": "warning",
+                "SAKER_ACCESS_LOG": "off",
+                **env,
+            },
+            log_dir=log_dir,
+            name="replica",
+            ready_path="/readyz",
+            inherit=lambda key: not key.startswith("SAKER_") or key == "SAKER_CACHE_DIR",
         )
 
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited {self.proc.returncode}:\n{self.output()[-3000:]}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                try:
-                    conn.request("GET", "/readyz")
-                    if conn.getresponse().status == 200:
-                        return
-                finally:
-                    conn.close()
-            time.sleep(0.2)
-        raise TimeoutError(f"replica not ready after {timeout:.0f} s:\n{self.output()[-3000:]}")
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> None:
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30, *, group: bool = False) -> int | None:
         """``sig`` to the master alone (SIGINT: it stops its worker with one SIGQUIT; a signal to the whole process
         group would reach the worker twice), then SIGKILL to the group after ``timeout``."""
-        stop_process(self.proc, sig, timeout, group=False)
-        if not self.log.closed:
-            self.log.close()
+        return super().stop(sig, timeout, group=group)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -456,12 +240,12 @@ def router_latency(direct: str, routed: str, model: str, reps: int) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.replica_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m app.bench.replicas", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model",
         choices=("small", "tiny"),
         default="small",
-        help="app/bench.py's GPT-2-small-shaped model (default) or the tests' tiny one",
+        help="the bench's GPT-2-small-shaped model (default) or the tests' tiny one",
     )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window per configuration")
@@ -490,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nginx_binary() is None:
         log("nginx is not installed (apt-get install nginx)")
         return 2
-    from app.bench import DEFAULT_CACHE, GPT2_SMALL, GPT2_TINY, ensure_model
+    from app.bench.models import GPT2_SMALL, GPT2_TINY, ensure_model
+    from app.bench.plan import DEFAULT_CACHE
 
     spec = GPT2_SMALL if args.model == "small" else GPT2_TINY
     model_dir = ensure_model(spec, DEFAULT_CACHE, log)
