@@ -97,13 +97,14 @@ class TextFormatter(logging.Formatter):
 
 
 class AccessFileHandler(logging.handlers.WatchedFileHandler):
-    """The access log's file (``SAKER_ACCESS_LOG=/path``): appended, created with its folder, reopened when
-    logrotate moves it, JSON lines whatever ``SAKER_LOG_FORMAT`` says."""
+    """The access log's file (``SAKER_ACCESS_LOG=/path``): appended, its folder created at once, the file opened
+    at the first line (so gunicorn's master, which configures logging but serves nothing, never holds it open
+    across a rotation), reopened when logrotate moves it, JSON lines whatever ``SAKER_LOG_FORMAT`` says."""
 
     def __init__(self, filename: str):
         path = Path(filename).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(path, mode="a", encoding="utf-8")
+        super().__init__(path, mode="a", encoding="utf-8", delay=True)
         self.destination = filename
         self.setFormatter(JsonFormatter())
 
