@@ -184,6 +184,24 @@ def test_configure_logging_text_in_a_process(tmp_path):
     assert json.loads(log_file.read_text())["request_id"] == "r9"
 
 
+ADOPT = """
+from app.log_config import adopt_library_loggers, configure_logging
+from app.settings import load_settings
+configure_logging(load_settings())
+from transformers.utils import logging as hf_logging
+adopt_library_loggers()
+hf_logging.get_logger("transformers.modeling_utils").warning("a transformers warning")
+"""
+
+
+def test_transformers_warnings_join_the_one_format():
+    env = {"PATH": "/usr/bin:/bin", "SAKER_LOG_FORMAT": "json", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", ADOPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (line,) = [json.loads(x) for x in done.stderr.splitlines()]  # not also "[transformers] ..." from its handler
+    assert line["logger"] == "transformers.modeling_utils" and line["message"] == "a transformers warning"
+
+
 # -- the access log's routing ------------------------------------------------------------------------------
 @pytest.fixture
 def access_logger():
