@@ -12,7 +12,7 @@ from pathlib import Path
 from app.processes import GunicornServer, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "Gunicorn", "Nginx", "free_port", "nginx_binary"]
+__all__ = ["ROOT", "Gunicorn", "Nginx", "free_port", "nginx_binary", "read_response"]
 
 
 class Gunicorn(GunicornServer):
@@ -23,6 +23,26 @@ class Gunicorn(GunicornServer):
 
     def wait_ready(self, timeout: float = 120, path: str | None = None) -> float:
         return super().wait_ready(timeout, path)
+
+
+def read_response(sock: socket.socket, *, cut: bool = False) -> bytes:
+    """One answer read off a socket by hand: its head, the blank line and its body, read until it holds the
+    Content-Length (or the server closes). ``cut``: the body cut to that length (empty without one)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lengths = [line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    length = int(lengths[0]) if lengths else 0
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + (body[:length] if cut else body)
 
 
 def nginx_binary() -> str | None:

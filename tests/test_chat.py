@@ -3,11 +3,11 @@ tokenizer endpoints against the tokenizer itself."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
+from app.sse import iter_json, read_stream
 from conftest import make_settings
 from references import continuation
 
@@ -48,7 +48,7 @@ def test_chat_matches_template_and_generate(llama_client, reference, llama_dir):
     again = llama_client.post(
         "/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 1, "stream": True}
     )
-    chunks = [json.loads(line[6:]) for line in again.get_data(as_text=True).splitlines() if line.startswith("data: {")]
+    chunks = list(iter_json(again.get_data()))
     assert {c["system_fingerprint"] for c in chunks} == {body["system_fingerprint"]}  # stable across answers
     tokenized = llama_client.post("/tokenize", json={"messages": MESSAGES}).get_json()
     assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
@@ -67,10 +67,9 @@ def test_chat_stream_equals_plain(llama_client):
         "stream_options": {"include_usage": True},
     }
     plain = llama_client.post("/v1/chat/completions", json={**body, "stream_options": None}).get_json()
-    raw = llama_client.post("/v1/chat/completions", json={**body, "stream": True}).get_data(as_text=True)
-    frames = [f[len("data: ") :] for f in raw.split("\n\n") if f]
-    assert frames[-1] == "[DONE]"
-    chunks = [json.loads(f) for f in frames[:-1]]
+    stream = read_stream(llama_client.post("/v1/chat/completions", json={**body, "stream": True}).get_data())
+    assert stream.done
+    chunks = stream.chunks
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["usage"] == plain["usage"] and chunks[-1]["choices"] == []
     for choice in plain["choices"]:

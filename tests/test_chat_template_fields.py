@@ -4,10 +4,10 @@ unless asked, and their 400s."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
+from app.sse import iter_json
 from conftest import make_settings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -102,12 +102,8 @@ def test_chat_echo_starts_the_answer_with_the_last_assistant_message(client):
     plain = client.post("/v1/chat/completions", json=body).get_json()["choices"][0]["message"]["content"]
     echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).get_json()
     assert echoed["choices"][0]["message"]["content"] == "A fruit is the" + plain
-    frames = client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True}).get_data(as_text=True)
-    streamed = "".join(
-        json.loads(f[6:])["choices"][0]["delta"].get("content") or ""
-        for f in frames.split("\n\n")
-        if f.startswith("data: {") and json.loads(f[6:])["choices"]
-    )
+    frames = client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True}).get_data()
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in iter_json(frames) if c["choices"])
     assert streamed == "A fruit is the" + plain
     user_last = client.post(
         "/v1/chat/completions",

@@ -9,6 +9,7 @@ import re
 import pytest
 import requests
 
+from app.sse import read_stream
 from servers import ROOT, Gunicorn, Nginx, nginx_binary
 
 pytestmark = [
@@ -79,9 +80,9 @@ def test_stream_through_nginx(stack):
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         assert "Content-Length" not in resp.headers  # passed on as it comes, not buffered whole
         assert resp.headers.get("Transfer-Encoding") == "chunked"
-        frames = [line for line in resp.iter_lines(decode_unicode=True) if line]
-    assert frames[-1] == "data: [DONE]"
-    chunks = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
+        stream = read_stream(resp.iter_content(None))
+    assert stream.done
+    chunks = stream.chunks
     assert len(chunks) > 1 and all("error" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == plain
 

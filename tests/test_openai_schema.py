@@ -16,6 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from app.sse import iter_json
 from conftest import make_settings
 from test_tools import TOOL_TEMPLATE, TOOLS
 
@@ -45,7 +46,7 @@ def check(document: dict, name: str) -> None:
 
 
 def frames(resp) -> list[dict]:
-    return [json.loads(f[6:]) for f in resp.get_data(as_text=True).split("\n\n") if f.startswith("data: {")]
+    return list(iter_json(resp.get_data()))
 
 
 COMBOS = [

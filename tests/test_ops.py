@@ -12,6 +12,7 @@ from jsonschema import Draft202012Validator
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.engine.admission import Admission
+from app.sse import read_stream
 from conftest import make_settings
 
 URL = "/v1/completions"
@@ -32,10 +33,9 @@ def error_of(resp, status: int, code: str | None, type_: str | None = None) -> d
 
 def sse(resp) -> list:
     assert resp.status_code == 200, resp.get_data(as_text=True)
-    raw = resp.get_data(as_text=True)
-    frames = [f[len("data: ") :] for f in raw.split("\n\n") if f]
-    assert frames[-1] == "[DONE]"
-    return [json.loads(f) for f in frames[:-1]]
+    stream = read_stream(resp.get_data())
+    assert stream.done
+    return stream.chunks
 
 
 def make_app(worker, **values):

@@ -17,7 +17,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import Gunicorn
+from app.sse import read_stream
+from servers import Gunicorn, read_response
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +92,8 @@ def test_load_every_request_answered_200_or_clean_429_503(server):
                     outcomes.append((-1, repr(exc)))
                     continue
                 if resp.status_code == 200 and stream:
-                    frames = [f for f in resp.text.split("\n\n") if f]
-                    ok = frames[-1] == "data: [DONE]" and not any('"error"' in f for f in frames)
+                    frames = read_stream(resp.content)
+                    ok = frames.done and not frames.errors
                     outcomes.append((200 if ok else -2, resp.text[-300:]))
                 elif resp.status_code == 200:
                     ok = resp.json()["usage"]["completion_tokens"] == 48
@@ -141,29 +142,7 @@ def raw_request(server, head: bytes, body_parts: list[bytes], *, shut: bool = Fa
             sock.sendall(part)
         if shut:
             sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        header, _, rest = data.partition(b"\r\n\r\n")
-        length = int(
-            next(
-                (
-                    line.split(b":", 1)[1]
-                    for line in header.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                ),
-                b"0",
-            )
-        )
-        while len(rest) < length:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            rest += chunk
-        return header + b"\r\n\r\n" + rest
+        return read_response(sock)
 
 
 def parse(raw: bytes) -> tuple[int, dict]:
@@ -340,7 +319,7 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
             with requests.post(
                 srv.url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=120
             ) as resp:
-                return resp.status_code, [line for line in resp.iter_lines(decode_unicode=True) if line]
+                return resp.status_code, read_stream(resp.iter_content(None))
 
         with ThreadPoolExecutor(5) as pool:
             plains = [pool.submit(plain) for _ in range(3)]
@@ -371,9 +350,7 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
         for resp in answers:
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40
         for status, frames in streamed:
-            assert status == 200 and frames[-1] == "data: [DONE]"
-            chunks = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
-            assert not any("error" in c for c in chunks)
+            assert status == 200 and frames.done and frames.chunks and not frames.errors
         assert srv.proc.wait(90) == 0
         assert "Traceback" not in srv.output()
     finally:

@@ -3,11 +3,11 @@ return_tokens_as_token_ids against the tokenizer."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
+from app.sse import iter_json
 from references import ref_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,7 +54,7 @@ def test_completions_prompt_logprobs_match_a_plain_forward(gpt2_client, gpt2_dir
             "stream": True,
         },
     )
-    chunks = [json.loads(f[6:]) for f in frames.get_data(as_text=True).split("\n\n") if f.startswith("data: {")]
+    chunks = list(iter_json(frames.get_data()))
     assert chunks[0]["choices"][0]["prompt_logprobs"] == entries
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
     assert "prompt_logprobs" not in post(gpt2_client, prompt=PROMPT, max_tokens=1)["choices"][0]

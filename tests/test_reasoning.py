@@ -4,11 +4,11 @@ API's reasoning item and events. The tiny model is made to think by a regex (it 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from app.reasoning import ThinkStream, starts_inside
+from app.sse import iter_json
 from conftest import make_settings
 from test_tools import TOOL_TEMPLATE
 
@@ -73,14 +73,13 @@ def test_chat_returns_thoughts_apart_plain_and_streamed(client):
     message = client.post("/v1/chat/completions", json=body).get_json()["choices"][0]["message"]
     assert message["content"] == "Hello there."
     assert message["reasoning"].startswith("I think ") and message["reasoning"] == message["reasoning_content"]
-    frames = client.post("/v1/chat/completions", json={**body, "stream": True}).get_data(as_text=True)
+    frames = client.post("/v1/chat/completions", json={**body, "stream": True}).get_data()
     thoughts, content = "", ""
-    for frame in frames.split("\n\n"):
-        if frame.startswith("data: {"):
-            delta = json.loads(frame[6:])["choices"][0]["delta"]
-            assert delta.get("reasoning") == delta.get("reasoning_content")
-            thoughts += delta.get("reasoning") or ""
-            content += delta.get("content") or ""
+    for chunk in iter_json(frames):
+        delta = chunk["choices"][0]["delta"]
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+        thoughts += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
     assert (thoughts, content) == (message["reasoning"], message["content"])
 
 
@@ -119,8 +118,7 @@ def test_responses_have_a_reasoning_item_before_the_message(client):
     thoughts = response["output"][0]["content"][0]["text"]
     assert thoughts.startswith("I think ") and response["output"][1]["content"][0]["text"] == "Hello there."
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
-    frames = client.post("/v1/responses", json={**body, "stream": True}).get_data(as_text=True)
-    events = [json.loads(f.split("data: ", 1)[1]) for f in frames.split("\n\n") if "data: " in f]
+    events = list(iter_json(client.post("/v1/responses", json={**body, "stream": True}).get_data()))
     types = [e["type"] for e in events]
     assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert events[2]["item"]["type"] == "reasoning"

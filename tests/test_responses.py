@@ -35,6 +35,7 @@ import jsonschema
 import pytest
 import requests
 
+from app.sse import iter_events
 from conftest import make_settings
 from servers import Gunicorn
 from test_tools import TOOL_TEMPLATE
@@ -210,14 +211,11 @@ def create(client, expect: int = 200, **body):
 
 def sse_events(text: str) -> list[dict]:
     """Server-sent Responses events: each frame is ``event: <type>`` and ``data: <the event>``."""
+    assert all(len(frame.split("\n")) == 2 for frame in text.split("\n\n")[:-1]), text
     events = []
-    for frame in text.split("\n\n"):
-        if not frame.strip():
-            continue
-        lines = frame.split("\n")
-        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
-        event = json.loads(lines[1][len("data: ") :])
-        assert lines[0][len("event: ") :] == event["type"], frame
+    for frame in iter_events(text):
+        event = frame.json()
+        assert frame.event == event["type"], frame
         events.append(event)
     return events
 

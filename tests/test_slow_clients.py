@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 
+import servers
 from servers import Gunicorn
 
 pytestmark = pytest.mark.slow
@@ -30,25 +31,8 @@ def server(gpt2_dir):
 
 
 def read_response(sock) -> tuple[int, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(
-        next(
-            (line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
-            b"0",
-        )
-    )
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(head.split(b" ", 2)[1]), body[:length]
+    head, _, body = servers.read_response(sock, cut=True).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
 
 
 def test_slow_clients_do_not_starve_the_server(server):

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from app.sse import iter_events
+
 
 def frames(response) -> list[str]:
     assert response.status_code == 200, response.get_data(as_text=True)
@@ -15,13 +17,8 @@ def frames(response) -> list[str]:
     assert response.headers["X-Accel-Buffering"] == "no"
     raw = response.get_data(as_text=True)
     assert raw.endswith("data: [DONE]\n\n")
-    parts = raw.split("\n\n")
-    assert parts[-1] == ""
-    out = []
-    for part in parts[:-1]:
-        assert part.startswith("data: "), part
-        out.append(part[len("data: ") :])
-    return out
+    assert all(part.startswith("data: ") for part in raw.split("\n\n")[:-1]), raw  # one data line a frame
+    return [event.data for event in iter_events(raw)]
 
 
 def stream(client, url, body) -> tuple[list[dict], bool]:

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from app.sse import iter_json
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # the JSON format the server documents: json.dumps' separators, no free whitespace
@@ -218,10 +220,9 @@ def test_chat_response_format_plain_and_streamed(llama_client):
     text = body["choices"][0]["message"]["content"]
     resp = llama_client.post("/v1/chat/completions", json={**fields, "stream": True})
     streamed = ""
-    for line in resp.get_data(as_text=True).splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                streamed += choice["delta"].get("content") or ""
+    for chunk in iter_json(resp.get_data()):
+        for choice in chunk["choices"]:
+            streamed += choice["delta"].get("content") or ""
     assert streamed == text
     if body["choices"][0]["finish_reason"] == "stop":
         import jsonschema

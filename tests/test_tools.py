@@ -11,6 +11,7 @@ import json
 import jsonschema
 import pytest
 
+from app.sse import iter_json
 from conftest import make_settings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -133,10 +134,8 @@ def streamed(client, **body) -> tuple[str, list[dict], list[str]]:
         json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0, "max_tokens": 120, "stream": True, **body},
     )
     content, calls, reasons = "", {}, []
-    for line in resp.get_data(as_text=True).splitlines():
-        if not line.startswith("data: {"):
-            continue
-        for choice in json.loads(line[6:])["choices"]:
+    for chunk in iter_json(resp.get_data()):
+        for choice in chunk["choices"]:
             delta = choice["delta"]
             content += delta.get("content") or ""
             for call in delta.get("tool_calls") or []:
@@ -201,23 +200,19 @@ def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
     plain = chat(tool_client, tools=TOOLS, tool_choice=choice)["choices"][0]
     content, calls, reasons = streamed(tool_client, tools=TOOLS, tool_choice=choice)
     assert reasons == [plain["finish_reason"]] and (content or None) == plain["message"]["content"]
-    frames = (
-        tool_client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "tiny-gpt2",
-                "messages": MESSAGES,
-                "temperature": 0,
-                "max_tokens": 120,
-                "stream": True,
-                "tools": TOOLS,
-                "tool_choice": choice,
-            },
-        )
-        .get_data(as_text=True)
-        .split("\n\n")
-    )
-    deltas = [json.loads(f[6:])["choices"] for f in frames if f.startswith("data: {")]
+    frames = tool_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-gpt2",
+            "messages": MESSAGES,
+            "temperature": 0,
+            "max_tokens": 120,
+            "stream": True,
+            "tools": TOOLS,
+            "tool_choice": choice,
+        },
+    ).get_data()
+    deltas = [c["choices"] for c in iter_json(frames)]
     assert all(c[0]["delta"] or c[0]["finish_reason"] for c in deltas[1:]), "no empty chunks inside a call"
     strip = [{**c, "id": None} for c in calls]
     assert strip == [{**c, "id": None} for c in plain["message"]["tool_calls"]]
