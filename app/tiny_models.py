@@ -40,6 +40,7 @@ LLAMA_CHAT_TEMPLATE = (
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "added_tokens.json",
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",

@@ -165,32 +165,16 @@ def gpt2_service(gpt2_dir, gpt2_worker):
 @pytest.fixture(scope="module")
 def long_gpt2(gpt2_dir, tmp_path_factory):
     """The tiny GPT-2's tokenizer with a 1024-token context: the seed's prompt is ~700 tiny-BPE tokens."""
-    import shutil
-
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer
 
     from app import create_app
+    from app.tiny_models import copy_tokenizer, gpt2_model
     from tests.conftest import make_worker
 
     path = tmp_path_factory.mktemp("long-gpt2")
-    for item in gpt2_dir.iterdir():
-        if "token" in item.name or item.name in ("vocab.json", "merges.txt"):
-            shutil.copy(item, path / item.name)
-    reference = GPT2Config.from_pretrained(gpt2_dir)
-    torch.manual_seed(1)
-    GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=reference.vocab_size,
-            n_positions=1024,
-            n_embd=32,
-            n_layer=1,
-            n_head=2,
-            bos_token_id=reference.bos_token_id,
-            eos_token_id=reference.eos_token_id,
-            initializer_range=0.2,
-        )
-    ).eval().save_pretrained(path)
+    copy_tokenizer(gpt2_dir, path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    gpt2_model(tok, positions=1024, width=32, layers=1, heads=2, seed=1).save_pretrained(path)
     settings = make_settings(model=str(path), served_model_name="tiny-gpt2-1k")
     worker = make_worker(settings)
     app = create_app(settings, engine=worker)

@@ -5,14 +5,13 @@ plain forward's log-softmax."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
-import torch
 
 from app.engine.generate import PaddedBatch, RequestGroup
 from app.engine.output import collect
 from app.engine.params import SamplingParams
+from app.tiny_models import copy_tokenizer, llama_model
 from conftest import make_settings
 from references import continuation, ref_greedy, ref_logprobs
 
@@ -21,29 +20,12 @@ WINDOW = 8
 
 @pytest.fixture(scope="module")
 def mistral_dir(llama_dir, tmp_path_factory):
-    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+    from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tiny-mistral")
-    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
-        if (llama_dir / name).exists():
-            shutil.copy(llama_dir / name, path / name)
+    copy_tokenizer(llama_dir, path)
     tok = AutoTokenizer.from_pretrained(str(path))
-    torch.manual_seed(1)
-    config = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    MistralForCausalLM(config).eval().save_pretrained(path)
+    llama_model(tok, kind="mistral", sliding_window=WINDOW, seed=1).save_pretrained(path)
     return path
 
 

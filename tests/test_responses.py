@@ -1050,7 +1050,9 @@ def build_echo_llama(path: Path, tokenizer_dir: Path, answer: str, positions: in
     zero, so the logits are a lookup of the last token's embedding. After a newline it writes ``answer`` and then
     its end token; after anything else, the end token. Certain (logit margins of 80) under any sampling."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from app.tiny_models import llama_model
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     path.mkdir(parents=True, exist_ok=True)
@@ -1058,20 +1060,7 @@ def build_echo_llama(path: Path, tokenizer_dir: Path, answer: str, positions: in
     chain = [tok.convert_tokens_to_ids("Ċ"), *tok.encode(answer, add_special_tokens=False)]
     hidden = 64
     assert len(set(chain)) == len(chain) < hidden - 1 and tok.eos_token_id not in chain
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = llama_model(tok, width=hidden, positions=positions, initializer_range=0.02)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
