@@ -35,6 +35,7 @@ def test_embedded_smollm2_says_paris(saker_cache):
     assert body["model"] == "SmolLM2-135M-Instruct"
     models = client.get("/v1/models").get_json()["data"]
     assert models[0]["id"] == "SmolLM2-135M-Instruct" and models[0]["max_model_len"] == 8192
+    assert models[0]["precision"].startswith("int4 weights")  # the embedded default on the CPU: as its GGUF ships
 
 
 @pytest.mark.slow

@@ -90,6 +90,8 @@ def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode)
     lp = ref_logprobs(worker.runner.model, tokens + generated)
     want = [lp[len(tokens) - 1 + i, t].item() for i, t in enumerate(generated)]
     assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    [card] = client.get("/v1/models").get_json()["data"]
+    assert card["precision"].startswith(f"{mode} weights") and card["precision"].endswith("float32 activations")
 
 
 def test_weight_only_modes_are_cpu_only(llama_dir):

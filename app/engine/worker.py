@@ -32,6 +32,7 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     source: str
+    precision: str = "float32"  # the weights and activations served, in words
 
 
 def context_length(model, tokenizer) -> int:
@@ -135,7 +136,12 @@ class Worker:
         model, tok = loaded.model, loaded.tokenizer
         self.runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
         self.info = ModelInfo(
-            self.names, tuple(loaded.adapters), context_length(model, tok), self.runner.vocab_size, loaded.source
+            self.names,
+            tuple(loaded.adapters),
+            context_length(model, tok),
+            self.runner.vocab_size,
+            loaded.source,
+            loaded.precision,
         )
         if self.prefix_cache_tokens:
             self.runner.prefix_cache = PrefixCache(self.prefix_cache_tokens)
@@ -155,12 +161,13 @@ class Worker:
         self.scheduler.start()
         self.load_seconds = loaded.load_seconds
         log.info(
-            "serving %s as %s from %s (loaded in %.1f s, context %d)",
+            "serving %s as %s from %s (loaded in %.1f s, context %d, %s)",
             self.names[0],
             ", ".join(self.names + self.info.adapters),
             loaded.source,
             loaded.load_seconds,
             self.info.context_length,
+            loaded.precision,
         )
         self._ready.set()
 

@@ -16,6 +16,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    precision: str | None = None  # saker: the weights and activations served, in words
 
 
 class ModelList(BaseModel):

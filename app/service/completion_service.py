@@ -62,6 +62,7 @@ class CompletionService:
             s = self.settings
             facts = [
                 info.source,
+                info.precision,
                 list(info.adapters),
                 info.vocab_size,
                 info.context_length,
@@ -105,7 +106,13 @@ class CompletionService:
     def list_models(self) -> dict:
         info = self.worker.require_ready()
         cards = [
-            ModelCard(id=name, created=self.created, root=info.source, max_model_len=self.max_total_tokens)
+            ModelCard(
+                id=name,
+                created=self.created,
+                root=info.source,
+                max_model_len=self.max_total_tokens,
+                precision=info.precision,
+            )
             for name in self.names
         ]
         adapters = self.settings.peft_adapters
@@ -116,6 +123,7 @@ class CompletionService:
                 root=adapters.get(name, name),
                 parent=self.names[0],
                 max_model_len=self.max_total_tokens,
+                precision=info.precision,
             )
             for name in info.adapters
         ]
