@@ -44,6 +44,18 @@ class Operation:
     errors: tuple[str, ...] = ("401", "500", "503")
 
 
+SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event: `data` is a JSON chunk, an error frame or `[DONE]`.",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string", "description": "message, or a Responses event's type"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
 OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "/v1/completions",
@@ -186,8 +198,9 @@ def build_openapi(title: str = "saker", version: str = "1") -> dict:
                 }
             }
         if op.streams:
-            # OpenAPI 3.1 cannot describe the frames of a stream (3.2's itemSchema can): a string, described
-            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            # in OpenAPI 3.1 the schema of text/event-stream describes one event (3.2 adds itemSchema): its
+            # fields as an SSE parser gives them; each data is a JSON chunk or [DONE] (described in words)
+            ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
             ok["description"] = 'OK. With "stream": true, text/event-stream: ' + (
                 "`event: <type>` + `data: {event}` frames (Responses events), the last one response.completed, "
                 "response.incomplete or response.failed."
