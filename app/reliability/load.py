@@ -13,7 +13,7 @@ from collections import Counter
 
 from app.reliability.base import RunBase, percentile, rounded
 from app.reliability.plan import PROMPTS
-from app.reliability.wire import build, complete, hard_close, is_error_object, metrics, parse_answer, statuses
+from app.reliability.wire import build, hard_close, is_error_object, metrics, parse_answer, receive, statuses
 from app.sse import iter_events
 
 
@@ -87,12 +87,9 @@ class LoadSection(RunBase):
             if not first:
                 return "lost", "the server closed the connection without an answer"
             sock.settimeout(30)
-            raw = first
-            while not complete(raw):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                raw += chunk
+            raw, failed = receive(sock, first)
+            if failed is not None:
+                return "lost", f"plain drop: {failed!r}"
             answer = parse_answer(raw)
             if answer.status == 200:
                 return "answered", None

@@ -3,7 +3,6 @@ while a normal client sends a completion and a /health every 0.5 s."""
 
 from __future__ import annotations
 
-import contextlib
 import select
 import socket
 import threading
@@ -11,7 +10,7 @@ import time
 from collections import Counter
 
 from app.reliability.base import RunBase, percentile, rounded
-from app.reliability.wire import build, complete, exchange, is_error_object, parse_answer, post_json
+from app.reliability.wire import build, exchange, is_error_object, parse_answer, post_json, receive
 
 
 class SlowSection(RunBase):
@@ -56,14 +55,8 @@ class SlowSection(RunBase):
                             [sock], [], [], max(0.0, min(interval, stop_at - time.monotonic()))
                         )
                         if readable:
-                            raw = b""
                             sock.settimeout(5)
-                            with contextlib.suppress(OSError):
-                                while not complete(raw):
-                                    chunk = sock.recv(65536)
-                                    if not chunk:
-                                        break
-                                    raw += chunk
+                            raw, _ = receive(sock)
                             answer = parse_answer(raw)
                             with lock:
                                 answers[str(answer.status)] += 1

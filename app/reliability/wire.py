@@ -54,7 +54,7 @@ def exchange(
     closes it (or the first answer is complete)."""
     parts = [data] if isinstance(data, bytes) else list(data)
     started = time.monotonic()
-    raw, error = b"", None
+    error = None
     try:
         sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     except OSError as exc:
@@ -69,18 +69,27 @@ def exchange(
                 sock.shutdown(socket.SHUT_WR)
         except OSError as exc:  # the server answered (and closed) before taking all of it
             error = f"send: {exc!r}"
-        try:
-            while not complete(raw):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                raw += chunk
-        except OSError as exc:
-            error = f"{error + '; ' if error else ''}recv: {exc!r}"
+        raw, failed = receive(sock)
+        if failed is not None:
+            error = f"{error + '; ' if error else ''}recv: {failed!r}"
     answer = parse_answer(raw)
     answer.error = error if answer.status is None else None
     answer.seconds = time.monotonic() - started
     return answer
+
+
+def receive(sock: socket.socket, raw: bytes = b"") -> tuple[bytes, OSError | None]:
+    """Read on after ``raw`` until the answer is complete or the server closes; what came, and the error that
+    stopped the reading (None when it ended as it should)."""
+    try:
+        while not complete(raw):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    except OSError as exc:
+        return raw, exc
+    return raw, None
 
 
 def complete(raw: bytes) -> bool:
