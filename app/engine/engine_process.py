@@ -115,7 +115,9 @@ def engine_main(settings, conn) -> None:
     serve the pipe until it closes."""
     from app.engine.worker import Worker
 
-    logging.basicConfig(level=getattr(logging, str(settings.log_level).upper(), logging.INFO))
+    from app.log_config import configure_logging
+
+    configure_logging(settings)  # the serving processes' one format (text or JSON), in this process too
     worker = Worker.from_settings(settings.model_copy(update={"engine_process": False}))
     worker.load_in_background().join()
     if not worker.ready:
