@@ -400,17 +400,19 @@ def test_a_plain_request_whose_client_left_stops_generating(gpt2_dir, tmp_path):
         while sample(metrics(srv), "saker_requests_in_flight") < 2 and time.time() < deadline:
             time.sleep(0.05)  # it is in the server, its first step held at the gate
         client.close()  # the client goes away
-        time.sleep(1.0)  # the request thread polls every 0.25 s
+        time.sleep(1.0)  # the close is seen at once (epoll), or by the request thread's 50 ms poll
         gate.unlink()
         deadline = time.time() + 30
         while "499" not in (access_log.read_text() if access_log.exists() else "") and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
         steps = count.read_text().count("step")
-        assert 1 <= steps < 20, steps  # stopped long before 200 tokens
+        # stopped long before 200 tokens: seen at once, the close may even cancel it before its first decode step
+        # (the one held at the gate), so 0 steps is possible
+        assert steps < 20, steps
         line = json.loads([x for x in access_log.read_text().splitlines() if '"/v1/completions"' in x][0])
         assert line["status"] == 499 and line["error_code"] == "client_closed_request"
-        assert 1 <= line["completion_tokens"] <= steps + 1  # what it generated before it stopped
+        assert line["completion_tokens"] <= steps + 1  # what it generated before it stopped (the prefill's token)
         assert re.search(r"ended early after \d+ generated tokens: its client closed", srv.output())
         after = requests.post(
             srv.url + "/v1/completions",
