@@ -11,7 +11,7 @@ direct exposure safe too.
 What is not buffered: TLS connections (gunicorn's ``certfile``: the bytes are encrypted until a thread does the
 handshake), HTTP/2 prior-knowledge peers, chunked bodies (the head is buffered; the body is read by the
 thread, against the body limit) and bodies sent after ``Expect: 100-continue``. This relies on gthread's
-internals (gunicorn is pinned in requirements.txt); tests/test_slow_clients.py holds it to its promise.
+internals (gunicorn is pinned in requirements.txt); tests/live/test_slow_clients.py holds it to its promise.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """nginx in front of saker replicas, as ``deploy/nginx/saker-replicas.conf`` ships it: ``render_replicas_conf``
 points the config's upstreams at given replica addresses, ``Router`` runs nginx in the foreground as the current
-user with every path under one folder. The replica bench (``app/bench/replicas.py``) and tests/test_replicas.py run
+user with every path under one folder. The replica bench (``app/bench/replicas.py``) and tests/live/test_replicas.py run
 the shipped config with them."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``python -m app reliability``: the reliability figures of the hardening issue. A measurement, not a test: it
 starts its own gunicorn on 127.0.0.1 (``gunicorn.conf.py``, saker's worker) against ``--model`` (default: the
 embedded SmolLM2-135M-Instruct, converted once into ``--cache-dir``), runs the sections below, prints a table and
-writes a JSON report (``--out``). ``--quick`` is the bounded form CI runs (tests/test_reliability.py).
+writes a JSON report (``--out``). ``--quick`` is the bounded form CI runs (tests/live/test_reliability.py).
 
 Sections (``--only load,bad,slow,memory,close``; all by default):
 

@@ -26,7 +26,7 @@ from app.log_config import (
 from app.settings import load_settings
 from servers import Gunicorn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # time (UTC, ms) level [pid] logger: message
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00 (DEBUG|INFO|WARNING|ERROR|CRITICAL) \[\d+\] [\w.]+: "

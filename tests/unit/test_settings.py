@@ -21,7 +21,7 @@ from app.settings import (
     settings_from_args,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
 GUNICORN = str(ROOT / ".venv" / "bin" / "gunicorn")
 
@@ -356,7 +356,7 @@ def test_every_setting_is_documented():
     """docs/configuration.md has a row for every field: its env var and its flag."""
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for name in Settings.model_fields:
         assert f"`SAKER_{name.upper()}`" in doc, name
         assert f"`--{name.replace('_', '-')}" in doc, name
@@ -366,7 +366,7 @@ def test_an_unknown_flag_shows_the_subcommands_usage():
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "app", "serve", "--bogus"], capture_output=True, text=True, cwd=root, timeout=120
     )

@@ -21,7 +21,7 @@ from conftest import make_settings
 from test_tools import TOOL_TEMPLATE, TOOLS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-SCHEMA = json.loads((Path(__file__).parent / "data" / "openai_chat_completions_schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "data" / "openai_chat_completions_schema.json").read_text())
 
 
 def relaxed() -> dict:

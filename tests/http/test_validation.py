@@ -165,7 +165,7 @@ BAD_FIELDS = [
     ("logit_bias-null-value", {"logit_bias": {"1": None}}, "logit_bias"),
     ("logit_bias-list", {"logit_bias": [1, 2]}, "logit_bias"),
     ("logit_bias-string", {"logit_bias": "1:5"}, "logit_bias"),
-    # -- response_format and structured_outputs (tests/test_structured_outputs.py has the grammar's own) -------
+    # -- response_format and structured_outputs (tests/http/test_structured_outputs.py has the grammar's own) -------
     ("response_format-unknown-type", {"response_format": {"type": "sound"}}, "response_format"),
     ("response_format-not-an-object", {"response_format": "json"}, "response_format"),
     ("response_format-json_schema-missing", {"response_format": {"type": "json_schema"}}, "response_format"),

@@ -30,7 +30,7 @@ from app.chat_client import (
     printable,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- a fake server -----------------------------------------------------------------------------------------

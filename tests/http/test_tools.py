@@ -389,7 +389,7 @@ def test_the_shipped_hermes_template_renders_tools_and_a_broken_one_says_so(gpt2
 
     from app import create_app
 
-    shipped = Path(__file__).resolve().parent.parent / "deploy" / "chat-templates" / "smollm2-hermes-tools.jinja"
+    shipped = Path(__file__).resolve().parents[2] / "deploy" / "chat-templates" / "smollm2-hermes-tools.jinja"
     for template, status, param in ((str(shipped), 200, None), ("{% if tools %}unclosed", 400, "messages")):
         app = create_app(
             make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=template),

@@ -14,7 +14,7 @@
   stopping its generation, the OpenAI Agents SDK running a function tool, and the Codex CLI (``codex exec``) with
   saker as a custom ``wire_api = "responses"`` provider.
 
-The tiny GPT-2 gets the Hermes-style TOOL_TEMPLATE of tests/test_tools.py (its tool calls are forced by the
+The tiny GPT-2 gets the Hermes-style TOOL_TEMPLATE of tests/http/test_tools.py (its tool calls are forced by the
 grammar; its words are random and rarely end before their limit). The Agents SDK's whole loop and Codex (a ~6k-token
 prompt) run on an "echo llama": tiny, 16k positions, SmolLM2's tokenizer and the shipped Hermes tool template,
 answering a fixed sentence (build_echo_llama)."""
@@ -42,8 +42,8 @@ from test_tools import TOOL_TEMPLATE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ROOT = Path(__file__).resolve().parent.parent
-SCHEMA_FILE = Path(__file__).resolve().parent / "data" / "openai_responses_schema.json"
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_FILE = Path(__file__).resolve().parents[1] / "data" / "openai_responses_schema.json"
 HERMES_TEMPLATE = ROOT / "deploy" / "chat-templates" / "smollm2-hermes-tools.jinja"
 MODEL = "tiny-gpt2"
 

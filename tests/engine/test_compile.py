@@ -1,7 +1,7 @@
 """SAKER_COMPILE, proven on the CPU: the continuous batch's decode step (``ModelRunner.slot_step``) is one graph
 for torch.compile (``fullgraph=True``: no graph break) and is not compiled again while requests join and leave
 the batch (only a new batch bucket would be); compiled answers equal eager ones (greedy text, logprobs within
-1e-4). The CUDA-graph replay of the same step is checked on a GPU (tests/test_models.py)."""
+1e-4). The CUDA-graph replay of the same step is checked on a GPU (tests/engine/test_models.py)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from app.errors import InvalidRequestError
 from app.service import CompletionService
 from tests.conftest import make_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_FIELDS = [
     "status",
     "run_id",
@@ -563,7 +563,7 @@ def test_an_interrupted_command_line_run_exits_with_its_signal_code(gpt2_dir, tm
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.stat().st_size < 2000):
