@@ -22,7 +22,9 @@ from app.errors import OverloadedError, QueueTimeoutError
 _RETRY_MIN_S, _RETRY_MAX_S = 1, 60
 
 
-class _Ticket:
+class _Waiter:
+    """A request waiting in the queue for a slot; ``granted`` once a releaser hands it one."""
+
     __slots__ = ("granted",)
 
     def __init__(self):
@@ -46,7 +48,7 @@ class Admission:
         self.timed_out = 0  # gave up waiting (503)
         self._mean_hold_s: float | None = None
         self._cond = threading.Condition()
-        self._waiters: collections.deque[_Ticket] = collections.deque()  # first come, first served
+        self._waiters: collections.deque[_Waiter] = collections.deque()  # first come, first served
 
     # -- the seam -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -72,14 +74,14 @@ class Admission:
                     f"allowed (SAKER_MAX_QUEUE={self.max_queue}). Retry after {retry} s.",
                     headers={"Retry-After": str(retry)},
                 )
-            ticket = _Ticket()
-            self._waiters.append(ticket)
+            waiter = _Waiter()
+            self._waiters.append(waiter)
             self.waiting = len(self._waiters)
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            while not ticket.granted:
+            while not waiter.granted:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    self._waiters.remove(ticket)
+                    self._waiters.remove(waiter)
                     self.waiting = len(self._waiters)
                     self.timed_out += 1
                     retry = self.retry_after_s()
