@@ -375,8 +375,8 @@ class SlotBatch(BatchBase):
                     names[self.slot_of[row]] = group.params.adapter or "__base__"
                     row += 1
         try:
-            step = compiled or runner.slot_step
-            logits = step(
+            forward = compiled or runner.slot_step
+            logits = forward(
                 self.next_tokens[:rows],
                 self.lengths[:rows],
                 store,
@@ -645,7 +645,7 @@ def _join(
     return events
 
 
-def step(batch: SlotBatch | PaddedBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
+def decode_step(batch: SlotBatch | PaddedBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch."""
     logits = batch.forward()
     groups = list(batch.groups)
@@ -714,7 +714,7 @@ class Generator:
                     drop_finished(batch)
                     if not batch.groups:
                         break
-                    for _, events in step(batch):
+                    for _, events in decode_step(batch):
                         for numbers in events:
                             yield from decoder.push(numbers)
             finally:

@@ -28,10 +28,10 @@ from app.engine.generate import (
     RequestGroup,
     admit,
     admit_together,
+    decode_step,
     drop,
     drop_finished,
     new_batch,
-    step,
 )
 from app.engine.output import RequestDecoder
 from app.engine.runner import ModelRunner
@@ -295,7 +295,7 @@ class Scheduler:
                 return
             start = time.perf_counter()
             try:
-                results = self._step()
+                results = self._decode_step()
             except BaseException as exc:
                 failed, self.batch = self.batch.groups, new_batch(self.runner, self.kv_cache_tokens)
                 _drop_frames(exc)
@@ -435,13 +435,13 @@ class Scheduler:
             if group not in self.batch.groups:
                 self._forget(group).done(group)
 
-    def _step(self) -> list[tuple[RequestGroup, list[Event]]]:
+    def _decode_step(self) -> list[tuple[RequestGroup, list[Event]]]:
         """One decode step. When the forward of several groups runs out of memory, the newest group fails
         (its request gets the out-of-memory error: a 503) and the step is retried for the others."""
         while True:
             try:
                 with self.runner.adapter(self.batch.adapter):
-                    return step(self.batch)
+                    return decode_step(self.batch)
             except BatchOutOfMemory as oom:
                 newest = self.batch.groups[-1]
                 drop(self.batch, newest)
