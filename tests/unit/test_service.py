@@ -9,7 +9,7 @@ def test_system_fingerprint_is_stable_and_follows_weights_and_settings():
     from app.service import CompletionService
     from app.settings import Settings
 
-    info = SimpleNamespace(source="/models/a", adapters=(), vocab_size=400, context_length=256)
+    info = SimpleNamespace(source="/models/a", precision="float32", adapters=(), vocab_size=400, context_length=256)
     worker = SimpleNamespace(require_ready=lambda: info)
 
     def fingerprint(settings, source="/models/a"):
