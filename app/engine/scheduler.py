@@ -279,9 +279,9 @@ class Scheduler:
                     self._prefilling.append(ChunkedPrefill(taken[i][0], self.prefill_chunk))
                     i += 1
                     continue
-                chunk = self._prefill_chunk(taken, i)
-                i += len(chunk)
-                self._admit(chunk)
+                together = self._prefill_together(taken, i)
+                i += len(together)
+                self._admit(together)
             self._advance_prefill()
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
@@ -312,17 +312,17 @@ class Scheduler:
                 if not group.rows:
                     self._forget(group).done(group)
 
-    def _prefill_chunk(self, taken: list[tuple[RequestGroup, Ticket]], i: int) -> list[tuple[RequestGroup, Ticket]]:
+    def _prefill_together(self, taken: list[tuple[RequestGroup, Ticket]], i: int) -> list[tuple[RequestGroup, Ticket]]:
         """The groups from ``taken[i]`` on that share one prefill forward: same adapter, at most
         ``prefill_tokens`` padded prompt tokens, at most a third of them padding. Just ``taken[i]`` otherwise."""
         first = taken[i][0]
         if self.prefill_tokens <= 0 or not self._shares_prefill(first):
             return taken[i : i + 1]
-        chunk, longest, total = taken[i : i + 1], len(first.prompt_ids), len(first.prompt_ids)
+        together, longest, total = taken[i : i + 1], len(first.prompt_ids), len(first.prompt_ids)
         scoring = first.needs_prompt_logits
         for group, ticket in taken[i + 1 :]:
             length = len(group.prompt_ids)
-            padded = (len(chunk) + 1) * max(longest, length)
+            padded = (len(together) + 1) * max(longest, length)
             scoring = scoring or group.needs_prompt_logits
             # a forward that keeps every position's logits holds padded x vocabulary floats: no more than a
             # prefill chunk's worth (the bound a long prompt's scoring has)
@@ -338,9 +338,9 @@ class Scheduler:
                 or 2 * padded > 3 * (total + length)
             ):
                 break
-            chunk.append((group, ticket))
+            together.append((group, ticket))
             longest, total = max(longest, length), total + length
-        return chunk
+        return together
 
     def _shares_prefill(self, group: RequestGroup) -> bool:
         """A group whose prompt starts with a cached one prefills alone (only its new tokens); a long one in
@@ -398,11 +398,11 @@ class Scheduler:
         if group not in self.batch.groups:
             self._forget(group).done(group)
 
-    def _admit(self, chunk: list[tuple[RequestGroup, Ticket]]) -> None:
-        """Prefill the chunk's groups (together when there are several; one by one if that fails), hand each
-        its first events; a group that is already finished is done, a group whose prefill failed fails."""
-        self._register(chunk)
-        groups = [group for group, _ in chunk]
+    def _admit(self, together: list[tuple[RequestGroup, Ticket]]) -> None:
+        """Prefill these groups (in one shared forward when there are several; one by one if that fails), hand
+        each its first events; a group that is already finished is done, a group whose prefill failed fails."""
+        self._register(together)
+        groups = [group for group, _ in together]
         outcomes: list | None = None
         if len(groups) > 1:
             try:
@@ -426,7 +426,7 @@ class Scheduler:
                 except BaseException as exc:
                     _drop_frames(exc)
                     outcomes.append(exc)
-        for (group, ticket), outcome in zip(chunk, outcomes):
+        for (group, ticket), outcome in zip(together, outcomes):
             if isinstance(outcome, BaseException):
                 self._after_failure(outcome)
                 self._forget(group).fail(group, outcome)
