@@ -158,7 +158,7 @@ class Scheduler:
         max_batch_size: int = 8,
         max_batch_tokens: int | None = None,
         prefill_tokens: int = 0,
-        prefill_chunk: int = 0,
+        prefill_chunk_tokens: int = 0,
         kv_cache_tokens: int | None = None,
     ):
         self.runner = runner
@@ -166,7 +166,8 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.kv_cache_tokens = kv_cache_tokens  # the KV budget: rows x the longest row's reach stays within it
         self.prefill_tokens = prefill_tokens  # padded prompt tokens one shared prefill may hold (0: alone)
-        self.prefill_chunk = prefill_chunk  # longer prompts are prefilled this many tokens per iteration (0: whole)
+        # longer prompts are prefilled this many tokens per iteration (0: whole)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self._reuse: dict[int, int] = {}  # id(group) -> prefix-cache tokens, for this iteration's decisions
         self.batch = new_batch(runner, kv_cache_tokens)
@@ -276,7 +277,7 @@ class Scheduler:
                     break
                 if self._chunked(taken[i][0]):
                     self._register(taken[i : i + 1])
-                    self._prefilling.append(ChunkedPrefill(taken[i][0], self.prefill_chunk))
+                    self._prefilling.append(ChunkedPrefill(taken[i][0], self.prefill_chunk_tokens))
                     i += 1
                     continue
                 together = self._prefill_together(taken, i)
@@ -327,8 +328,8 @@ class Scheduler:
             # a forward that keeps every position's logits holds padded x vocabulary floats: no more than a
             # prefill chunk's worth (the bound a long prompt's scoring has)
             limit = (
-                min(self.prefill_tokens, self.prefill_chunk)
-                if scoring and self.prefill_chunk > 0
+                min(self.prefill_tokens, self.prefill_chunk_tokens)
+                if scoring and self.prefill_chunk_tokens > 0
                 else self.prefill_tokens
             )
             if (
@@ -358,9 +359,9 @@ class Scheduler:
     def _chunked(self, group: RequestGroup) -> bool:
         """Whether this group's prompt is long enough to be prefilled in chunks (beyond what the prefix
         cache already holds)."""
-        if self.prefill_chunk <= 0 or not group.prefills or not self.runner.prefills_together:
+        if self.prefill_chunk_tokens <= 0 or not group.prefills or not self.runner.prefills_together:
             return False
-        return len(group.prompt_ids) - self._cached(group) > self.prefill_chunk
+        return len(group.prompt_ids) - self._cached(group) > self.prefill_chunk_tokens
 
     def _cached(self, group: RequestGroup) -> int:
         """Prompt tokens the prefix cache would give this group's prefill (looked up once per iteration)."""

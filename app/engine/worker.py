@@ -153,7 +153,7 @@ class Worker:
             max_batch_size=self.max_batch_size,
             max_batch_tokens=self.max_batch_tokens,
             prefill_tokens=self.prefill_batch_tokens,
-            prefill_chunk=self.prefill_chunk_tokens,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
             kv_cache_tokens=self.kv_cache_tokens,
         )
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":

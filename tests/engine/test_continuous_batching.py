@@ -521,7 +521,7 @@ def chunked(batch_worker, monkeypatch):
 
     monkeypatch.setattr(worker.runner, "extend", extend)
     monkeypatch.setattr(worker.runner, "slot_step", decode)
-    monkeypatch.setattr(worker.scheduler, "prefill_chunk", 5)
+    monkeypatch.setattr(worker.scheduler, "prefill_chunk_tokens", 5)
     if worker.runner.prefix_cache is not None:
         worker.runner.prefix_cache.clear()  # a kept prompt would leave too little to chunk
     return worker, path, calls
