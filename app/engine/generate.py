@@ -684,7 +684,7 @@ def drop_finished(batch: SlotBatch | PaddedBatch) -> bool:
     return dropped
 
 
-class Generator:
+class SoloRun:
     """One prompt run alone, start to end: its text events (warm-up, tests and tools). Decoding happens here,
     between steps, as a request's thread does it for the scheduler's batch."""
 

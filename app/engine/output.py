@@ -9,7 +9,8 @@ the row made after the stop are dropped here, never returned nor counted.
 A ``ChoiceAssembler`` takes a candidate's TokenEvents and releases whole tokens once their text is final:
 text that could still be the start of a stop string is held back (``StopStrings.holdback``); at the end the
 text is cut at the stop and the last tokens are clipped so that the token strings concatenate to the text.
-``collect`` drains a Generator through assemblers; streaming sends each release as it comes.
+``collect`` drains a request's events (a ``SoloRun``'s, a ticket's) through assemblers; streaming sends each
+release as it comes.
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ def merge(into: Release, more: Release) -> Release:
 
 
 class OutputStream:
-    """Turns a Generator's events into Releases: the prompt's first, then each choice's as text becomes final."""
+    """Turns a request's events into Releases: the prompt's first, then each choice's as text becomes final."""
 
     def __init__(self, params: SamplingParams):
         self.params = params

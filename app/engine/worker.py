@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 from app.engine.admission import Admission
 from app.engine.events import PromptEvent, TokenEvent
-from app.engine.generate import Generator, RequestGroup
+from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_as_503
@@ -203,7 +203,7 @@ class Worker:
         bos = self.runner.tokenizer.bos_token_id
         ids = [bos if bos is not None else 0]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        collect(iter(Generator(self.runner, ids, params, max_length=self.info.context_length)), params)
+        collect(iter(SoloRun(self.runner, ids, params, max_length=self.info.context_length)), params)
 
     def compile_decode_step(self) -> None:
         """SAKER_COMPILE: compile the slot step and run it once per batch bucket on the scheduler's own store

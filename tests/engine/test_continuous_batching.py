@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.generate import Generator, RequestGroup
+from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
@@ -35,7 +35,7 @@ def batch_worker(request):
 
 
 def alone(worker, ids, params):
-    return collect(iter(Generator(worker.runner, ids, params, max_length=256)), params)
+    return collect(iter(SoloRun(worker.runner, ids, params, max_length=256)), params)
 
 
 def batched(worker, requests, late=()):

@@ -146,7 +146,7 @@ def test_named_adapters_are_models_and_match_peft(llama_dir, loras):
 def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     """Requests for two LoRA adapters and the base model decode in the same steps (peft's ``adapter_names``);
     each one's tokens and logprobs equal peft's own forward for its adapter, and its run alone."""
-    from app.engine.generate import Generator, RequestGroup, TokenEvent
+    from app.engine.generate import RequestGroup, SoloRun, TokenEvent
     from app.engine.loader import load_model
     from app.engine.output import collect
     from app.engine.params import SamplingParams
@@ -172,7 +172,7 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     assert worker.scheduler.steps - steps_before == 5  # 6 tokens: 1 from each prefill + 5 shared steps
     for i, (name, ids, params) in enumerate(runs):
         got = collect(per[i], params).choices[0]
-        alone = collect(iter(Generator(worker.runner, ids, params, max_length=128)), params).choices[0]
+        alone = collect(iter(SoloRun(worker.runner, ids, params, max_length=128)), params).choices[0]
         assert got.text == alone.text
         assert got.logprobs.token_logprobs == pytest.approx(alone.logprobs.token_logprobs, abs=TOL)
         generated = [e.token_id for e in per[i] if isinstance(e, TokenEvent)]
@@ -184,7 +184,7 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
 def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
     """A prompt kept under one adapter is not reused for another (their keys and values differ), and is
     reused for the same one; both agree with peft's own forward."""
-    from app.engine.generate import Generator, TokenEvent
+    from app.engine.generate import SoloRun, TokenEvent
     from app.engine.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
@@ -199,7 +199,7 @@ def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
         params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True, adapter=name)
         hits = cache.hits
         with worker.runner.adapter(name):
-            events = list(Generator(worker.runner, ids, params, max_length=128))
+            events = list(SoloRun(worker.runner, ids, params, max_length=128))
         assert cache.hits == hits + reused, name
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         lp = peft_reference_logprobs(llama_dir, adapter_dir, ids + [e.token_id for e in tokens])

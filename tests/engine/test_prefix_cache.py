@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.generate import Generator
+from app.engine.generate import SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from app.engine.prefix_cache import MIN_REUSE, PrefixCache
@@ -151,15 +151,15 @@ def test_echo_scoring_prefills_in_full(workers, reference):
 
 
 def test_alone_runs_use_it_too(workers):
-    """The in-process Generator (warm-up, tools) goes through the same prefill."""
+    """The in-process SoloRun (warm-up, tools) goes through the same prefill."""
     on, off, _ = workers
     ids = long_prompt(on.runner.tokenizer)
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)
     run(on, ids, params)
     hits = on.runner.prefix_cache.hits
-    got = collect(iter(Generator(on.runner, ids + ids[:3], params, max_length=256)), params)
+    got = collect(iter(SoloRun(on.runner, ids + ids[:3], params, max_length=256)), params)
     assert on.runner.prefix_cache.hits == hits + 1
-    want = collect(iter(Generator(off.runner, ids + ids[:3], params, max_length=256)), params)
+    want = collect(iter(SoloRun(off.runner, ids + ids[:3], params, max_length=256)), params)
     assert got.choices[0].text == want.choices[0].text
 
 
