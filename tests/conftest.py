@@ -1,5 +1,10 @@
 """Session fixtures: tiny models built offline in seconds (``app/tiny_models.py``), apps and clients over them.
 
+The tests are in tiers, one folder each (pytest.ini says how to run one): ``unit/`` (no model), ``engine/``
+(the engine on tiny models), ``http/`` (the Flask test client over a tiny engine), ``live/`` (real gunicorn,
+nginx, the openai client; every test there is marked ``slow`` here). Helper modules stay beside this file
+(``servers``, ``references``, ``gated_wsgi``), imported by name (``pythonpath = . tests``).
+
 - ``gpt2_dir``: GPT-2 (2 layers) with a byte-level BPE trained by ``tokenizers``.
 - ``llama_dir``: Llama (2 layers) with a sentencepiece BPE (byte_fallback) so CJK/emoji span tokens.
 - ``smollm2_dir``: the embedded default model, converted once into a session cache.
@@ -17,6 +22,16 @@ from app.tiny_models import build_gpt2, build_llama
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+LIVE = Path(__file__).resolve().parent / "live"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/live/ starts real servers: ``slow``, whether its module says so or not."""
+    for item in items:
+        if LIVE in item.path.parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
