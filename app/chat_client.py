@@ -89,18 +89,20 @@ def printable(text: str) -> str:
 
 
 @dataclass
-class Reply:
+class ChatAnswer:
+    """The assistant's answer to one turn: its text and why it ended."""
+
     content: str = ""
     finish_reason: str | None = None
 
 
-def iter_chat_stream(stream: IO[bytes], reply: Reply | None = None) -> Iterator[str]:
+def iter_chat_stream(stream: IO[bytes], reply: ChatAnswer | None = None) -> Iterator[str]:
     """The ``delta.content`` pieces of choice 0 in a chat completion stream, until ``data: [DONE]``.
 
     ``reply`` (when given) collects the text and ``finish_reason``. An ``{"error": ...}`` frame (an error after
     the stream began) raises ChatError.
     """
-    reply = reply if reply is not None else Reply()
+    reply = reply if reply is not None else ChatAnswer()
     for data in iter_data(stream):
         try:
             chunk = json.loads(data)
@@ -310,8 +312,9 @@ _COMMAND_ALIASES = {
 COMMANDS = ("help", "params", "system", "prompt", "reset", "quit")
 
 
-def parse_line(line: str) -> Command | Message | None:
-    """A command (``/name arg``), a message, or None for a blank line. ``//text`` is the message ``/text``."""
+def parse_shell_line(line: str) -> Command | Message | None:
+    """A line typed at the shell's prompt: a command (``/name arg``), a message, or None for a blank line.
+    ``//text`` is the message ``/text``."""
     stripped = line.strip()
     if not stripped:
         return None
@@ -361,10 +364,10 @@ class ChatShell:
             body["stream"] = True
         return body
 
-    def send(self, text: str) -> Reply | None:
+    def send(self, text: str) -> ChatAnswer | None:
         """One turn: print the reply as it arrives; keep the turn only when it succeeded (or was cut by Ctrl-C)."""
         messages = self.messages(text)
-        reply = Reply()
+        reply = ChatAnswer()
         fell_back = False
         try:
             if self.stream:
@@ -373,7 +376,7 @@ class ChatShell:
                 except ChatError as exc:
                     if exc.status != 400:
                         raise
-                    reply = Reply()
+                    reply = ChatAnswer()
                     self._plain_reply(messages, reply)  # raises the same 400 if it was not streaming
                     self.stream, fell_back = False, True
             else:
@@ -401,7 +404,7 @@ class ChatShell:
         self.history.append({"role": "assistant", "content": reply.content})
         return reply
 
-    def _stream_reply(self, messages: list[dict[str, str]], reply: Reply) -> None:
+    def _stream_reply(self, messages: list[dict[str, str]], reply: ChatAnswer) -> None:
         url = self.client.base_url + "/chat/completions"
         response = self.client.open("POST", url, self.request_body(messages, stream=True), stream=True)
         with response:
@@ -415,7 +418,7 @@ class ChatShell:
             except (OSError, http.client.HTTPException) as exc:
                 raise ChatError(f"error: the stream broke off: {_one_line(exc) or type(exc).__name__}") from None
 
-    def _plain_reply(self, messages: list[dict[str, str]], reply: Reply) -> None:
+    def _plain_reply(self, messages: list[dict[str, str]], reply: ChatAnswer) -> None:
         url = self.client.base_url + "/chat/completions"
         self._show_whole(self.client.json("POST", url, self.request_body(messages, stream=False)), reply)
 
@@ -425,7 +428,7 @@ class ChatShell:
         except (ValueError, OSError, http.client.HTTPException):
             raise ChatError(f"error: {url} did not answer JSON") from None
 
-    def _show_whole(self, completion: Any, reply: Reply) -> None:
+    def _show_whole(self, completion: Any, reply: ChatAnswer) -> None:
         try:
             choice = completion["choices"][0]
             content = choice["message"].get("content") or ""
@@ -442,7 +445,7 @@ class ChatShell:
     # -- commands
     def handle(self, line: str) -> bool:
         """Act on one input line; False when the shell should end."""
-        parsed = parse_line(line)
+        parsed = parse_shell_line(line)
         if parsed is None:
             return True
         if isinstance(parsed, Message):

@@ -17,16 +17,16 @@ import pytest
 
 from app.chat_client import (
     ChatError,
+    ChatAnswer,
     ChatShell,
     Command,
     HTTPClient,
     Message,
     Params,
-    Reply,
     format_error,
     iter_chat_stream,
-    parse_line,
     parse_params,
+    parse_shell_line,
     printable,
 )
 
@@ -196,15 +196,15 @@ def reader(lines, out):
 # -- commands and /params ----------------------------------------------------------------------------------
 
 
-def test_parse_line_commands_messages_and_escapes():
-    assert parse_line("") is None and parse_line("   \n") is None
-    assert parse_line("hello there\n") == Message("hello there")
-    assert parse_line("/help") == Command("help", "") and parse_line("/?") == Command("help", "")
-    assert parse_line("/params temperature=0.7  top_k=40 ") == Command("params", "temperature=0.7  top_k=40")
-    assert parse_line("/SYSTEM Be brief.") == Command("system", "Be brief.")
-    assert parse_line("/exit") == Command("quit", "") and parse_line("/q") == Command("quit", "")
-    assert parse_line("//etc/passwd is a file") == Message("/etc/passwd is a file")
-    assert parse_line("/frobnicate x") == Command("frobnicate", "x")
+def test_parse_shell_line_commands_messages_and_escapes():
+    assert parse_shell_line("") is None and parse_shell_line("   \n") is None
+    assert parse_shell_line("hello there\n") == Message("hello there")
+    assert parse_shell_line("/help") == Command("help", "") and parse_shell_line("/?") == Command("help", "")
+    assert parse_shell_line("/params temperature=0.7  top_k=40 ") == Command("params", "temperature=0.7  top_k=40")
+    assert parse_shell_line("/SYSTEM Be brief.") == Command("system", "Be brief.")
+    assert parse_shell_line("/exit") == Command("quit", "") and parse_shell_line("/q") == Command("quit", "")
+    assert parse_shell_line("//etc/passwd is a file") == Message("/etc/passwd is a file")
+    assert parse_shell_line("/frobnicate x") == Command("frobnicate", "x")
 
 
 def test_params_set_show_and_defaults():
@@ -322,9 +322,9 @@ def test_iter_chat_stream_collects_content_and_stops_at_done():
         + DONE
         + chunk("after")
     )
-    reply = Reply()
+    reply = ChatAnswer()
     assert list(iter_chat_stream(io.BytesIO(raw), reply)) == ["Hel", "lo"]
-    assert reply == Reply("Hello", "length")
+    assert reply == ChatAnswer("Hello", "length")
 
 
 def test_iter_chat_stream_error_frame_and_garbage():
@@ -425,7 +425,7 @@ def test_reply_is_printed_token_by_token(fake):
     shell = ChatShell(HTTPClient(server.url), "m", Out())
     reply = shell.send("go")
     assert seen["before_second"] is True
-    assert reply == Reply("first second", "stop")
+    assert reply == ChatAnswer("first second", "stop")
 
 
 def test_length_finish_and_empty_reply_are_told(fake):
@@ -490,7 +490,7 @@ def test_error_after_the_stream_began(fake):
 def test_a_server_that_ignores_stream_true(fake):
     server = fake({("POST", "/v1/chat/completions"): lambda body: JSON(completion("all at once"))})
     shell, out = shell_for(server)
-    assert shell.send("hi") == Reply("all at once", "stop")
+    assert shell.send("hi") == ChatAnswer("all at once", "stop")
     assert out.getvalue() == "all at once\n"
 
 
