@@ -311,7 +311,7 @@ def test_every_part_has_its_module():
 # -- issue 13: --quick promises no time and spends none replacing repetitions ----------------------------------------
 def test_quick_plan_has_no_budgets_and_does_less():
     full, quick = plan.Plan(), plan.Plan.quick()
-    assert set(quick.budgets()) == {"a_budget", "t_budget", "b_budget", "c_budget", "l_budget", "s_budget"}
+    assert set(quick.budgets()) == {"a_budget", "t_budget", "b_budget", "c_budget", "l_budget", "s_budget", "k_budget"}
     assert all(value == 0 for value in quick.budgets().values())
     assert all(value > 0 for value in full.budgets().values())
     for name, value in vars(quick).items():
@@ -449,3 +449,78 @@ def test_r_with_url_is_labelled_as_served(tmp_path, capsys, reports):
     else:
         assert "served_cached_prompt_tokens" not in result and result["served_metrics"] == {"available": False}
         assert "the server reports no prefix-cache figures" in printed
+
+
+# -- issue 19: part K, saker against llama.cpp's server --------------------------------------------------------------
+def test_plan_k_full_and_quick():
+    full, quick = plan.Plan(), plan.Plan.quick()
+    assert (full.k_levels, full.k_tokens, full.k_rounds) == ((1, 8, 32), 128, 3)
+    assert quick.k_levels == (1, 8) and quick.k_tokens == 16 and quick.k_rounds == 1
+    assert plan.GOALS["K 1 client"] == ("<=", 1.0)
+    assert plan.GOALS["K 8 clients"] == plan.GOALS["K 32 clients"] == (">=", 1.5)
+    assert "K" in parts_of() and not parts.BY_LETTER["K"].with_url
+
+
+def test_k_skips_with_one_line_without_llama_server(tmp_path, monkeypatch):
+    from app.bench.parts import k
+
+    line = "part K skipped: build llama.cpp's server with scripts/build-llama-server.sh"
+    binary = tmp_path / "bin" / "llama-server"
+    assert k.skip_line(binary) == line  # missing
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\n")
+    assert k.skip_line(binary) == line  # not executable
+    binary.chmod(0o755)
+    assert k.skip_line(binary) is None
+
+    monkeypatch.setenv("SAKER_LLAMA_DIR", str(tmp_path / "nothing-built"))
+    logged: list[str] = []
+    bench = SimpleNamespace(plan=plan.Plan.quick(), log=logged.append)
+    result = k.run(bench)  # starts nothing
+    assert result["skipped"] == line and logged == [line]
+    report = {"results": {"K": result}, "errors": {}}
+    assert bench_report.table_rows(report) == [("K", "saker vs llama.cpp's server", "-", line, "")]
+
+
+def _k_level(clients, tokens_per_s, ms_per_token):
+    return {"clients": clients, "tokens_per_s": _summary(tokens_per_s), "ms_per_token": _summary(ms_per_token)}
+
+
+def test_k_goal_check_and_rows():
+    from app.bench.parts import k
+
+    levels = {
+        "llama.cpp": [_k_level(1, 50.0, 20.0), _k_level(8, 200.0, 40.0), _k_level(32, 300.0, 100.0)],
+        "saker": [_k_level(1, 40.0, 18.0), _k_level(8, 320.0, 25.0), _k_level(32, 420.0, 70.0)],
+    }
+    one, eight, thirty_two = k.compare(levels)
+    # 1 client: the ms/token ratio is judged (18 / 20 = 0.9 <= 1), though saker's tokens/s is lower there
+    assert one["ms_per_token_ratio"] == 0.9 and one["tokens_per_s_ratio"] == 0.8
+    assert one["goal"] == {"measure": "ms_per_token_ratio", "op": "<=", "value": 1.0} and one["met"] is True
+    # 8 and 32 clients: the tokens/s ratio (>= 1.5): 1.6 met, 1.4 not
+    assert eight["tokens_per_s_ratio"] == 1.6 and eight["met"] is True
+    assert thirty_two["tokens_per_s_ratio"] == 1.4 and thirty_two["met"] is False
+    assert eight["tokens_per_s"] == {"llama.cpp": 200.0, "saker": 320.0}
+    # a level only one server ran is not compared; a missing figure has no ratio and no verdict
+    assert [row["clients"] for row in k.compare({**levels, "saker": levels["saker"][:2]})] == [1, 8]
+    (blank,) = k.compare({"llama.cpp": [_k_level(8, 200.0, 1.0)], "saker": [{"clients": 8}]})
+    assert blank["tokens_per_s_ratio"] is None and blank["met"] is None
+
+    rss = {"idle_mib": 100.0, "peak_mib": 150.0, "samples": 10}
+    result = {
+        "comparison": [one, eight, thirty_two],
+        "servers": {
+            "llama.cpp": {"rss": rss, "precision": "GGUF as stored (Q4_1 weights)"},
+            "saker": {"rss": {**rss, "peak_mib": 900.0}, "precision": {"dtype": "float32", "quantize": "none"}},
+        },
+    }
+    rows = bench_report.table_rows({"results": {"K": result}, "errors": {}})
+    assert all(row[0] == "K" for row in rows)
+    goals = {row[1]: (row[2], row[4]) for row in rows}
+    assert goals["1 client: decode ms/token, saker / llama.cpp"] == ("0.9", "<= 1: met")
+    assert goals["1 client: tokens/s, saker / llama.cpp"] == ("0.8", "")
+    assert goals["8 clients: tokens/s, saker / llama.cpp"] == ("1.6", ">= 1.5: met")
+    assert goals["32 clients: tokens/s, saker / llama.cpp"] == ("1.4", ">= 1.5: NOT met")
+    assert goals["32 clients: request ms/token, saker / llama.cpp"][1] == ""
+    memory = next(row for row in rows if row[1].startswith("peak RSS"))
+    assert memory[2] == "900 / 150" and "dtype float32, quantize none" in memory[3]

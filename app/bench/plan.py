@@ -21,6 +21,9 @@ GOALS = {
     "E sampled": (">=", 0.5),
     "S 1 client": (">=", 0.9),
     "S 8 clients": (">=", 0.9),
+    "K 1 client": ("<=", 1.0),  # saker's decode ms/token / llama.cpp's
+    "K 8 clients": (">=", 1.5),  # saker's tokens/s / llama.cpp's
+    "K 32 clients": (">=", 1.5),
 }
 
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
@@ -73,6 +76,11 @@ class Plan:
     s_clients: int = 8
     s_per_client: int = 2  # S: requests per client in the 8-client loop per side and round
     s_compile_reps: int = 9  # S: fresh compiles of the 2 kB schema
+    k_levels: tuple[int, ...] = (1, 8, 32)  # K: clients (closed loops), each server in turn
+    k_tokens: int = 128  # K: greedy tokens per request (ignore_eos)
+    k_rounds: int = 3  # K: measured rounds per level and server (the median counts)
+    k_single_requests: int = 4  # K: requests of the 1-client loop per round
+    k_per_client: int = 2  # K: requests per client per round beyond 1 client
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
@@ -80,6 +88,7 @@ class Plan:
     c_budget: float = 40.0
     l_budget: float = 200.0  # L and R: a level (round) disturbed by other processes is run again while within this
     s_budget: float = 240.0  # S: per level
+    k_budget: float = 120.0  # K: per level and server
 
     @classmethod
     def quick(cls) -> Plan:
@@ -118,12 +127,18 @@ class Plan:
             s_single_requests=1,
             s_per_client=1,
             s_compile_reps=3,
+            k_levels=(1, 8),
+            k_tokens=16,
+            k_rounds=1,
+            k_single_requests=2,
+            k_per_client=1,
             a_budget=0.0,
             t_budget=0.0,
             b_budget=0.0,
             c_budget=0.0,
             l_budget=0.0,
             s_budget=0.0,
+            k_budget=0.0,
         )
 
     def budgets(self) -> dict[str, float]:

@@ -44,6 +44,12 @@ PARTS = (
         "engine efficiency on the tiny model: tokens/s of 32 and 64 clients / what the batch forward allows",
         with_url=False,
     ),
+    Part(
+        "K",
+        "saker / llama.cpp's server on the SmolLM2 GGUF, one at a time, 1, 8, 32 clients: ms/token, tokens/s, RSS "
+        "(skipped without scripts/build-llama-server.sh)",
+        with_url=False,
+    ),
     Part("S", "structured outputs on SmolLM2: JSON-schema chat requests / the same free; grammar compile costs"),
     Part("D", "1B-class Llama in bf16 on a GPU: decode ms/token / the bandwidth floor", gpu=True, with_url=False),
 )
