@@ -1,6 +1,6 @@
 """saker: an OpenAI-compatible completion server over Hugging Face transformers models.
 
-``create_app(settings=None, engine=None)`` is the one seam: tests inject settings and a loaded worker.
+``create_app(settings=None, worker=None)`` is the one seam: tests inject settings and a loaded worker.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ log = logging.getLogger("saker")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
-def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_error: bool = False) -> Flask:
-    """Build the Flask app. ``engine``: a ready ``Worker`` (tests); otherwise one is loaded in the background
+def create_app(settings: Settings | None = None, worker=None, *, exit_on_load_error: bool = False) -> Flask:
+    """Build the Flask app. ``worker``: a ready ``Worker`` (tests); otherwise one is loaded in the background
     from ``settings`` and /health answers 503 until it is ready."""
     from app.api import bp
     from app.engine.worker import Worker
@@ -43,7 +43,6 @@ def create_app(settings: Settings | None = None, engine=None, *, exit_on_load_er
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    worker = engine
     if worker is None:
         worker = Worker.from_settings(settings)
 

@@ -83,7 +83,7 @@ def llama_worker(llama_dir):
 def _app(settings, worker):
     from app import create_app
 
-    app = create_app(settings, engine=worker)
+    app = create_app(settings, worker=worker)
     app.config["TESTING"] = True
     return app
 

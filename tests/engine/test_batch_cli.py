@@ -177,7 +177,7 @@ def long_gpt2(gpt2_dir, tmp_path_factory):
     gpt2_model(tok, positions=1024, width=32, layers=1, heads=2, seed=1).save_pretrained(path)
     settings = make_settings(model=str(path), served_model_name="tiny-gpt2-1k")
     worker = make_worker(settings)
-    app = create_app(settings, engine=worker)
+    app = create_app(settings, worker=worker)
     app.config["TESTING"] = True
     return CompletionService(settings, worker), app.test_client()
 

@@ -259,7 +259,7 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
 
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
     worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_size=8, kv_cache_tokens=100)
-    client = create_app(settings, engine=worker).test_client()
+    client = create_app(settings, worker=worker).test_client()
     body = {"model": "tiny-gpt2", "prompt": [5, 6, 7, 8], "max_tokens": 30, "temperature": 0.5, "seed": 1}
     too_many = client.post("/v1/completions", json={**body, "n": 4})
     assert too_many.status_code == 400

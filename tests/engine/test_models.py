@@ -20,7 +20,7 @@ def post(client, **body):
 def app_for(settings, worker):
     from app import create_app
 
-    return create_app(settings, engine=worker).test_client()
+    return create_app(settings, worker=worker).test_client()
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode)
     settings = make_settings(model=str(llama_dir), served_model_name="tiny-llama", quantize=mode)
     worker = make_worker(settings)
     assert any(isinstance(m, (Int8Linear, Int4Linear)) for m in worker.runner.model.modules())
-    client = create_app(settings, engine=worker).test_client()
+    client = create_app(settings, worker=worker).test_client()
     body = client.post(
         "/v1/completions",
         json={

@@ -119,7 +119,7 @@ def test_no_template_is_a_clear_400_and_setting_supplies_one(gpt2_client, gpt2_d
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
     for value in (str(template), template.read_text()):
         settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=value)
-        client = create_app(settings, engine=gpt2_worker).test_client()
+        client = create_app(settings, worker=gpt2_worker).test_client()
         tok = gpt2_worker.runner.tokenizer
         expected = tok("[user] hi\n[assistant] ", add_special_tokens=False)["input_ids"]
         tokenized = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).get_json()

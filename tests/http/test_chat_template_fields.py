@@ -26,7 +26,7 @@ def client(gpt2_dir, gpt2_worker):
     from app import create_app
 
     return create_app(
-        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TEMPLATE), engine=gpt2_worker
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TEMPLATE), worker=gpt2_worker
     ).test_client()
 
 

@@ -18,7 +18,7 @@ def client_for(gpt2_dir, gpt2_worker, **settings):
     from app import create_app
 
     return create_app(
-        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", **settings), engine=gpt2_worker
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", **settings), worker=gpt2_worker
     ).test_client()
 
 

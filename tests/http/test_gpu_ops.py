@@ -20,7 +20,7 @@ def cuda_app(gpt2_dir):
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", device="cuda", access_log="off")
     worker = make_worker(settings)
     assert worker.runner.input_device.type == "cuda"
-    app = create_app(settings, engine=worker)
+    app = create_app(settings, worker=worker)
     app.config["TESTING"] = True
     return app
 

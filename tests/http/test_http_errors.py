@@ -147,7 +147,7 @@ def small_app(gpt2_dir, gpt2_worker):
     from app import create_app
 
     app = create_app(
-        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_request_bytes=1000), engine=gpt2_worker
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_request_bytes=1000), worker=gpt2_worker
     )
     app.config["TESTING"] = True
     return app
@@ -227,7 +227,7 @@ def test_health_503_while_loading_then_200(gpt2_dir):
         return load_model(settings)
 
     worker = Worker(("tiny-gpt2",), loader)
-    app = create_app(settings, engine=worker)
+    app = create_app(settings, worker=worker)
     worker.load_in_background()
     client = app.test_client()
     try:
@@ -250,7 +250,7 @@ def test_health_503_after_a_failed_load(gpt2_dir):
         raise RuntimeError("weights are corrupt")
 
     worker = Worker(("tiny-gpt2",), loader)
-    app = create_app(make_settings(model=str(gpt2_dir)), engine=worker)
+    app = create_app(make_settings(model=str(gpt2_dir)), worker=worker)
     thread = worker.load_in_background()
     thread.join(10)
     resp = app.test_client().get("/health")

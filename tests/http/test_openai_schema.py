@@ -83,7 +83,7 @@ def chat_client(gpt2_dir, gpt2_worker):
 
     return create_app(
         make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
-        engine=gpt2_worker,
+        worker=gpt2_worker,
     ).test_client()
 
 

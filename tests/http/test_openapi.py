@@ -22,7 +22,7 @@ def fuzz_app(gpt2_dir, gpt2_worker):
         make_settings(
             model=str(gpt2_dir), served_model_name="tiny-gpt2", max_n=4, max_best_of=4, max_logprobs=5, api_keys=KEY
         ),
-        engine=gpt2_worker,
+        worker=gpt2_worker,
     )
     app.config["TESTING"] = True
     return app

@@ -43,7 +43,7 @@ def make_app(worker, **values):
 
     values.setdefault("model", "unused")
     values.setdefault("served_model_name", "tiny-gpt2")
-    app = create_app(make_settings(**values), engine=worker)
+    app = create_app(make_settings(**values), worker=worker)
     app.config["TESTING"] = True
     return app
 

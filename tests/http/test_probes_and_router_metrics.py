@@ -17,7 +17,7 @@ def keyed(gpt2_dir, gpt2_worker):
         make_settings(
             model=str(gpt2_dir), served_model_name="tiny-gpt2", api_keys="probe-key", prefix_cache_tokens=2048
         ),
-        engine=gpt2_worker,
+        worker=gpt2_worker,
     ).test_client()
 
 
@@ -51,7 +51,7 @@ def test_readyz_is_503_while_the_model_loads(gpt2_dir):
 
     settings = make_settings(model=str(gpt2_dir))
     loading = Worker.from_settings(settings)  # never loaded
-    client = create_app(settings, engine=loading).test_client()
+    client = create_app(settings, worker=loading).test_client()
     assert client.get("/readyz").status_code == 503 and client.get("/livez").status_code == 200
 
 
@@ -82,7 +82,7 @@ def test_vllm_metric_names(keyed):
 def test_vllm_metric_names_can_be_switched_off(gpt2_dir, gpt2_worker):
     from app import create_app
 
-    client = create_app(make_settings(model=str(gpt2_dir), vllm_metrics=False), engine=gpt2_worker).test_client()
+    client = create_app(make_settings(model=str(gpt2_dir), vllm_metrics=False), worker=gpt2_worker).test_client()
     assert not any(name.startswith("vllm:") for name, _ in samples(client))
 
 

@@ -56,7 +56,7 @@ def client(gpt2_dir, gpt2_worker):
         make_settings(
             model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE, reasoning_parser="think"
         ),
-        engine=gpt2_worker,
+        worker=gpt2_worker,
     )
     app.config["TESTING"] = True
     return app.test_client()
@@ -88,7 +88,7 @@ def test_without_a_parser_the_answer_is_whole(gpt2_dir, gpt2_worker):
 
     plain = create_app(
         make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
-        engine=gpt2_worker,
+        worker=gpt2_worker,
     ).test_client()
     resp = plain.post(
         "/v1/chat/completions",

@@ -191,7 +191,7 @@ def tool_app(gpt2_dir, gpt2_worker):
     from app import create_app
 
     app = create_app(
-        make_settings(model=str(gpt2_dir), served_model_name=MODEL, chat_template=TOOL_TEMPLATE), engine=gpt2_worker
+        make_settings(model=str(gpt2_dir), served_model_name=MODEL, chat_template=TOOL_TEMPLATE), worker=gpt2_worker
     )
     app.config["TESTING"] = True
     return app

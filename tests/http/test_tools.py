@@ -112,7 +112,7 @@ def tool_client(gpt2_dir, gpt2_worker):
 
     app = create_app(
         make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
-        engine=gpt2_worker,
+        worker=gpt2_worker,
     )
     app.config["TESTING"] = True
     return app.test_client()
@@ -393,7 +393,7 @@ def test_the_shipped_hermes_template_renders_tools_and_a_broken_one_says_so(gpt2
     for template, status, param in ((str(shipped), 200, None), ("{% if tools %}unclosed", 400, "messages")):
         app = create_app(
             make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=template),
-            engine=gpt2_worker,
+            worker=gpt2_worker,
         )
         resp = app.test_client().post("/tokenize", json={"model": "tiny-gpt2", "messages": MESSAGES, "tools": [TIME]})
         assert resp.status_code == status, resp.get_data(as_text=True)

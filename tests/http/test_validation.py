@@ -501,7 +501,7 @@ def test_logprobs_above_the_vocabulary_are_400_whatever_the_cap(gpt2_dir, gpt2_w
     from conftest import make_settings
 
     client = create_app(
-        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_logprobs=100_000), engine=gpt2_worker
+        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", max_logprobs=100_000), worker=gpt2_worker
     ).test_client()
     vocab = gpt2_worker.info.vocab_size
     ok = client.post(URL, json=request_with(logprobs=vocab, max_tokens=1))
