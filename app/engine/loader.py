@@ -339,6 +339,13 @@ def _gguf_path(settings: Settings, model_path: str) -> str | None:
     """The GGUF file the weights came from, where it is a file here (the embedded default's, or a local one)."""
     if settings.model is None:
         return str(embedded_gguf_path())
+    if (Path(model_path) / CHECKSUMS).is_file():
+        # a folder saker converted from the embedded GGUF (the only thing it converts): that file's codes (each
+        # row is still matched by content, so other weights in such a folder just find no rows)
+        try:
+            return str(embedded_gguf_path())
+        except ConfigError:
+            return None
     if not settings.gguf_file:
         return None
     for candidate in (Path(settings.gguf_file).expanduser(), Path(model_path) / settings.gguf_file):

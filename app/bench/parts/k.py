@@ -360,6 +360,8 @@ def run(bench: Bench) -> dict | None:
     path = smol_path(bench)
     env = bench.server_env()
     extra = {} if "SAKER_MAX_BATCH_SIZE" in env else {"SAKER_MAX_BATCH_SIZE": str(slots)}
+    if "SAKER_QUANTIZE" not in env:  # the embedded model's default precision: int4 from its GGUF's own codes
+        extra["SAKER_QUANTIZE"] = "int4"
     server = bench.start_server(path, f"{SMOL_NAME}-K", extra_env={**extra, "SAKER_SERVED_MODEL_NAME": SMOL_NAME})
     try:
         watch = RssWatch(server.proc.pid)
