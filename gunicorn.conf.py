@@ -34,7 +34,7 @@ bind = f"{_settings.host}:{_settings.port}"
 workers = _settings.workers
 # gthread: a pool of threads per worker. A request holds a thread while it waits for the model and while it
 # runs (streams too), so /health, /metrics and 429 answers need threads beyond the requests the model serves
-# and queues: keep SAKER_THREADS > SAKER_MAX_BATCH_SIZE + SAKER_MAX_QUEUE (see the check at the end).
+# and queues: keep SAKER_THREADS > SAKER_MAX_RUNNING_REQUESTS + SAKER_MAX_QUEUE (see the check at the end).
 # saker's gthread (app/gunicorn_worker.py): a request's head and announced body are read by the worker's main loop
 # before a thread takes it, so slow clients hold no thread (408 after 10 s); a stopping worker refuses new
 # connections at once.
@@ -103,13 +103,13 @@ def post_worker_init(worker):
 # host would fight over it.
 control_socket_disable = True
 
-_busy = _settings.max_batch_size + _settings.max_queue  # threads the model's requests can hold at once
+_busy = _settings.max_running_requests + _settings.max_queue  # threads the model's requests can hold at once
 if threads <= _busy:
     logging.getLogger("saker").warning(
-        "SAKER_THREADS=%d leaves no thread for /health while SAKER_MAX_BATCH_SIZE=%d requests run and "
+        "SAKER_THREADS=%d leaves no thread for /health while SAKER_MAX_RUNNING_REQUESTS=%d requests run and "
         "SAKER_MAX_QUEUE=%d wait; set SAKER_THREADS to at least %d",
         threads,
-        _settings.max_batch_size,
+        _settings.max_running_requests,
         _settings.max_queue,
         _busy + 2,
     )

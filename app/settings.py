@@ -8,6 +8,7 @@ CLI flags are generated from the fields (``--max-logprobs`` for ``max_logprobs``
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from pathlib import Path
@@ -169,18 +170,30 @@ class Settings(BaseSettings):
     responses_store_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Most bytes of JSON the Responses API's store keeps (per worker process)."
     )
-    max_batch_size: int = Field(
+    max_batch_rows: int = Field(
         8,
         ge=1,
-        description="Most sequences decoded together (continuous batching: "
-        "requests join the running batch at step boundaries). 1 = one request at a time.",
+        description="Most candidate rows (sequences: n or best_of per prompt) in the scheduler's decode batch "
+        "(continuous batching: requests join the running batch at step boundaries); a request larger than "
+        "this runs alone first. 1 = one prompt at a time.",
+    )
+    max_running_requests: int = Field(
+        8,
+        ge=1,
+        description="Most requests admitted to the engine at once; the others wait in the queue (max_queue, "
+        "queue_timeout). 1 = one request at a time.",
+    )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Deprecated: sets both max_batch_rows and max_running_requests (each one set itself wins).",
     )
     max_batch_tokens: int | None = Field(
         None,
         gt=0,
         description="Most KV-cache tokens (prompt + max_tokens per "
         "sequence) in the batch; a request that does not fit waits. Unset: no "
-        "bound beyond max_batch_size.",
+        "bound beyond max_batch_rows.",
     )
     kv_cache_tokens: int | None = Field(
         None,
@@ -247,7 +260,7 @@ class Settings(BaseSettings):
         32,
         ge=1,
         description="gunicorn threads per worker: a request holds one while it runs or "
-        "waits for the model, so keep it above max_batch_size + max_queue (health checks, "
+        "waits for the model, so keep it above max_running_requests + max_queue (health checks, "
         "metrics and 429 answers need free threads).",
     )
     graceful_timeout: int = Field(
@@ -327,6 +340,24 @@ class Settings(BaseSettings):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _apply_max_batch_size(self) -> "Settings":
+        """The deprecated max_batch_size sets max_batch_rows and max_running_requests, unless they are set."""
+        if self.max_batch_size is None:
+            return self
+        given = self.model_fields_set
+        if "max_batch_rows" not in given:
+            self.max_batch_rows = self.max_batch_size
+        if "max_running_requests" not in given:
+            self.max_running_requests = self.max_batch_size
+        _deprecated_once(
+            "max_batch_size",
+            f"SAKER_MAX_BATCH_SIZE (--max-batch-size) is deprecated: it sets SAKER_MAX_BATCH_ROWS (rows of the "
+            f"decode batch, now {self.max_batch_rows}) and SAKER_MAX_RUNNING_REQUESTS (requests admitted at once, "
+            f"now {self.max_running_requests}); set those instead",
+        )
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Settings":
@@ -413,6 +444,16 @@ class Settings(BaseSettings):
             if names:
                 return names
         return [self.model or DEFAULT_MODEL_NAME]
+
+
+_warned: set[str] = set()
+
+
+def _deprecated_once(name: str, message: str) -> None:
+    """One warning line per process for a deprecated setting that is used."""
+    if name not in _warned:
+        _warned.add(name)
+        logging.getLogger("saker.settings").warning(message)
 
 
 def _field_error_line(error: ValidationError) -> str:

@@ -34,7 +34,7 @@ def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] |
     """Answer one batch: fills ``item.result`` or ``item.error`` for each request; returns the batch's seconds.
 
     The batch's requests go to the engine together: up to as many at once as the worker admits (its
-    ``max_batch_size``), so that its scheduler decodes them in shared forward passes (continuous batching; a
+    ``max_running_requests``), so that its scheduler decodes them in shared forward passes (continuous batching; a
     request joins as rows free up). This is the one place that decides how a batch reaches the engine.
     ``on_answer`` runs in the calling thread, in completion order."""
     start = time.perf_counter()

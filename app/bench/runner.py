@@ -111,7 +111,8 @@ class Bench:
         if "max_batch_size" in fields:
             from app.settings import Settings
 
-            default = Settings.model_fields["max_batch_size"].default
+            # the decode batch's rows (SAKER_MAX_BATCH_SIZE, now a deprecated alias, sets them and running requests)
+            default = (Settings.model_fields.get("max_batch_rows") or Settings.model_fields["max_batch_size"]).default
             info["max_batch_size"] = int(
                 env.get("SAKER_MAX_BATCH_SIZE", os.environ.get("SAKER_MAX_BATCH_SIZE", default))
             )

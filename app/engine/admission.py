@@ -3,8 +3,8 @@ turn, and none waits longer than ``timeout`` seconds.
 
 The worker wraps each request in ``with admission.slot():``. A request that finds the queue full gets
 ``OverloadedError`` (429, with Retry-After) at once; one that waits too long gets ``QueueTimeoutError`` (503).
-Waiters are served first come, first served. The worker sets ``capacity`` to SAKER_MAX_BATCH_SIZE: that many
-requests are handed to the scheduler at once, the rest wait here.
+Waiters are served first come, first served. The worker sets ``capacity`` to SAKER_MAX_RUNNING_REQUESTS: that
+many requests are handed to the scheduler at once, the rest wait here.
 No torch and no Flask here.
 """
 

@@ -1,7 +1,7 @@
 """Continuous batching: one thread owns the model and runs decode steps for every request in flight.
 
 Requests arrive as groups (one per prompt) and wait in a queue. Between steps the scheduler admits waiting
-groups while the batch has room (``max_batch_size`` rows, ``max_batch_tokens`` KV tokens; named LoRA adapters
+groups while the batch has room (``max_batch_rows`` rows, ``max_batch_tokens`` KV tokens; named LoRA adapters
 mix in one batch, other adapter types need the same one): each is prefilled, samples its first tokens and joins
 the running batch. Every step is one forward for all rows; finished candidates leave at once, and a group whose
 client went away is dropped at the next step. A step whose forward runs out of memory fails the newest group
@@ -155,14 +155,14 @@ class Scheduler:
         self,
         runner: ModelRunner,
         *,
-        max_batch_size: int = 8,
+        max_batch_rows: int = 8,
         max_batch_tokens: int | None = None,
         prefill_tokens: int = 0,
         prefill_chunk_tokens: int = 0,
         kv_cache_tokens: int | None = None,
     ):
         self.runner = runner
-        self.max_batch_size = max(1, max_batch_size)
+        self.max_batch_rows = max(1, max_batch_rows)
         self.max_batch_tokens = max_batch_tokens
         self.kv_cache_tokens = kv_cache_tokens  # the KV budget: rows x the longest row's reach stays within it
         self.prefill_tokens = prefill_tokens  # padded prompt tokens one shared prefill may hold (0: alone)
@@ -215,8 +215,8 @@ class Scheduler:
             if not self._pending:  # the common case while decoding: nothing to weigh
                 return taken
             coming = [job.group for job in self._prefilling]  # admitted, still prefilling in chunks
-            # a group with more candidates than max_batch_size runs alone at first, then others fill up to
-            # max_batch_size rows beside it (its rows do not count against that limit, only against the KV
+            # a group with more candidates than max_batch_rows runs alone at first, then others fill up to
+            # max_batch_rows rows beside it (its rows do not count against that limit, only against the KV
             # budget): small requests do not wait for a large one to end
             rows = sum(self._counted(g) for g in self.batch.groups + coming)
             all_rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
@@ -231,7 +231,7 @@ class Scheduler:
                     ticket.done(group)
                     continue
                 if busy:
-                    if rows + group.params.num_candidates > self.max_batch_size:
+                    if rows + group.params.num_candidates > self.max_batch_rows:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
@@ -253,9 +253,9 @@ class Scheduler:
             return taken
 
     def _counted(self, group: RequestGroup) -> int:
-        """A group's rows as max_batch_size counts them: none for a group larger than the limit by itself."""
+        """A group's rows as max_batch_rows counts them: none for a group larger than the limit by itself."""
         rows = group.params.num_candidates
-        return 0 if rows > self.max_batch_size else rows
+        return 0 if rows > self.max_batch_rows else rows
 
     @property
     def kv_usage(self) -> float:

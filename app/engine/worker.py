@@ -65,7 +65,8 @@ class Worker:
         loader: Callable[[], LoadedModel],
         admission: Admission | None = None,
         *,
-        max_batch_size: int = 8,
+        max_batch_rows: int = 8,
+        max_running_requests: int | None = None,
         max_batch_tokens: int | None = None,
         compile: bool | None = False,
         prefill_batch_tokens: int = 4096,
@@ -75,7 +76,7 @@ class Worker:
     ):
         self.names = names
         self._loader = loader
-        self.max_batch_size = max_batch_size
+        self.max_batch_rows = max_batch_rows  # candidate rows in the scheduler's decode batch
         self.max_batch_tokens = max_batch_tokens
         self.prefill_batch_tokens = prefill_batch_tokens  # padded prompt tokens of a shared prefill (0: off)
         self.prefix_cache_tokens = prefix_cache_tokens  # prompt tokens whose KV is kept for reuse (0: off)
@@ -83,8 +84,8 @@ class Worker:
         self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)
         self.compile = compile  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
         self.scheduler: Scheduler | None = None
-        # who may wait for the model, and how long (429/503); as many run at once as the batch has rows
-        self.admission = admission or Admission(capacity=max_batch_size)
+        # how many requests run at once (None: as many as the batch has rows), who may wait and how long
+        self.admission = admission or Admission(capacity=max_running_requests or max_batch_rows)
         self.load_seconds: float | None = None
         self._ready = threading.Event()
         self.error: str | None = None
@@ -97,24 +98,28 @@ class Worker:
             worker = cls(
                 tuple(settings.model_names),
                 None,
-                Admission(
-                    max_queue=settings.max_queue, timeout=settings.queue_timeout, capacity=settings.max_batch_size
-                ),
-                max_batch_size=settings.max_batch_size,
+                cls._admission(settings),
+                max_batch_rows=settings.max_batch_rows,
             )
             worker._engine_settings = settings
             return worker
         return cls(
             tuple(settings.model_names),
             lambda: load_model(settings),
-            Admission(max_queue=settings.max_queue, timeout=settings.queue_timeout, capacity=settings.max_batch_size),
-            max_batch_size=settings.max_batch_size,
+            cls._admission(settings),
+            max_batch_rows=settings.max_batch_rows,
             max_batch_tokens=settings.max_batch_tokens,
             prefill_batch_tokens=settings.prefill_batch_tokens,
             prefix_cache_tokens=settings.prefix_cache_tokens,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             kv_cache_tokens=settings.kv_cache_tokens,
             compile=settings.compile,
+        )
+
+    @staticmethod
+    def _admission(settings) -> Admission:
+        return Admission(
+            max_queue=settings.max_queue, timeout=settings.queue_timeout, capacity=settings.max_running_requests
         )
 
     @classmethod
@@ -150,7 +155,7 @@ class Worker:
             self.kv_cache_tokens = self.runner.default_kv_budget()
         self.scheduler = Scheduler(
             self.runner,
-            max_batch_size=self.max_batch_size,
+            max_batch_rows=self.max_batch_rows,
             max_batch_tokens=self.max_batch_tokens,
             prefill_tokens=self.prefill_batch_tokens,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
@@ -215,15 +220,15 @@ class Worker:
             return
         start = time.perf_counter()
         self.runner.compile_step()
-        slots = min(self.max_batch_size, max(1, self.kv_cache_tokens // self.info.context_length))
+        slots = min(self.max_batch_rows, max(1, self.kv_cache_tokens // self.info.context_length))
         length = min(self.info.context_length, max(1, self.kv_cache_tokens // max(1, slots)))
         import torch
 
         with torch.inference_mode():
-            batch.warm_up(self.runner.probe_cache(), self.max_batch_size, length)
+            batch.warm_up(self.runner.probe_cache(), self.max_batch_rows, length)
         log.info(
             "compiled the decode step for batches up to %d rows, %d positions per slot (%.1f s)",
-            self.max_batch_size,
+            self.max_batch_rows,
             length,
             time.perf_counter() - start,
         )

@@ -27,7 +27,7 @@ Sections (``--only load,bad,slow,memory,close``; all by default):
           KV budget in bytes (``saker_kv_cache_budget_tokens`` x 2 x layers x KV heads x head size x dtype bytes)
           + a transient allowance of two prefill chunks of float32 logits (chunk x vocabulary x 4 bytes x 2).
           Full mode also runs a sequence on a second server with a small budget (``--memory-budget-tokens``, 4096):
-          a long prompt (half the budget), then a request of 2 x SAKER_MAX_BATCH_SIZE one-word rows.
+          a long prompt (half the budget), then a request of 2 x SAKER_MAX_BATCH_ROWS one-word rows.
 - close   how long the server works on after its client leaves: a long stream (max_tokens 4000, ignore_eos) and
           a long plain request (also one with a ``stop`` string), closed by the client after ~1 s of decoding, and
           (full mode) a stream and a plain request closed while a long prompt is still being prefilled. Measured

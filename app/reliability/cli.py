@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4096,
         metavar="N",
         help="full mode: also run "
-        "a long prompt, then a request of 2 x SAKER_MAX_BATCH_SIZE short rows, on a second server "
+        "a long prompt, then a request of 2 x SAKER_MAX_BATCH_ROWS short rows, on a second server "
         "with SAKER_KV_CACHE_TOKENS=N (default 4096; 0: skip)",
     )
     parser.add_argument(

@@ -30,7 +30,7 @@ def batch_worker(request):
             patch.setattr(optimize, "MIN_PACKED_ELEMENTS", 0)
         loaded = load_model(settings)
     assert any(isinstance(m, optimize.PackedLinear) for m in loaded.model.modules()) == bool(packed)
-    worker = Worker.from_loaded(("m",), loaded, max_batch_size=16)
+    worker = Worker.from_loaded(("m",), loaded, max_batch_rows=16)
     return worker, path
 
 
@@ -192,12 +192,12 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
 
 
 def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
-    """A request with more candidates than max_batch_size runs alone at first; a small one that comes later
-    joins beside it (up to max_batch_size rows of its own) and ends long before it. Both equal their runs alone."""
+    """A request with more candidates than max_batch_rows runs alone at first; a small one that comes later
+    joins beside it (up to max_batch_rows rows of its own) and ends long before it. Both equal their runs alone."""
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=4)
+    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=4)
     _, tok = reference(gpt2_dir)
     big_ids, small_ids = tok("Once upon a time").input_ids, tok("Hello").input_ids
     big_params = SamplingParams(max_tokens=40, temperature=0.8, seed=4, n=6, ignore_eos=True)
@@ -218,7 +218,7 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=1)
+    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=1)
     _, tok = reference(gpt2_dir)
     requests = [(tok(t).input_ids, SamplingParams(max_tokens=6, temperature=0.0)) for t in ("Hello", "Once upon")]
     results = batched(worker, requests)
@@ -234,7 +234,7 @@ def test_kv_budget_holds_back_what_would_not_fit(gpt2_dir, reference):
     from app.engine.worker import Worker
 
     worker = Worker.from_loaded(
-        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_size=8, kv_cache_tokens=80
+        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
     )
     _, tok = reference(gpt2_dir)
     ids = tok("Once upon a time").input_ids
@@ -258,7 +258,7 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     from app.engine.worker import Worker
 
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
-    worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_size=8, kv_cache_tokens=100)
+    worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_rows=8, kv_cache_tokens=100)
     client = create_app(settings, worker=worker).test_client()
     body = {"model": "tiny-gpt2", "prompt": [5, 6, 7, 8], "max_tokens": 30, "temperature": 0.5, "seed": 1}
     too_many = client.post("/v1/completions", json={**body, "n": 4})
@@ -449,7 +449,7 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     fast = Worker.from_loaded(
         ("m",),
         load_model(settings),
-        max_batch_size=16,
+        max_batch_rows=16,
         prefix_cache_tokens=2048,
         prefill_batch_tokens=4096,
         prefill_chunk_tokens=rng.choice([7, 16, 512]),
@@ -457,7 +457,7 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     plain = Worker.from_loaded(
         ("m",),
         load_model(settings),
-        max_batch_size=1,
+        max_batch_rows=1,
         prefix_cache_tokens=0,
         prefill_batch_tokens=0,
         prefill_chunk_tokens=0,

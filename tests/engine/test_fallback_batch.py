@@ -34,7 +34,7 @@ def worker(mistral_dir):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
-    return Worker.from_loaded(("m",), load_model(make_settings(model=str(mistral_dir))), max_batch_size=8)
+    return Worker.from_loaded(("m",), load_model(make_settings(model=str(mistral_dir))), max_batch_rows=8)
 
 
 def test_sliding_window_model_uses_the_padded_batch(worker):

@@ -154,7 +154,7 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
 
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
-    worker = Worker.from_loaded(("base",), load_model(settings), max_batch_size=8)
+    worker = Worker.from_loaded(("base",), load_model(settings), max_batch_rows=8)
     assert worker.runner.mixes_adapters
     prompts = {"alpha": [1, 40, 41, 42], "beta": [1, 50, 51, 52, 53, 54], None: [1, 60, 61]}
     runs = [
@@ -306,7 +306,7 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
 
-    settings = make_settings(model=str(llama_dir), dtype="float32", compile=True, max_batch_size=4)
+    settings = make_settings(model=str(llama_dir), dtype="float32", compile=True, max_batch_rows=4)
     compiled = Worker.from_settings(settings)
     compiled.load()
     assert compiled.runner.compiled_step is not None

@@ -99,7 +99,7 @@ def test_gunicorn_config_follows_the_settings():
         "SAKER_THREADS": "12",
         "SAKER_GRACEFUL_TIMEOUT": "33",
         "SAKER_MAX_QUEUE": "4",
-        "SAKER_MAX_BATCH_SIZE": "4",
+        "SAKER_MAX_RUNNING_REQUESTS": "4",
         "SAKER_PORT": "9123",
     }
     code = (
@@ -170,7 +170,7 @@ def test_kubernetes_manifest():
         if name.startswith("SAKER_") and "value" in e
     }
     settings = Settings(**values)
-    assert settings.threads > settings.max_batch_size + settings.max_queue  # probes always find a thread
+    assert settings.threads > settings.max_running_requests + settings.max_queue  # probes always find a thread
     graceful = int(env["SAKER_GRACEFUL_TIMEOUT"]["value"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > graceful
     assert env["SAKER_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"]
