@@ -133,9 +133,9 @@ def test_an_int4_model_compiles_to_one_graph_per_bucket_and_answers_as_eager(lla
     torch._dynamo.reset()
     settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
     before = counters["stats"]["unique_graphs"]
-    compiled = Worker.from_loaded(("m",), load_model(settings), max_batch_size=2, compile=True)
+    compiled = Worker.from_loaded(("m",), load_model(settings), max_batch_rows=2, compile=True)
     assert counters["stats"]["unique_graphs"] - before == 2  # buckets 1 and 2, one graph each
-    eager = Worker.from_loaded(("m",), load_model(settings), max_batch_size=2)
+    eager = Worker.from_loaded(("m",), load_model(settings), max_batch_rows=2)
     assert any(isinstance(m, Int4Linear) for m in compiled.runner.model.modules())
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
     requests = [([1, 5, 9, 13], params), ([2, 4, 6], params), ([7, 3], params)]
