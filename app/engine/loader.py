@@ -227,6 +227,8 @@ def load_model(settings: Settings) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
+    if settings.compile:  # inductor's compiled kernels kept with saker's cache, so a restart does not compile again
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(settings) / "inductor"))
     model_path = settings.model
     gguf_file = settings.gguf_file
     if model_path is None:
