@@ -207,6 +207,10 @@ def test_transformers_warnings_join_the_one_format():
 def access_logger():
     logger = logging.getLogger(ACCESS_LOGGER)
     saved = (list(logger.handlers), logger.level, logger.propagate)
+    # as in a fresh process: an app built by an earlier test left it non-propagating, and pytest then hangs its
+    # capture handlers on it for the test's call (it does so for every non-propagating logger)
+    logger.handlers[:] = []
+    logger.propagate = True
     yield logger
     for handler in logger.handlers:
         if handler not in saved[0]:
