@@ -13,6 +13,7 @@ import uuid
 from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from app.engine.errors import EngineError
 from app.errors import (
     APIError,
     InternalServerError,
@@ -20,6 +21,7 @@ from app.errors import (
     MethodNotAllowedError,
     NotFoundError,
     RequestTooLargeError,
+    from_engine,
 )
 from app.settings import Settings, load_settings
 
@@ -135,6 +137,10 @@ def _register_errors(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(err: APIError):
         return error_response(err)
+
+    @app.errorhandler(EngineError)
+    def _engine_error(exc: EngineError):  # a route that asked the engine directly (readiness, the tokenizer)
+        return error_response(from_engine(exc))
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

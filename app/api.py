@@ -12,6 +12,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from app.access_log import RequestRecord, current_record
 from app.client_watch import ClientConnection
 from app import lifecycle
+from app.engine.errors import EngineError
 from app.errors import (
     APIError,
     ClientClosedError,
@@ -19,6 +20,7 @@ from app.errors import (
     InvalidRequestError,
     ServiceUnavailableError,
     UnsupportedMediaTypeError,
+    as_api_error,
 )
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from app.responses import ResponsesRequest
@@ -227,7 +229,8 @@ def _server_sent(chunks, job, record: RequestRecord, frame, done: bool, headers:
                     record.error_code = (chunk["response"].get("error") or {}).get("code")
                 yield frame(chunk)
             finished = True
-        except APIError as err:
+        except (APIError, EngineError) as exc:
+            err = as_api_error(exc)
             record.error_code = err.code or err.type
             yield _data_frame(err.body())
         except Exception:

@@ -1,11 +1,26 @@
 """The APIError family and the one mapping to the OpenAI error body.
 
-Every error the server returns is ``{"error": {"message", "type", "param", "code"}}``. Code anywhere
-(protocol, service, engine) raises one of these; ``app/__init__.py`` (``error_response``) turns it into
-the response.
+Every error the server returns is ``{"error": {"message", "type", "param", "code"}}``. The HTTP side
+(protocol, service, routes) raises one of these; ``app/__init__.py`` (``error_response``) turns it into the
+response. The engine raises its own errors (``app/engine/errors.py``: plain data); ``from_engine`` is where each
+becomes its status, headers and message, and ``engine_errors_as_api`` applies it where the service calls the
+engine.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from app.engine.errors import (
+    ClientGone,
+    ConstraintError,
+    EngineError,
+    EngineNotReady,
+    EngineOutOfMemory,
+    QueueFull,
+    QueueTimeout,
+)
 
 
 class APIError(Exception):
@@ -130,6 +145,50 @@ class InternalServerError(APIError):
     status = 500
     type = "server_error"
     code = "internal_error"
+
+
+def from_engine(exc: EngineError) -> APIError:
+    """The answer to a request the engine could not serve: its status, headers, code and message."""
+    if isinstance(exc, QueueFull):
+        return OverloadedError(
+            f"The model is overloaded: {exc.waiting} requests are already waiting for it, the most "
+            f"allowed (SAKER_MAX_QUEUE={exc.limit}). Retry after {exc.retry_after_s} s.",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    if isinstance(exc, QueueTimeout):
+        return QueueTimeoutError(
+            f"The model is overloaded: this request waited {exc.limit_s:g} s for its turn, the "
+            f"longest allowed (SAKER_QUEUE_TIMEOUT={exc.limit_s:g}). Retry after {exc.retry_after_s} s.",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    if isinstance(exc, EngineOutOfMemory):
+        return OutOfMemoryError(
+            "The server ran out of accelerator memory for this request and freed it again; "
+            "retry, or ask for fewer tokens (prompt, max_tokens, n, best_of)"
+        )
+    if isinstance(exc, EngineNotReady):
+        return ModelNotReadyError(exc.reason)
+    if isinstance(exc, ClientGone):
+        err = ClientClosedError("the client closed the connection; generation stopped")
+        err.timings = exc.timings  # what was done before it stopped, for the access log
+        return err
+    if isinstance(exc, ConstraintError):  # the service names the field that asked (param) where it knows it
+        return InvalidRequestError(exc.detail)
+    return InternalServerError(f"The engine could not serve this request: {exc}")
+
+
+def as_api_error(exc: APIError | EngineError) -> APIError:
+    """An API error as it is; an engine error as the HTTP layer answers it."""
+    return exc if isinstance(exc, APIError) else from_engine(exc)
+
+
+@contextlib.contextmanager
+def engine_errors_as_api() -> Iterator[None]:
+    """Around calls into the engine (a generator's body too): an engine error leaves as its API error."""
+    try:
+        yield
+    except EngineError as exc:
+        raise from_engine(exc) from None
 
 
 class ConfigError(Exception):

@@ -10,7 +10,8 @@ import time
 from typing import Callable, Iterator
 
 from app.batch.lines import Item
-from app.errors import APIError, InternalServerError
+from app.engine.errors import EngineError
+from app.errors import APIError, InternalServerError, as_api_error
 
 log = logging.getLogger("saker.batch")
 
@@ -81,8 +82,8 @@ def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] |
 def _answer(service, item: Item) -> None:
     try:
         item.result = service.complete(item.request, item.prepared).body
-    except APIError as exc:
-        item.error = exc
+    except (APIError, EngineError) as exc:
+        item.error = as_api_error(exc)
     except Exception as exc:
         log.exception("line %d failed", item.line)
         item.error = InternalServerError(f"{type(exc).__name__}: {exc}")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.batch.inputs import parse_json_line
-from app.errors import APIError, InternalServerError, InvalidRequestError
+from app.engine.errors import EngineError
+from app.errors import APIError, InternalServerError, InvalidRequestError, as_api_error
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 log = logging.getLogger("saker.batch")
@@ -62,8 +63,8 @@ def make_item(service, number: int, text: str | None, raw: bytes, *, seed: int |
         item.request = _served_model(service, request)
         item.prepared = service.prepare(item.request)
         item.cost = request_cost(service, item.prepared)
-    except APIError as exc:
-        item.error, item.request = exc, None
+    except (APIError, EngineError) as exc:
+        item.error, item.request = as_api_error(exc), None
     except Exception as exc:
         log.exception("line %d: validation failed", number)
         item.error, item.request = InternalServerError(f"{type(exc).__name__}: {exc}"), None

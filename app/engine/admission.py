@@ -2,7 +2,8 @@
 turn, and none waits longer than ``timeout`` seconds.
 
 The worker wraps each request in ``with admission.slot():``. A request that finds the queue full gets
-``OverloadedError`` (429, with Retry-After) at once; one that waits too long gets ``QueueTimeoutError`` (503).
+``QueueFull`` at once; one that waits too long gets ``QueueTimeout`` (both with a retry estimate; the HTTP layer
+answers 429 and 503 with Retry-After).
 Waiters are served first come, first served. The worker sets ``capacity`` to SAKER_MAX_RUNNING_REQUESTS: that
 many requests are handed to the scheduler at once, the rest wait here.
 No torch and no Flask here.
@@ -17,7 +18,7 @@ import threading
 import time
 from typing import Iterator
 
-from app.errors import OverloadedError, QueueTimeoutError
+from app.engine.errors import QueueFull, QueueTimeout
 
 _RETRY_MIN_S, _RETRY_MAX_S = 1, 60
 
@@ -44,8 +45,8 @@ class Admission:
         self.capacity = capacity
         self.active = 0  # requests holding a slot
         self.waiting = 0  # requests waiting for one
-        self.rejected = 0  # turned away because the queue was full (429)
-        self.timed_out = 0  # gave up waiting (503)
+        self.rejected = 0  # turned away because the queue was full
+        self.timed_out = 0  # gave up waiting
         self._mean_hold_s: float | None = None
         self._cond = threading.Condition()
         self._waiters: collections.deque[_Waiter] = collections.deque()  # first come, first served
@@ -68,28 +69,19 @@ class Admission:
                 return
             if self.max_queue is not None and self.waiting >= self.max_queue:
                 self.rejected += 1
-                retry = self.retry_after_s()
-                raise OverloadedError(
-                    f"The model is overloaded: {self.waiting} requests are already waiting for it, the most "
-                    f"allowed (SAKER_MAX_QUEUE={self.max_queue}). Retry after {retry} s.",
-                    headers={"Retry-After": str(retry)},
-                )
+                raise QueueFull(self.waiting, self.max_queue, self.retry_after_s())
             waiter = _Waiter()
             self._waiters.append(waiter)
             self.waiting = len(self._waiters)
-            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            queued = time.monotonic()
+            deadline = None if self.timeout is None else queued + self.timeout
             while not waiter.granted:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     self._waiters.remove(waiter)
                     self.waiting = len(self._waiters)
                     self.timed_out += 1
-                    retry = self.retry_after_s()
-                    raise QueueTimeoutError(
-                        f"The model is overloaded: this request waited {self.timeout:g} s for its turn, the "
-                        f"longest allowed (SAKER_QUEUE_TIMEOUT={self.timeout:g}). Retry after {retry} s.",
-                        headers={"Retry-After": str(retry)},
-                    )
+                    raise QueueTimeout(time.monotonic() - queued, self.timeout, self.retry_after_s())
                 self._cond.wait(remaining)
             # the releaser handed its slot over: ``active`` already counts this request
 

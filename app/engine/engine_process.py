@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
+from app.engine.errors import EngineNotReady
 from app.engine.generate import RequestGroup
 from app.engine.scheduler import _DONE, Ticket
 
@@ -225,9 +226,7 @@ class EngineClient:
                 self._conn.send(message)
         except OSError:
             if message[0] == "submit":
-                from app.errors import ModelNotReadyError
-
-                raise ModelNotReadyError(self.gone or "the engine process is not running") from None
+                raise EngineNotReady(self.gone or "the engine process is not running") from None
 
     def submit(self, groups: list[RequestGroup], eager: bool = True) -> Ticket:
         rid = next(self._ids)

@@ -1,4 +1,5 @@
-"""Accelerator out-of-memory during a request -> 503, with the memory given back so the server goes on."""
+"""Accelerator out-of-memory during a request -> ``EngineOutOfMemory`` for that request, with the memory given
+back so the server goes on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from app.errors import OutOfMemoryError
+from app.engine.errors import EngineOutOfMemory
 
 log = logging.getLogger("saker.worker")
 
@@ -23,11 +24,11 @@ def free_memory() -> None:
 
 
 @contextlib.contextmanager
-def out_of_memory_as_503() -> Iterator[None]:
-    """Turn ``torch.OutOfMemoryError`` (= ``torch.cuda.OutOfMemoryError``) raised in the body into a 503
-    ``OutOfMemoryError`` for this request only. The frames of the failed generation (which hold its KV cache
+def out_of_memory_guard() -> Iterator[None]:
+    """Turn ``torch.OutOfMemoryError`` (= ``torch.cuda.OutOfMemoryError``) raised in the body into
+    ``EngineOutOfMemory`` for this request only. The frames of the failed generation (which hold its KV cache
     and logits) are cleared and dropped from the exception before the cache is emptied, so nothing keeps
-    those tensors alive (the 503 may still name the OOM exception as its ``__context__``)."""
+    those tensors alive (the new error keeps no reference to the old one)."""
     detail = None
     try:
         yield
@@ -40,7 +41,4 @@ def out_of_memory_as_503() -> Iterator[None]:
         return
     free_memory()
     log.error("out of memory during a request (%s); cache freed, serving on", detail)
-    raise OutOfMemoryError(
-        "The server ran out of accelerator memory for this request and freed it again; "
-        "retry, or ask for fewer tokens (prompt, max_tokens, n, best_of)"
-    ) from None
+    raise EngineOutOfMemory(detail) from None

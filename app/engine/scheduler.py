@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from app.engine.errors import ClientGone
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.generate import (
     BatchOutOfMemory,
@@ -129,9 +130,7 @@ class Ticket:
     def _check_alive(self) -> None:
         if not self.alive():
             self.cancel()
-            from app.errors import ClientClosedError
-
-            raise ClientClosedError("the client closed the connection; generation stopped") from None
+            raise ClientGone() from None
 
     def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
         while self._ready:  # decoded before an earlier iteration stopped (events come a step at a time)
@@ -438,7 +437,7 @@ class Scheduler:
 
     def _decode_step(self) -> list[tuple[RequestGroup, list[Event]]]:
         """One decode step. When the forward of several groups runs out of memory, the newest group fails
-        (its request gets the out-of-memory error: a 503) and the step is retried for the others."""
+        (its request gets the out-of-memory error) and the step is retried for the others."""
         while True:
             try:
                 with self.runner.adapter(self.batch.adapter):

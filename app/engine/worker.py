@@ -11,16 +11,17 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from app.engine.admission import Admission
+from app.engine.errors import ClientGone, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
-from app.engine.oom import out_of_memory_as_503
+from app.engine.oom import out_of_memory_guard
 from app.engine.prefix_cache import PrefixCache
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
-from app.errors import ClientClosedError, ConfigError, InvalidRequestError, ModelNotReadyError
+from app.errors import ConfigError
 
 log = logging.getLogger("saker.worker")
 
@@ -257,7 +258,7 @@ class Worker:
 
     def require_ready(self) -> ModelInfo:
         if not self._ready.is_set() or self.info is None:
-            raise ModelNotReadyError(self.error or "the model is still loading; retry shortly")
+            raise EngineNotReady(self.error or "the model is still loading; retry shortly")
         return self.info
 
     # -- tokens -----------------------------------------------------------------------------------------
@@ -269,16 +270,16 @@ class Worker:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def compile_constraint(self, constraint, param: str | None) -> None:
+    def compile_constraint(self, constraint) -> None:
         """Compile a request's structured-output constraint before it is admitted (cached by constraint): one
-        that llguidance cannot take is a 400 naming ``param``."""
+        that llguidance cannot take raises ``ConstraintError`` with llguidance's message."""
         from app.engine.grammar import GrammarError, grammars_for
 
         info = self.require_ready()
         try:
             grammars_for(self.runner.tokenizer, info.vocab_size, tuple(self.runner.eos_token_ids)).compile(constraint)
         except GrammarError as exc:
-            raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+            raise ConstraintError(str(exc)) from None
 
     # -- serving ----------------------------------------------------------------------------------------
     def events(
@@ -296,7 +297,7 @@ class Worker:
         still end a candidate as soon as they appear)."""
         self.require_ready()
         queued = time.perf_counter()
-        with self.admission.slot(), out_of_memory_as_503():
+        with self.admission.slot(), out_of_memory_guard():
             admitted = time.perf_counter()
             groups = [
                 RequestGroup(self.runner, ids, params, max_length=max_length, tag=p) for p, ids in enumerate(prompts)
@@ -346,13 +347,13 @@ class Worker:
         self, prompts: list[list[int]], params: SamplingParams, max_length: int, alive: Callable[[], bool] | None = None
     ) -> tuple[list[CompletionOutput], Timings]:
         """Every prompt to the end; the outputs in prompt order. ``alive``: whether the client is still there
-        (asked while waiting; when it is gone the request is cancelled and ``ClientClosedError`` raised)."""
+        (asked while waiting; when it is gone the request is cancelled and ``ClientGone`` raised)."""
         timings = Timings()
         per_prompt: list[list[PromptEvent | TokenEvent]] = [[] for _ in prompts]
         try:
             for p, event in self.events(prompts, params, max_length, timings, eager=False, alive=alive):
                 per_prompt[p].append(event)
-        except ClientClosedError as exc:
+        except ClientGone as exc:
             exc.timings = timings  # what was done before it stopped, for the access log
             raise
         return [collect(events, params) for events in per_prompt], timings

@@ -8,7 +8,8 @@ import itertools
 import logging
 from typing import Any, Iterator
 
-from app.errors import APIError, ClientClosedError, InternalServerError, NotFoundError
+from app.engine.errors import EngineError
+from app.errors import APIError, ClientClosedError, InternalServerError, NotFoundError, as_api_error
 from app.protocol import ChatCompletionRequest
 from app.response_store import ResponseStore
 from app.responses.builder import ResponseBuilder
@@ -130,8 +131,8 @@ class ResponsesService:
                 yield state.event(kind, response=response)
             except ClientClosedError:
                 raise  # nobody to tell: the API layer logs how far it got
-            except APIError as err:
-                yield state.event("response.failed", response=builder.failed(err))
+            except (APIError, EngineError) as err:
+                yield state.event("response.failed", response=builder.failed(as_api_error(err)))
             except Exception:
                 log.exception("response %s failed while streaming", builder.id)
                 yield state.event(

@@ -11,7 +11,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
 from app.engine.params import Constraint
-from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
+from app.engine.errors import ConstraintError
+from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError, engine_errors_as_api
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -214,6 +215,10 @@ class CompletionService:
     # -- requests ----------------------------------------------------------------------------------------
     def prepare(self, request: SamplingRequest) -> PreparedRequest:
         """Validate a request against the model and the limits; raises before anything is generated."""
+        with engine_errors_as_api():
+            return self._prepare(request)
+
+    def _prepare(self, request: SamplingRequest) -> PreparedRequest:
         model_name, adapter = self.resolve_model(request.model_name)
         info = self.worker.require_ready()
         params = request.to_sampling_params(self.limits, vocab_size=info.vocab_size, adapter=adapter)
@@ -243,7 +248,10 @@ class CompletionService:
             self._check_kv_budget(ids, params)
         if params.constraint is not None:
             asked_by = "tools" if tools and request.calls_tools else request.constraint()[1]
-            self.worker.compile_constraint(params.constraint, asked_by)
+            try:
+                self.worker.compile_constraint(params.constraint)
+            except ConstraintError as exc:
+                raise InvalidRequestError(f"{asked_by}: {exc.detail}", param=asked_by) from None
         chat = isinstance(request, ChatCompletionRequest)
         thinks = None
         if chat and self.settings.reasoning_parser != "none":
@@ -269,7 +277,10 @@ class CompletionService:
         """A whole (non-streamed) completion or chat completion; ``prepared``: this request already prepared
         (batch mode validates every line before it runs); ``alive``: whether the client is still connected."""
         prepared = prepared or self.prepare(request)
-        outputs, timings = self.worker.complete(prepared.prompts, prepared.params, self.max_total_tokens, alive=alive)
+        with engine_errors_as_api():
+            outputs, timings = self.worker.complete(
+                prepared.prompts, prepared.params, self.max_total_tokens, alive=alive
+            )
         if prepared.chat:
             body = chat_response(prepared, outputs, timings, self.system_fingerprint, self.tool_format)
         else:

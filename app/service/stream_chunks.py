@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator
 
+from app.errors import engine_errors_as_api
 from app.protocol import Usage
 from app.service.answer_reader import AnswerReader, finish_reason, reader_for
 from app.service.answers import chat_logprobs, completion_logprobs, timing_of
@@ -28,15 +29,16 @@ class StreamChunks:
         n = prepared.params.n
         started: set[int] = set()
         prompt_tokens = sum(len(ids) for ids in prepared.prompts)
-        releases = self.service.worker.stream(
-            prepared.prompts,
-            prepared.params,
-            self.service.max_total_tokens,
-            prepared.timings,
-            alive=alive,
-        )
-        with contextlib.closing(releases):
-            yield from self._stream_chunks(releases, n, started)
+        with engine_errors_as_api():
+            releases = self.service.worker.stream(
+                prepared.prompts,
+                prepared.params,
+                self.service.max_total_tokens,
+                prepared.timings,
+                alive=alive,
+            )
+            with contextlib.closing(releases):
+                yield from self._stream_chunks(releases, n, started)
         if prepared.include_usage:
             completion_tokens = prepared.timings.generated_tokens
             chunk = self._chunk([])

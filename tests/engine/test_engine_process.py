@@ -97,8 +97,8 @@ def test_a_dead_engine_fails_waiting_requests(gpt2_dir):
     with pytest.raises(RuntimeError, match="engine process exited"):
         for _ in events:
             pass
-    from app.errors import ModelNotReadyError
+    from app.engine.errors import EngineNotReady
 
     assert not worker.ready  # /health turns 503 and new requests are refused
-    with pytest.raises(ModelNotReadyError, match="engine process exited"):
+    with pytest.raises(EngineNotReady, match="engine process exited"):
         worker.require_ready()

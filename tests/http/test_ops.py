@@ -160,8 +160,8 @@ def test_out_of_memory_guard_drops_the_failed_request_s_tensors():
     import gc
     import weakref
 
-    from app.engine.oom import out_of_memory_as_503
-    from app.errors import OutOfMemoryError
+    from app.engine.errors import EngineOutOfMemory
+    from app.engine.oom import out_of_memory_guard
 
     refs = []
 
@@ -170,8 +170,8 @@ def test_out_of_memory_guard_drops_the_failed_request_s_tensors():
         refs.append(weakref.ref(kv_cache))
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    with pytest.raises(OutOfMemoryError) as info:
-        with out_of_memory_as_503():
+    with pytest.raises(EngineOutOfMemory) as info:
+        with out_of_memory_guard():
             generate()
     assert info.value.__cause__ is None and info.value.__suppress_context__
     gc.collect()

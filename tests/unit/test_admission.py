@@ -1,4 +1,5 @@
-"""app/engine/admission.py without a model: slots, the bounded queue (429), the queue timeout (503), order."""
+"""app/engine/admission.py without a model: slots, the bounded queue (429), the queue timeout (503), order. Admission
+raises engine errors; the statuses and messages are the HTTP layer's answer to them (``from_engine``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import threading
 import pytest
 
 from app.engine.admission import Admission
-from app.errors import OverloadedError, QueueTimeoutError
+from app.engine.errors import QueueFull, QueueTimeout
+from app.errors import from_engine
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -71,10 +73,11 @@ def test_full_queue_is_429_with_retry_after_and_the_limit_in_the_message():
     queued = Waiter(admission, "queued", log)
     queued.start()
     wait_for(lambda: admission.waiting == 1)
-    with pytest.raises(OverloadedError) as info:
+    with pytest.raises(QueueFull) as info:
         with admission.slot():
             pass
-    err = info.value
+    assert (info.value.waiting, info.value.limit) == (1, 1)
+    err = from_engine(info.value)
     assert err.status == 429 and err.code == "model_overloaded"
     assert "model is overloaded" in err.message and "SAKER_MAX_QUEUE=1" in err.message
     assert 1 <= int(err.headers["Retry-After"]) <= 60
@@ -91,7 +94,7 @@ def test_full_queue_is_429_with_retry_after_and_the_limit_in_the_message():
 def test_max_queue_zero_rejects_whenever_busy():
     admission = Admission(max_queue=0)
     with admission.slot():
-        with pytest.raises(OverloadedError):
+        with pytest.raises(QueueFull):
             admission.acquire()
     with admission.slot():
         pass
@@ -100,10 +103,11 @@ def test_max_queue_zero_rejects_whenever_busy():
 def test_waiting_longer_than_the_timeout_is_503():
     admission = Admission(max_queue=4, timeout=0.05)
     with admission.slot():
-        with pytest.raises(QueueTimeoutError) as info:
+        with pytest.raises(QueueTimeout) as info:
             with admission.slot():
                 pass
-    err = info.value
+    assert info.value.limit_s == 0.05 and info.value.waited_s >= 0.05
+    err = from_engine(info.value)
     assert err.status == 503 and err.code == "queue_timeout" and err.type == "service_unavailable"
     assert "SAKER_QUEUE_TIMEOUT=0.05" in err.message and "Retry-After" in err.headers
     assert admission.snapshot() == {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 1}
@@ -147,7 +151,7 @@ def test_many_threads_never_exceed_capacity_and_every_one_is_answered():
                     with lock:
                         peak["active"] = max(peak["active"], admission.active)
                     outcomes.append("ok")
-            except OverloadedError:
+            except QueueFull:
                 outcomes.append("429")
 
     threads = [threading.Thread(target=client) for _ in range(24)]

@@ -42,11 +42,11 @@ def test_pipelined_bytes_are_not_a_close_and_unwatching_stops_the_callback():
 
 def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
     """With polling out of the picture (a poll interval of an hour), only the watcher's wake-up can end the
-    wait: the reader raises ClientClosedError and the request's groups are cancelled."""
+    wait: the reader raises ClientGone and the request's groups are cancelled."""
     from types import SimpleNamespace
 
     from app.engine.scheduler import Ticket
-    from app.errors import ClientClosedError
+    from app.engine.errors import ClientGone
 
     group = SimpleNamespace(tag=0, cancelled=False)
     ticket = Ticket([], eager=True)
@@ -69,7 +69,7 @@ def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
     def read():
         try:
             list(ticket)
-        except ClientClosedError as exc:
+        except ClientGone as exc:
             outcome["error"] = exc
 
     reader = threading.Thread(target=read, daemon=True)
