@@ -1118,6 +1118,7 @@ def long_server(tmp_path_factory, smol_dir):
             "SAKER_SERVED_MODEL_NAME": LONG_MODEL,
             "SAKER_CHAT_TEMPLATE": str(HERMES_TEMPLATE),
             "SAKER_THREADS": "8",
+            "SAKER_LOG_FORMAT": "json",  # the access lines read below are JSON objects
         }
     )
     try:
