@@ -281,6 +281,8 @@ class Bench:
                     body = self.body(self.plan.a_tokens)
                     self.profile(server, self.main_client, body, max(3, self.plan.a_reps // 2), "A")
             finally:
+                if self.main_client is not None:
+                    self.main_client.close()
                 if tiny_main:
                     self.tiny_server = server  # reused by C
                 else:
@@ -297,15 +299,18 @@ class Bench:
             name = models["data"][0]["id"]
         self.server_info[name] = {"url": client.url, "model": name, "started_by_bench": False}
         self.main_client, self.main_name, self.main_path = client, name, None
-        for part in main_parts:
-            self.run_part(part)
-        for part in self.parts:
-            if part in MAIN_SERVER_PARTS:
-                continue
-            if parts.BY_LETTER[part].with_url:
-                self.run_part(part)  # S: the given server's chat endpoint; its compile times are ours
-            else:
-                self.errors[part] = f"{part} needs our own server and the model in-process (not with --url)"
+        try:
+            for part in main_parts:
+                self.run_part(part)
+            for part in self.parts:
+                if part in MAIN_SERVER_PARTS:
+                    continue
+                if parts.BY_LETTER[part].with_url:
+                    self.run_part(part)  # S: the given server's chat endpoint; its compile times are ours
+                else:
+                    self.errors[part] = f"{part} needs our own server and the model in-process (not with --url)"
+        finally:
+            client.close()  # this thread's kept-alive connection (else an unclosed socket: ResourceWarning)
 
     # -- request bodies ---------------------------------------------------------------------------------------
     def body(self, max_tokens: int, stream: bool = False, prompt: Any = None) -> dict:
