@@ -25,7 +25,7 @@ from app.engine.quantize import quantize_model, quantized_state, restore_quantiz
 
 log = logging.getLogger("saker.quantize")
 
-FORMAT = 1  # bump when the folder's layout changes
+FORMAT = 2  # bump when the folder's layout changes (2: scales and zeros in bfloat16)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 

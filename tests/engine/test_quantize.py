@@ -14,16 +14,27 @@ from conftest import make_settings, make_worker
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    """What the kernels see of a float32 tensor (they compute in bfloat16: quantize.KERNEL_DTYPE)."""
+    return t.to(torch.bfloat16).float()
+
+
+def close_to(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to the bfloat16 rounding of the kernel's output (8 bits of mantissa) and its accumulation order."""
+    return bool(((got - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all())
+
+
 def test_int8_kernel_equals_its_codes_dequantized():
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(5, 3, 64)
     module = Int8Linear(weight, bias)
     scale = weight.abs().amax(dim=1) / 127
     codes = torch.clamp(torch.round(weight / scale[:, None]), -127, 127)
-    reference = x @ (codes * scale[:, None]).t() + bias
-    assert torch.allclose(module(x), reference, atol=1e-4)
-    assert torch.allclose(module.dequantized(), codes * scale[:, None])
-    assert (module.dequantized() - weight).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
+    reference = bf16(x) @ (codes * bf16(scale)[:, None]).t() + bias  # float32 arithmetic on the kernel's inputs
+    assert module(x).dtype == torch.float32 and close_to(module(x), reference)
+    assert torch.allclose(module.dequantized(), codes * bf16(scale)[:, None])
+    # half a step at most, plus what rounding the scale to bfloat16 moves the largest code
+    assert (module.dequantized() - weight).abs().max() <= scale.max() / 2 + 127 * (scale - bf16(scale)).abs().max()
 
 
 def test_int4_kernel_equals_its_codes_dequantized():
@@ -33,7 +44,8 @@ def test_int4_kernel_equals_its_codes_dequantized():
     codes, scales, zeros = int4_codes(weight)
     groups = codes.view(80, 128 // GROUP, GROUP).float()
     dequantized = ((groups - 8) * scales[..., None] + zeros[..., None]).view(80, 128)
-    assert torch.allclose(module(x), x @ dequantized.t(), atol=1e-4)
+    on_kernel_grid = ((groups - 8) * bf16(scales)[..., None] + bf16(zeros)[..., None]).view(80, 128)
+    assert close_to(module(x), bf16(x) @ on_kernel_grid.t())
     step = scales.max().item()
     assert (dequantized - weight).abs().max() <= step / 2 + 1e-5
 
@@ -77,19 +89,23 @@ def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode)
             "temperature": 0,
             "logprobs": 1,
             "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
         },
     ).get_json()
     tok = worker.runner.tokenizer
     prompt = tok("Hello world")["input_ids"]
     tokens = [int(t) for t in torch.tensor(prompt).tolist()]
-    generated = []
-    for _ in range(6):  # greedy with the same quantized modules, plain forwards
-        lp = ref_logprobs(worker.runner.model, tokens + generated)
-        generated.append(int(lp[-1].argmax()))
-    assert body["choices"][0]["text"] == tok.decode(generated, skip_special_tokens=True)
-    lp = ref_logprobs(worker.runner.model, tokens + generated)
-    want = [lp[len(tokens) - 1 + i, t].item() for i, t in enumerate(generated)]
-    assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    served = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+    # teacher-forced: a plain forward of the same quantized modules over the served tokens (the kernels round
+    # activations to bfloat16, so the engine's slot attention and a plain forward may differ in the last bits,
+    # and a near-tie of this random tiny model could flip a greedy pick: each served token is the reference's
+    # argmax or within rounding of it, and its logprob is the reference's)
+    got = body["choices"][0]["logprobs"]["token_logprobs"]
+    lp = ref_logprobs(worker.runner.model, tokens + served)
+    for i, t in enumerate(served[: len(got)]):
+        row = lp[len(tokens) - 1 + i]
+        assert row[t].item() >= row.max().item() - 0.05
+        assert got[i] == pytest.approx(row[t].item(), abs=0.05)
     [card] = client.get("/v1/models").get_json()["data"]
     assert card["precision"].startswith(f"{mode} weights") and card["precision"].endswith("float32 activations")
 
@@ -195,7 +211,7 @@ def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker
         if isinstance(module, Int4Linear):
             x = torch.randn(3, module.in_features)
             want = x @ floats[name + ".weight"].T
-            assert (module(x) - want).abs().max() <= 1e-4 * want.abs().max(), name
+            assert (module(x) - want).abs().max() <= 1e-2 * want.abs().max(), name  # bfloat16 activations
     tensors, _ = read_int4_tensors(embedded_gguf_path())
     assert {t.kind for t in tensors} == {"Q4_1"} and len(tensors) == 210
     with caplog.at_level(logging.INFO, logger="saker.quantize"):
