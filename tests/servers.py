@@ -136,3 +136,4 @@ http {{
 
     def stop(self) -> None:
         stop_process(self.proc, signal.SIGQUIT, 15)
+        self.proc.stdout.close()  # never read (nginx logs to files); left open it is a ResourceWarning

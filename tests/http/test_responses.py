@@ -920,7 +920,8 @@ def test_openai_client_get_and_delete(client):
 
 def weather_agent(base_url: str, model: str, **agent_fields):
     """An OpenAI Agents SDK agent with one function tool, its model an OpenAIResponsesModel over an AsyncOpenAI
-    client pointed at saker (tracing off: nothing leaves the machine); (the agent, the cities the tool saw)."""
+    client pointed at saker (tracing off: nothing leaves the machine); (the agent, the cities the tool saw, the
+    client: closed by the caller inside its event loop, else its sockets outlive the loop: ResourceWarning)."""
     pytest.importorskip("agents", reason="openai-agents is not installed: pip install -r requirements-dev.txt")
     import openai
     from agents import Agent, OpenAIResponsesModel, function_tool, set_tracing_disabled
@@ -935,13 +936,17 @@ def weather_agent(base_url: str, model: str, **agent_fields):
         return f"18 degrees and sunny in {city}"
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    return Agent(
-        name="weather",
-        instructions="Answer questions about the weather; use the tool.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model=model, openai_client=client),
-        **agent_fields,
-    ), cities
+    return (
+        Agent(
+            name="weather",
+            instructions="Answer questions about the weather; use the tool.",
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model=model, openai_client=client),
+            **agent_fields,
+        ),
+        cities,
+        client,
+    )
 
 
 @pytest.mark.slow
@@ -952,7 +957,7 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
     output (tool_use_behavior="stop_on_first_tool"); the whole loop runs on the echo llama below."""
     from agents import ModelSettings, Runner
 
-    agent, cities = weather_agent(
+    agent, cities, client = weather_agent(
         gpt2_server.url,
         MODEL,
         tool_use_behavior="stop_on_first_tool",
@@ -960,10 +965,13 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
     )
 
     async def run() -> tuple:
-        plain = await Runner.run(agent, QUESTION, max_turns=2)
-        streamed = Runner.run_streamed(agent, QUESTION, max_turns=2)
-        kinds = [event.type async for event in streamed.stream_events()]
-        return plain, streamed, kinds
+        try:
+            plain = await Runner.run(agent, QUESTION, max_turns=2)
+            streamed = Runner.run_streamed(agent, QUESTION, max_turns=2)
+            kinds = [event.type async for event in streamed.stream_events()]
+            return plain, streamed, kinds
+        finally:
+            await client.close()
 
     plain, streamed, kinds = asyncio.run(run())
     for result in (plain, streamed):
@@ -1135,17 +1143,20 @@ def test_agents_sdk_runs_its_whole_loop(long_server):
     tool_choice goes back to auto and the model answers (the echo llama's answer, which ends: completed)."""
     from agents import ModelSettings, Runner
 
-    agent, cities = weather_agent(
+    agent, cities, client = weather_agent(
         long_server.url,
         LONG_MODEL,
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100),
     )
 
     async def run() -> tuple:
-        plain = await Runner.run(agent, QUESTION, max_turns=4)
-        streamed = Runner.run_streamed(agent, QUESTION, max_turns=4)
-        kinds = [event.type async for event in streamed.stream_events()]
-        return plain, streamed, kinds
+        try:
+            plain = await Runner.run(agent, QUESTION, max_turns=4)
+            streamed = Runner.run_streamed(agent, QUESTION, max_turns=4)
+            kinds = [event.type async for event in streamed.stream_events()]
+            return plain, streamed, kinds
+        finally:
+            await client.close()
 
     plain, streamed, kinds = asyncio.run(run())
     for result in (plain, streamed):

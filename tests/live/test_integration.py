@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 import requests
@@ -141,8 +143,8 @@ def test_engine_process_under_gunicorn(gpt2_dir, reference):
             if c.choices
         )
         assert streamed == expected
-        workers = [int(p) for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()]
-        engines = [int(p) for w in workers for p in open(f"/proc/{w}/task/{w}/children").read().split()]
+        workers = [int(p) for p in Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split()]
+        engines = [int(p) for w in workers for p in Path(f"/proc/{w}/task/{w}/children").read_text().split()]
         assert engines  # the engine process under the gunicorn worker
     finally:
         srv.stop()

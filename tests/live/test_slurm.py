@@ -44,6 +44,7 @@ def test_slurm_script_starts_the_server_and_prints_its_address(gpt2_dir):
         start_new_session=True,
     )
     lines = []
+    drain = None
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -66,3 +67,6 @@ def test_slurm_script_starts_the_server_and_prints_its_address(gpt2_dir):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if drain is not None:
+            drain.join(30)  # it reads to the pipe's end: the script and its gunicorn are gone
+        proc.stdout.close()
