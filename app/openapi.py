@@ -1,4 +1,4 @@
-"""``GET /openapi.json``: an OpenAPI 3.1 document assembled from the pydantic models in ``app/protocol.py``.
+"""``GET /openapi.json``: an OpenAPI 3.1 document assembled from the pydantic models in ``app/protocol/``.
 
 Only the route table below is written by hand (which model each route takes and returns); every schema is
 ``model_json_schema`` output, so the document cannot drift from the validation the server does. A test checks
