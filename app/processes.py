@@ -179,3 +179,84 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def nginx_binary() -> str | None:
+    """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
+    import shutil
+
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+class NginxServer:
+    """nginx in the foreground as the current user, every path (pid, logs, temp files) under ``root``, listening on
+    a free loopback port (``port``); a subclass writes its site into ``root / "saker.conf"`` (the main
+    ``nginx.conf`` includes it), then calls ``start()``."""
+
+    def __init__(self, root: Path, *, workers: int = 1, connections: int = 256, access_log: str = ""):
+        self.binary = nginx_binary()
+        if not self.binary:
+            raise RuntimeError("nginx is not installed (apt-get install nginx)")
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        root.mkdir(parents=True, exist_ok=True)
+        user = ""
+        if os.geteuid() == 0:  # workers would otherwise switch to nobody and lose the temp paths
+            import grp
+            import pwd
+
+            user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
+        temp = "\n".join(
+            f"    {name}_temp_path {root / name};" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        (root / "nginx.conf").write_text(f"""
+daemon off;
+worker_processes {workers};
+pid {root / "nginx.pid"};
+error_log {root / "error.log"} info;
+{user}
+events {{ worker_connections {connections}; }}
+http {{
+{access_log or f"    access_log {root / 'access.log'};"}
+{temp}
+    include {root / "saker.conf"};
+}}
+""")
+
+    def _args(self) -> list[str]:
+        return ["-p", str(self.root), "-c", str(self.root / "nginx.conf"), "-e", str(self.root / "error.log")]
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, *self._args()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def check_config(self) -> subprocess.CompletedProcess:
+        return subprocess.run([self.binary, "-t", *self._args()], capture_output=True, text=True)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.output()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"nginx not listening: {self.output()}")
+
+    def output(self) -> str:
+        log = self.root / "error.log"
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        stop_process(self.proc, signal.SIGQUIT, 15)
+        if self.proc.stdout:
+            self.proc.stdout.close()  # never read (nginx logs to files); left open it is a ResourceWarning

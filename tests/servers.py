@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import time
 from pathlib import Path
 
-from app.processes import GunicornServer, free_port, stop_process
+from app.processes import GunicornServer, NginxServer, free_port, nginx_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 __all__ = ["ROOT", "Gunicorn", "Nginx", "free_port", "nginx_binary", "read_response"]
@@ -45,95 +41,17 @@ def read_response(sock: socket.socket, *, cut: bool = False) -> bytes:
     return head + b"\r\n\r\n" + (body[:length] if cut else body)
 
 
-def nginx_binary() -> str | None:
-    """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
-    import shutil
-
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
-
-
-class Nginx:
-    """nginx in the foreground as the current user, with every path (pid, logs, temp files) under ``root``,
-    serving ``deploy/nginx/saker.conf`` with its upstream pointed at ``upstream`` and its listener on a free
-    loopback port."""
+class Nginx(NginxServer):
+    """nginx serving ``deploy/nginx/saker.conf`` with its upstream pointed at ``upstream`` and its listener on a
+    free loopback port (everything else: ``app.processes.NginxServer``)."""
 
     def __init__(self, root: Path, upstream: str, site: Path = ROOT / "deploy" / "nginx" / "saker.conf"):
         import re
 
-        self.binary = nginx_binary()
-        assert self.binary, "nginx is not installed"
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        root.mkdir(parents=True, exist_ok=True)
+        super().__init__(root)
         conf = site.read_text()
         conf, n_up = re.subn(r"server 127\.0\.0\.1:8000;", f"server {upstream};", conf)
         conf, n_listen = re.subn(r"listen 80;", f"listen 127.0.0.1:{self.port};", conf)
         assert n_up == 1 and n_listen == 1, "deploy/nginx/saker.conf changed shape"
         (root / "saker.conf").write_text(conf)
-        user = ""
-        if os.geteuid() == 0:  # workers would otherwise switch to nobody and lose the temp paths
-            import grp
-            import pwd
-
-            user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
-        temp = "\n".join(
-            f"    {name}_temp_path {root / name};" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
-        (root / "nginx.conf").write_text(f"""
-daemon off;
-worker_processes 1;
-pid {root / "nginx.pid"};
-error_log {root / "error.log"} info;
-{user}
-events {{ worker_connections 256; }}
-http {{
-    access_log {root / "access.log"};
-{temp}
-    include {root / "saker.conf"};
-}}
-""")
-        self.proc = subprocess.Popen(
-            [self.binary, "-p", str(root), "-c", str(root / "nginx.conf"), "-e", str(root / "error.log")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def check_config(self) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                self.binary,
-                "-t",
-                "-p",
-                str(self.root),
-                "-c",
-                str(self.root / "nginx.conf"),
-                "-e",
-                str(self.root / "error.log"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.output()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"nginx not listening: {self.output()}")
-
-    def output(self) -> str:
-        log = self.root / "error.log"
-        return log.read_text() if log.exists() else ""
-
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGQUIT, 15)
-        self.proc.stdout.close()  # never read (nginx logs to files); left open it is a ResourceWarning
+        self.start()

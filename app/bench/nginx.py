@@ -8,15 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Sequence
 
-from app.processes import ROOT, free_port, stop_process
+from app.processes import ROOT, NginxServer, nginx_binary  # noqa: F401 - nginx_binary re-exported for the replica bench
 
 REPLICAS_CONF = ROOT / "deploy" / "nginx" / "saker-replicas.conf"
 
@@ -29,13 +26,6 @@ ROUTER_LOG_FORMAT = (
 
 _UPSTREAM = re.compile(r"^(upstream\s+[\w.-]+\s*\{)(.*?)(^\})", re.S | re.M)
 _SERVER_LINE = re.compile(r"^([ \t]*)server[ \t]+(\S+?)((?:[ \t]+[^;\n]*)?);[^\n]*\n", re.M)
-
-
-def nginx_binary() -> str | None:
-    """The nginx executable (Debian puts it in /usr/sbin, which is not on every user's PATH)."""
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
 
 
 def render_replicas_conf(text: str, replicas: Sequence[str], listen: str) -> str:
@@ -70,49 +60,22 @@ def render_replicas_conf(text: str, replicas: Sequence[str], listen: str) -> str
     return text
 
 
-class Router:
-    """nginx in the foreground as the current user, every path (pid, logs, temp files) under ``root``, serving
-    ``site`` (deploy/nginx/saker-replicas.conf) with its upstreams pointed at ``replicas`` and its listener on a
-    free loopback port. Its access log (``access()``) says which replica each request went to."""
+class Router(NginxServer):
+    """nginx (``app.processes.NginxServer``) serving ``site`` (deploy/nginx/saker-replicas.conf) with its upstreams
+    pointed at ``replicas``. Its access log (``access()``) says which replica each request went to."""
 
     def __init__(self, root: Path, replicas: Sequence[str], site: Path = REPLICAS_CONF, workers: int = 1):
-        self.binary = nginx_binary()
-        if not self.binary:
-            raise RuntimeError("nginx is not installed (apt-get install nginx)")
-        self.root, self.site = root, site
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        root.mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            root,
+            workers=workers,
+            connections=1024,
+            access_log=(
+                f"    log_format saker_router {ROUTER_LOG_FORMAT};\n    access_log {root / 'access.log'} saker_router;"
+            ),
+        )
+        self.site = site
         self.configure(replicas)
-        user = ""
-        if os.geteuid() == 0:  # workers would otherwise switch to nobody and lose the temp paths
-            import grp
-            import pwd
-
-            user = f"user {pwd.getpwuid(0).pw_name} {grp.getgrgid(0).gr_name};"
-        temp = "\n".join(
-            f"    {name}_temp_path {root / name};" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
-        (root / "nginx.conf").write_text(f"""
-daemon off;
-worker_processes {workers};
-pid {root / "nginx.pid"};
-error_log {root / "error.log"} info;
-{user}
-events {{ worker_connections 1024; }}
-http {{
-    log_format saker_router {ROUTER_LOG_FORMAT};
-    access_log {root / "access.log"} saker_router;
-{temp}
-    include {root / "saker.conf"};
-}}
-""")
-        self.proc = subprocess.Popen(
-            [self.binary, "-p", str(root), "-c", str(root / "nginx.conf"), "-e", str(root / "error.log")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.start()
 
     def configure(self, replicas: Sequence[str]) -> None:
         self.replicas = list(replicas)
@@ -136,38 +99,6 @@ http {{
                 raise RuntimeError(f"nginx did not reload: {self.output()[-2000:]}")
             time.sleep(0.05)
 
-    def check_config(self) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                self.binary,
-                "-t",
-                "-p",
-                str(self.root),
-                "-c",
-                str(self.root / "nginx.conf"),
-                "-e",
-                str(self.root / "error.log"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.output()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"nginx not listening: {self.output()}")
-
-    def output(self) -> str:
-        log = self.root / "error.log"
-        return log.read_text(errors="replace") if log.exists() else ""
-
     def access(self, wait_for: Sequence[str] = (), timeout: float = 10) -> list[dict]:
         """nginx's access log, one dict per request; waits until the request ids ``wait_for`` are in it (nginx
         writes a line once the answer is sent, so just after the client has it)."""
@@ -182,8 +113,3 @@ http {{
             if not wait_for or time.time() > deadline or set(wait_for) <= {x["request_id"] for x in lines}:
                 return lines
             time.sleep(0.05)
-
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGQUIT, 15)
-        if self.proc.stdout:
-            self.proc.stdout.close()
