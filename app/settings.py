@@ -306,7 +306,9 @@ class Settings(BaseSettings):
         None, description="File with one API key per line (blank lines and # comments ignored); adds to api_keys."
     )
     metrics_require_key: bool = Field(False, description="Require an API key on /metrics too (when keys are set).")
-    access_log: str = Field("-", description="Where the JSON access log goes: - (stderr), a file path, or off.")
+    access_log: str = Field(
+        "-", description="Where the access log goes: - (stderr, in SAKER_LOG_FORMAT), a file path (JSON lines), or off."
+    )
     log_prompts: bool = Field(False, description="Put prompts and outputs in the access log (off: never logged).")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["text", "json"] = Field(
