@@ -918,6 +918,23 @@ def test_openai_client_get_and_delete(client):
     assert client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=1).status == "incomplete"
 
 
+def run_plain_and_streamed(agent, client, max_turns: int) -> tuple:
+    """The Agents SDK's loop run twice, plainly and streamed (with the stream's event kinds), in one event loop that
+    closes the client it used."""
+    from agents import Runner
+
+    async def run() -> tuple:
+        try:
+            plain = await Runner.run(agent, QUESTION, max_turns=max_turns)
+            streamed = Runner.run_streamed(agent, QUESTION, max_turns=max_turns)
+            kinds = [event.type async for event in streamed.stream_events()]
+            return plain, streamed, kinds
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
 def weather_agent(base_url: str, model: str, **agent_fields):
     """An OpenAI Agents SDK agent with one function tool, its model an OpenAIResponsesModel over an AsyncOpenAI
     client pointed at saker (tracing off: nothing leaves the machine); (the agent, the cities the tool saw, the
@@ -955,7 +972,7 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
     the Python tool; plain and streamed runs (the SDK parses the events). The tiny model's words are random and
     never end before its limit (the SDK takes a response.incomplete as an error), so the run stops on the tool's
     output (tool_use_behavior="stop_on_first_tool"); the whole loop runs on the echo llama below."""
-    from agents import ModelSettings, Runner
+    from agents import ModelSettings
 
     agent, cities, client = weather_agent(
         gpt2_server.url,
@@ -964,16 +981,7 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80),
     )
 
-    async def run() -> tuple:
-        try:
-            plain = await Runner.run(agent, QUESTION, max_turns=2)
-            streamed = Runner.run_streamed(agent, QUESTION, max_turns=2)
-            kinds = [event.type async for event in streamed.stream_events()]
-            return plain, streamed, kinds
-        finally:
-            await client.close()
-
-    plain, streamed, kinds = asyncio.run(run())
+    plain, streamed, kinds = run_plain_and_streamed(agent, client, max_turns=2)
     for result in (plain, streamed):
         assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
         assert result.final_output.startswith("18 degrees and sunny in ")
@@ -1141,7 +1149,7 @@ def test_agents_sdk_runs_its_whole_loop(long_server):
     """The Agents SDK's whole loop, plain and streamed: the forced call (the grammar writes it: the shipped Hermes
     template renders the tool) runs the Python tool, the SDK sends the call and its output back as input items,
     tool_choice goes back to auto and the model answers (the echo llama's answer, which ends: completed)."""
-    from agents import ModelSettings, Runner
+    from agents import ModelSettings
 
     agent, cities, client = weather_agent(
         long_server.url,
@@ -1149,16 +1157,7 @@ def test_agents_sdk_runs_its_whole_loop(long_server):
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100),
     )
 
-    async def run() -> tuple:
-        try:
-            plain = await Runner.run(agent, QUESTION, max_turns=4)
-            streamed = Runner.run_streamed(agent, QUESTION, max_turns=4)
-            kinds = [event.type async for event in streamed.stream_events()]
-            return plain, streamed, kinds
-        finally:
-            await client.close()
-
-    plain, streamed, kinds = asyncio.run(run())
+    plain, streamed, kinds = run_plain_and_streamed(agent, client, max_turns=4)
     for result in (plain, streamed):
         items = [item.type for item in result.new_items]
         assert items == ["tool_call_item", "tool_call_output_item", "message_output_item"], items
