@@ -29,14 +29,14 @@ class ClientWatcher:
         self._epoll = None
         self._callbacks: dict[int, Callable[[], None]] = {}
 
-    def watch(self, sock: socket.socket, on_close: Callable[[], None]) -> Callable[[], None]:
+    def watch(self, sock: socket.socket, on_close: Callable[[], None]) -> Callable[[], None] | None:
         """Call ``on_close`` (on the watcher thread) when the peer closes; returns the function that stops
-        watching (call it before the socket is closed or reused)."""
+        watching (call it before the socket is closed or reused), or None where nothing can watch (no epoll)."""
         if not hasattr(select, "epoll"):
-            return _nothing
+            return None
         fd = sock.fileno()
         if fd < 0:
-            return _nothing
+            return None
         with self._lock:
             if self._epoll is None:
                 self._epoll = select.epoll()
@@ -82,10 +82,6 @@ class ClientWatcher:
                         log.exception("saker: a client-close callback failed")
 
 
-def _nothing() -> None:
-    return None
-
-
 WATCHER = ClientWatcher()
 
 
@@ -104,5 +100,5 @@ class ClientConnection:
         except (OSError, ValueError):
             return False
 
-    def watch(self, on_close: Callable[[], None]) -> Callable[[], None]:
+    def watch(self, on_close: Callable[[], None]) -> Callable[[], None] | None:
         return self.watcher.watch(self.sock, on_close)

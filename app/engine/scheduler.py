@@ -89,17 +89,21 @@ class Ticket:
             group.cancelled = True
 
     alive = None  # a callable: False once the reader's client is gone (checked while waiting)
-    POLL_S = 0.05
+    POLL_S = 0.05  # how often the reader asks, when nothing tells it
+    WATCHED_POLL_S = 0.25  # a safety net only, when the client's close wakes the reader itself
     _checked = 0.0
     _unwatch = None
 
     def watch_client(self, alive) -> None:
-        """Cancel when ``alive()`` turns False: asked every ``POLL_S`` while the reader waits or events flow, and
-        at once when ``alive`` can tell us (``alive.watch(callback)``, e.g. an epoll on the client's socket)."""
+        """Cancel when ``alive()`` turns False: at once when ``alive`` can tell us (``alive.watch(callback)``, e.g.
+        an epoll on the client's socket; then asked only every ``WATCHED_POLL_S``, so that waiting readers do not
+        take the interpreter from the model thread), otherwise asked every ``POLL_S`` while the reader waits or
+        events flow."""
         self.alive = alive
         watch = getattr(alive, "watch", None)
-        if watch is not None:
-            self._unwatch = watch(self.wake)
+        self._unwatch = watch(self.wake) if watch is not None else None
+        if self._unwatch is not None:
+            self.POLL_S = self.WATCHED_POLL_S
 
     def unwatch_client(self) -> None:
         if self._unwatch is not None:

@@ -51,7 +51,6 @@ def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
     group = SimpleNamespace(tag=0, cancelled=False)
     ticket = Ticket([], eager=True)
     ticket.groups, ticket._open = [group], 1
-    ticket.POLL_S = 3600
     there = [True]
     woken = {}
 
@@ -64,6 +63,7 @@ def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
             return lambda: woken.pop("callback", None)
 
     ticket.watch_client(Alive())
+    ticket.POLL_S = 3600
     outcome = {}
 
     def read():
