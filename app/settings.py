@@ -137,8 +137,9 @@ class Settings(BaseSettings):
     quantize: Literal["none", "int8", "int4", "bitsandbytes-8bit", "bitsandbytes-4bit"] | None = Field(
         None,
         description="Quantize weights at load. `int8` (per output channel) and `int4` (groups of 32, a scale "
-        "and a zero each): weight-only on the CPU with PyTorch's own kernels, every linear and the LM head "
-        "(int8 under int4); a GGUF file's 4-bit tensors keep their own codes; cached on disk under "
+        "and a zero each): weight-only with PyTorch's own kernels, on the CPU or one CUDA GPU (int4: compute "
+        "capability 8.0+), every linear and the LM head (int8 under int4); a GGUF file's 4-bit tensors keep "
+        "their own codes; cached on disk under "
         "cache_dir. `bitsandbytes-8bit`/`-4bit`: bitsandbytes on a CUDA GPU. Unset: the embedded default "
         "model on the CPU (with dtype auto) is served int4, as its GGUF file ships; any other model as "
         "loaded. `none`: never (the de-quantized float32 weights, exact logprobs of that model).",

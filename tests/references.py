@@ -17,9 +17,11 @@ def ref_greedy(model, tok, prompt_ids, max_new):
 
 
 def ref_logprobs(model, ids):
+    """A plain forward's log-softmax over ``ids`` (on the model's device; the result on the CPU)."""
+    device = model.get_input_embeddings().weight.device
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
+        logits = model(torch.tensor([ids], device=device)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 def continuation(tok, prompt_ids, all_ids):

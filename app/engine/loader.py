@@ -268,12 +268,19 @@ def load_model(settings: Settings) -> LoadedModel:
     kwargs.update(quantization_kwargs(settings))
     if "max_memory" in kwargs:
         kwargs["device_map"] = _device_map_for(model_path, common, kwargs["max_memory"], kwargs["dtype"])
-    if settings.quantize in WEIGHT_ONLY and (device != "cpu" or settings.gpu_memory):
-        raise ConfigError(
-            f"quantize={settings.quantize} runs on the CPU (PyTorch's CPU kernels); on a GPU use "
-            "bitsandbytes-8bit or bitsandbytes-4bit, or device=cpu"
-        )
-    if "device_map" not in kwargs and device != "cpu":
+    if settings.quantize in WEIGHT_ONLY:
+        if settings.gpu_memory or not (device == "cpu" or device.startswith("cuda")):
+            raise ConfigError(
+                f"quantize={settings.quantize} runs on one device, the CPU or one CUDA GPU (not with gpu_memory's "
+                "device map); use bitsandbytes-8bit or bitsandbytes-4bit there"
+            )
+        from app.engine.quantize import kernel_problem
+
+        problem = kernel_problem(settings.quantize, device)
+        if problem:
+            raise ConfigError(f"quantize={settings.quantize} on {device}: {problem}")
+        kwargs.pop("device_map", None)  # loaded on the CPU, quantized there, packed for the device (below)
+    elif "device_map" not in kwargs and device != "cpu":
         kwargs["device_map"] = device if settings.quantize in (None, "none") else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
@@ -301,10 +308,17 @@ def load_model(settings: Settings) -> LoadedModel:
         gguf = _gguf_path(settings, model_path)
         precision = (
             load_or_quantize(
-                model, mode, cache_root(settings), source_identity(model_path, settings.revision, gguf), gguf
+                model,
+                mode,
+                cache_root(settings),
+                source_identity(model_path, settings.revision, gguf),
+                gguf,
+                device=device,
             )
             + f", {precision} activations"
         )
+        if device != "cpu":
+            model.to(device)  # what stayed in float (embeddings, norms) joins the packed linears
     optimize_for_inference(model)
     seconds = time.perf_counter() - start
     log.info("precision: %s", precision)

@@ -1,10 +1,13 @@
-"""Weight-only int8 / int4 linears for the CPU (SAKER_QUANTIZE=int8 | int4), on PyTorch's own kernels.
+"""Weight-only int8 / int4 linears (SAKER_QUANTIZE=int8 | int4) on PyTorch's own kernels, CPU and CUDA.
 
 - ``Int8Linear``: one int8 per weight, one scale per output channel (symmetric: ``w = q * scale``), applied with
-  ``aten._weight_int8pack_mm``.
+  ``aten._weight_int8pack_mm`` (CPU, and CUDA where this PyTorch has its kernel).
 - ``Int4Linear``: one 4-bit code per weight in groups of 32 along the input, with a scale and a zero per group
   (``w = (q - 8) * scale + zero``, q in 0..15: the layout GGUF's Q4_0/Q4_1 blocks map onto exactly), packed once
-  at load by ``aten._convert_weight_to_int4pack_for_cpu`` and applied with ``aten._weight_int4pack_mm_for_cpu``.
+  at load for the device it runs on: ``aten._convert_weight_to_int4pack_for_cpu`` and
+  ``aten._weight_int4pack_mm_for_cpu`` on the CPU; on CUDA (compute capability 8.0 and up) two codes per byte,
+  ``aten._convert_weight_to_int4pack`` and ``aten._weight_int4pack_mm`` (tinygemm). Both read the same scales
+  and zeros, so one set of codes serves either device.
 
 Activations stay in the model's dtype between the linears (the kernels compute in bfloat16: ``KERNEL_DTYPE``);
 only the weights are quantized, every ``nn.Linear`` and GPT-2 ``Conv1D``
@@ -27,7 +30,7 @@ from torch import nn
 log = logging.getLogger("saker.quantize")
 
 GROUP = 32  # int4: weights per (scale, zero) group along the input dimension
-INNER_K_TILES = 2
+INNER_K_TILES = 2  # the CPU packing's; CUDA takes the largest of 8, 4, 2 that the input size allows
 # The dtype the kernels compute in: PyTorch's CPU weight-only kernels have fast (vectorised) paths for bfloat16
 # activations and scales only; with float32 (or float16) they fall back to a scalar loop 10-50x slower than a
 # float32 matmul (measured on the 2-core machine: int8 1536x576 at batch 1, 5.4 ms in float32, 0.04 ms in
@@ -37,16 +40,15 @@ KERNEL_DTYPE = torch.bfloat16
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device | str = "cpu"):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.register_buffer(
-            "qweight", torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).contiguous()
-        )
-        self.register_buffer("scales", scale.to(KERNEL_DTYPE))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        qweight = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).contiguous()
+        self.register_buffer("qweight", qweight.to(device))
+        self.register_buffer("scales", scale.to(KERNEL_DTYPE).to(device))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -72,6 +74,21 @@ def int4_codes(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
     return codes.view(n, k), scale, low + 8.0 * scale
 
 
+def cuda_inner_k_tiles(in_features: int) -> int:
+    """The CUDA packing's inner K tiles: the largest of 8, 4, 2 whose tile (16 inputs each) divides the input."""
+    return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
+def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(N, K) int codes 0..15 in the packed layout of ``device``'s int4 kernel."""
+    if device.type == "cuda":
+        # two codes per byte, the even input in the high nibble
+        codes = codes.to(torch.int32)
+        pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous().to(device)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, cuda_inner_k_tiles(codes.shape[1]))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), INNER_K_TILES)
+
+
 class Int4Linear(nn.Module):
     def __init__(
         self,
@@ -80,34 +97,58 @@ class Int4Linear(nn.Module):
         zeros: torch.Tensor,
         bias: torch.Tensor | None,
         group: int = GROUP,
+        device: torch.device | str = "cpu",
     ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group = group
-        self.register_buffer(
-            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), INNER_K_TILES)
-        )
-        # (K / group, N, 2): each group's scale and zero, the layout the kernel reads
-        self.register_buffer(
-            "scale_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
-        )
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_buffer("packed", pack_int4(codes, torch.device(device)))
+        # (K / group, N, 2): each group's scale and zero, the layout both kernels read
+        scale_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+        self.register_buffer("scale_zeros", scale_zeros.to(device))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device | str = "cpu"
+    ) -> "Int4Linear":
         codes, scales, zeros = int4_codes(weight)
-        return cls(codes, scales, zeros, bias)
+        return cls(codes, scales, zeros, bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]).to(KERNEL_DTYPE), self.packed, self.group, self.scale_zeros
+        matmul = (
+            torch.ops.aten._weight_int4pack_mm
+            if self.packed.device.type == "cuda"
+            else torch.ops.aten._weight_int4pack_mm_for_cpu
         )
+        out = matmul(x.reshape(-1, shape[-1]).to(KERNEL_DTYPE), self.packed, self.group, self.scale_zeros)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+
+def kernel_problem(mode: str, device: str) -> str | None:
+    """Why this PyTorch cannot run ``mode``'s kernel on ``device``, in words; None when a one-group product
+    runs (CUDA's int4 kernel wants compute capability 8.0 and up; its int8 kernel is in recent PyTorch only)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return f"{device} is not a visible CUDA device"
+    try:
+        x = torch.ones(1, 64)
+        if mode == "int8":
+            Int8Linear(torch.ones(16, 64), None, device=dev)(x.to(dev))
+        else:
+            Int4Linear.from_weight(torch.ones(16, 64), None, device=dev)(x.to(dev))
+        torch.cuda.synchronize(dev)
+    except (RuntimeError, NotImplementedError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"this PyTorch ({torch.__version__}) has no CUDA {mode} weight-only kernel for this GPU ({first})"
+    return None
 
 
 def _weight_of(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,15 +163,16 @@ def quantizable(module: nn.Module, mode: str) -> bool:
     from transformers.pytorch_utils import Conv1D
 
     if type(module) not in (nn.Linear, Conv1D) or module.weight.device.type != "cpu":
-        return False
+        return False  # quantized from the float weights on the CPU, then packed for the device they serve on
     weight, _ = _weight_of(module)
     out_features, in_features = weight.shape
     # the int4 kernel packs outputs by 16 and reads inputs in whole groups; other shapes stay as they are
     return mode == "int8" or (in_features % GROUP == 0 and out_features % 16 == 0)
 
 
-def quantize_model(model: nn.Module, mode: str, gguf: str | None = None) -> str:
-    """Swap every quantizable linear for its int8/int4 module; returns the precision served, in words.
+def quantize_model(model: nn.Module, mode: str, gguf: str | None = None, device: torch.device | str = "cpu") -> str:
+    """Swap every quantizable linear (its float weights on the CPU) for its int8/int4 module packed for
+    ``device``; returns the precision served, in words. The rest of the model stays where it is.
 
     ``gguf``: the GGUF file the weights were de-quantized from. With int4, a linear whose rows are that file's
     Q4_0/Q4_1/Q4_K rows takes their codes, scales and zeros as shipped (``gguf_codes``) instead of being
@@ -152,14 +194,14 @@ def quantize_model(model: nn.Module, mode: str, gguf: str | None = None) -> str:
         # int4 keeps the LM head at int8, as llama.cpp's 4-bit mixes keep their output tensor at 6-8 bits: the
         # head decides every token and its weights (a tied embedding) often are not on a 4-bit grid
         if mode == "int8" or child is head:
-            module = Int8Linear(weight, bias)
+            module = Int8Linear(weight, bias, device=device)
         else:
             rows = index.lookup(weight) if index is not None else None
             if rows is not None:
-                module = Int4Linear(rows.codes, rows.scales, rows.zeros, bias)
+                module = Int4Linear(rows.codes, rows.scales, rows.zeros, bias, device=device)
                 shipped += 1
             else:
-                module = Int4Linear.from_weight(weight, bias)
+                module = Int4Linear.from_weight(weight, bias, device=device)
         setattr(parent, name, module)
     return describe(mode, len(swaps), shipped, head is not None and any(c is head for _, _, c in swaps))
 
@@ -190,8 +232,11 @@ def quantized_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, modules
 
 
-def restore_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], modules: dict[str, dict]) -> None:
-    """Put cached quantized modules in place of the model's linears (names as ``quantized_state`` gave them)."""
+def restore_quantized(
+    model: nn.Module, tensors: dict[str, torch.Tensor], modules: dict[str, dict], device: torch.device | str = "cpu"
+) -> None:
+    """Put cached quantized modules in place of the model's linears (names as ``quantized_state`` gave them), on
+    ``device`` (the cache's packed layout is that device's: its key says which)."""
     for name, facts in modules.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -205,7 +250,7 @@ def restore_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], module
             if f"{name}.{key}" in tensors:
                 # a copy: safetensors hands out views of the file at any offset, and the kernels' vector loads
                 # crash (SIGSEGV, seen on _weight_int8pack_mm) on storage that is not aligned as torch allocates it
-                module.register_buffer(key, tensors[f"{name}.{key}"].clone())
+                module.register_buffer(key, tensors[f"{name}.{key}"].to(device, copy=True))
         bias = tensors.get(f"{name}.bias")
-        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        module.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
         setattr(parent, attr, module)

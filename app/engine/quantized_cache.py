@@ -2,9 +2,10 @@
 file's 4-bit codes) and writes the packed modules; later starts load them.
 
 A cache folder is ``<cache root>/quantized/<key>``: ``weights.safetensors`` (the quantized modules' tensors, in
-the packed layout of this PyTorch's CPU kernels), ``manifest.json`` (the modules and the precision in words) and
+the packed layout of this PyTorch's kernels for the device served on), ``manifest.json`` (the modules and the precision in words) and
 the checksums of both, checked at load as the converted default model's are. The key covers what the packed
-tensors depend on: the quantization mode, the PyTorch version (the int4 packing is its own), and the source
+tensors depend on: the quantization mode, the device type (CPU and CUDA pack int4 differently), the PyTorch
+version (the int4 packing is its own), and the source
 weights (each weight file's name, size and modification time; a hub id with its revision where there is no
 folder). A damaged or unreadable folder is quantized again; a cache that cannot be written costs one warning
 line and a quantization at each start.
@@ -46,16 +47,26 @@ def source_identity(model_path: str, revision: str | None, gguf: str | None) -> 
     return facts
 
 
-def cache_key(mode: str, source: list) -> str:
-    text = json.dumps([FORMAT, mode, torch.__version__, source], default=str)
+def cache_key(mode: str, source: list, device: torch.device | str = "cpu") -> str:
+    kind = torch.device(device).type
+    # the CPU's key is as it was before CUDA packing existed, so CPU caches already written stay valid
+    text = json.dumps([FORMAT, mode, torch.__version__, source] + ([] if kind == "cpu" else [kind]), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def load_or_quantize(model: torch.nn.Module, mode: str, root: Path, source: list, gguf: str | None = None) -> str:
-    """Quantize ``model`` in place (from the cache when it holds this model and mode); the precision in words."""
+def load_or_quantize(
+    model: torch.nn.Module,
+    mode: str,
+    root: Path,
+    source: list,
+    gguf: str | None = None,
+    device: torch.device | str = "cpu",
+) -> str:
+    """Quantize ``model`` in place for ``device`` (from the cache when it holds this model, mode and device); the
+    precision in words."""
     from app.engine.loader import damage
 
-    folder = root / "quantized" / cache_key(mode, source)
+    folder = root / "quantized" / cache_key(mode, source, device)
     if (folder / "manifest.json").is_file():
         problem = damage(folder)
         cached = None
@@ -69,11 +80,11 @@ def load_or_quantize(model: torch.nn.Module, mode: str, root: Path, source: list
                 problem = f"{type(exc).__name__}: {exc}"
         if cached is not None:
             tensors, manifest = cached
-            restore_quantized(model, tensors, manifest["modules"])
+            restore_quantized(model, tensors, manifest["modules"], device)
             log.info("quantized weights loaded from %s", folder)
             return manifest["precision"]
         log.warning("the quantized weights in %s are damaged (%s); quantizing again", folder, problem)
-    precision = quantize_model(model, mode, gguf=gguf)
+    precision = quantize_model(model, mode, gguf=gguf, device=device)
     _write(folder, model, precision)
     return precision
 

@@ -13,6 +13,15 @@ from conftest import make_settings, make_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+# the kernels on each device: the CPU everywhere, CUDA where a GPU is visible (the gpu marker)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+    ),
+]
+
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
     """What the kernels see of a float32 tensor (they compute in bfloat16: quantize.KERNEL_DTYPE)."""
@@ -24,28 +33,42 @@ def close_to(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all())
 
 
-def test_int8_kernel_equals_its_codes_dequantized():
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_kernel_equals_its_codes_dequantized(device):
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(5, 3, 64)
-    module = Int8Linear(weight, bias)
+    module = Int8Linear(weight, bias, device=device)
+    assert module.qweight.device.type == device
     scale = weight.abs().amax(dim=1) / 127
     codes = torch.clamp(torch.round(weight / scale[:, None]), -127, 127)
     reference = bf16(x) @ (codes * bf16(scale)[:, None]).t() + bias  # float32 arithmetic on the kernel's inputs
-    assert module(x).dtype == torch.float32 and close_to(module(x), reference)
-    assert torch.allclose(module.dequantized(), codes * bf16(scale)[:, None])
+    got = module(x.to(device)).cpu()
+    assert got.dtype == torch.float32 and close_to(got, reference)
+    assert torch.allclose(module.dequantized().cpu(), codes * bf16(scale)[:, None])
     # half a step at most, plus what rounding the scale to bfloat16 moves the largest code
-    assert (module.dequantized() - weight).abs().max() <= scale.max() / 2 + 127 * (scale - bf16(scale)).abs().max()
+    assert (module.dequantized().cpu() - weight).abs().max() <= scale.max() / 2 + 127 * (
+        scale - bf16(scale)
+    ).abs().max()
 
 
-def test_int4_kernel_equals_its_codes_dequantized():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n, k", [(80, 128), (48, 96), (32, 512)])  # CUDA packs 2, 2 and 8 inner K tiles
+def test_int4_kernel_equals_its_codes_dequantized(device, n, k):
     torch.manual_seed(1)
-    weight, x = torch.randn(80, 128), torch.randn(7, 128)
-    module = Int4Linear.from_weight(weight, None)
+    weight, x = torch.randn(n, k), torch.randn(7, k)
+    module = Int4Linear.from_weight(weight, None, device=device)
+    assert module.packed.device.type == device
     codes, scales, zeros = int4_codes(weight)
-    groups = codes.view(80, 128 // GROUP, GROUP).float()
-    dequantized = ((groups - 8) * scales[..., None] + zeros[..., None]).view(80, 128)
-    on_kernel_grid = ((groups - 8) * bf16(scales)[..., None] + bf16(zeros)[..., None]).view(80, 128)
-    assert close_to(module(x), bf16(x) @ on_kernel_grid.t())
+    groups = codes.view(n, k // GROUP, GROUP).float()
+    dequantized = ((groups - 8) * scales[..., None] + zeros[..., None]).view(n, k)
+    on_kernel_grid = ((groups - 8) * bf16(scales)[..., None] + bf16(zeros)[..., None]).view(n, k)
+    if device == "cuda":
+        # CUDA's kernel de-quantizes each weight in bfloat16 (one fused multiply-add, rounded once)
+        grid = torch.addcmul(
+            bf16(zeros)[..., None].bfloat16(), (groups - 8).bfloat16(), bf16(scales)[..., None].bfloat16()
+        )
+        on_kernel_grid = grid.float().view(n, k)
+    assert close_to(module(x.to(device)).cpu(), bf16(x) @ on_kernel_grid.t())
     step = scales.max().item()
     assert (dequantized - weight).abs().max() <= step / 2 + 1e-5
 
@@ -71,14 +94,24 @@ def test_tiny_models_stay_close_to_float32(gpt2_dir, llama_dir, reference, mode,
         assert moved < tolerance, (path.name, moved)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode):
+def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode, device, tmp_path):
     from app import create_app
     from references import ref_logprobs
 
-    settings = make_settings(model=str(llama_dir), served_model_name="tiny-llama", quantize=mode)
+    settings = make_settings(
+        model=str(llama_dir),
+        served_model_name="tiny-llama",
+        quantize=mode,
+        device=device,
+        dtype="float32",
+        cache_dir=str(tmp_path),
+    )
     worker = make_worker(settings)
-    assert any(isinstance(m, (Int8Linear, Int4Linear)) for m in worker.runner.model.modules())
+    quantized = [m for m in worker.runner.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert quantized and all(b.device.type == device for m in quantized for b in m.buffers())
+    assert {p.device.type for p in worker.runner.model.parameters()} == {device}
     client = create_app(settings, worker=worker).test_client()
     body = client.post(
         "/v1/completions",
@@ -110,15 +143,14 @@ def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode)
     assert card["precision"].startswith(f"{mode} weights") and card["precision"].endswith("float32 activations")
 
 
-def test_weight_only_modes_are_cpu_only(llama_dir):
-    from app.engine.loader import load_model
-    from app.errors import ConfigError
+def test_weight_only_kernels_are_checked_before_the_load():
+    """A device whose kernel cannot run is one clear line at start-up, not a failure at the first request."""
+    from app.engine.quantize import kernel_problem
 
-    if torch.cuda.is_available():
-        with pytest.raises(ConfigError):
-            load_model(make_settings(model=str(llama_dir), quantize="int4", device="cuda"))
-    settings = make_settings(model=str(llama_dir), quantize="int8", device="cpu")
-    assert settings.quantize == "int8"
+    assert kernel_problem("int4", "cpu") is None and kernel_problem("int8", "cpu") is None
+    assert "is not a visible CUDA device" in kernel_problem("int4", "mps")
+    if not torch.cuda.is_available():
+        assert "is not a visible CUDA device" in kernel_problem("int8", "cuda")
 
 
 @pytest.mark.slow
@@ -237,7 +269,7 @@ def test_a_damaged_quantized_cache_is_quantized_again(llama_dir, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="saker.quantize"):
         again = load_model(settings)
     assert "are damaged" in caplog.text and "quantizing again" in caplog.text
-    ids = torch.tensor([[1, 2, 3, 4]])
+    ids = torch.tensor([[1, 2, 3, 4]], device=first.model.get_input_embeddings().weight.device)
     with torch.no_grad():
         assert torch.equal(first.model(ids).logits, again.model(ids).logits)
 
