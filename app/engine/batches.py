@@ -200,8 +200,9 @@ class SlotBatch(BatchBase):
         """Compiled steps: storage for the largest bucket at ``length`` positions, then one step per bucket up
         to ``max_rows`` over free slots, so that no request pays a compile or a graph capture."""
         top = bucket(max_rows)
-        self.store.ensure(length, like=[(layer.keys, layer.values) for layer in like.layers], slots=top)
         device = like.layers[0].keys.device
+        self.store.static = device.type == "cuda"
+        self.store.ensure(length, like=[(layer.keys, layer.values) for layer in like.layers], slots=top)
         for rows in BUCKETS + tuple(range(BUCKETS[-1] + 8, top + 1, 8)):
             if rows > top:
                 break

@@ -179,6 +179,9 @@ class SlotStore:
 
     def __init__(self, budget: int | None = None):
         self.budget = budget  # token positions the storage should stay within (None: no bound)
+        # a compiled step on CUDA: each storage tensor is marked a static address, so that the step's in-place
+        # key/value writes are allowed inside a CUDA graph (inductor skips graphs that mutate other inputs)
+        self.static = False
         self.layers: list[SlotLayer] = []
         self.cache = None
         self.slots = 0  # slots with storage
@@ -260,6 +263,8 @@ class SlotStore:
                 new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
                 keep_slots, keep_positions = min(slots, old.shape[0]), min(capacity, old.shape[2])
                 new[:keep_slots, :, :keep_positions] = old[:keep_slots, :, :keep_positions]
+                if self.static:
+                    torch._dynamo.mark_static_address(new)
                 setattr(layer, name, new)
         self.slots, self.capacity = slots, capacity
 
