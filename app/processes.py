@@ -81,10 +81,13 @@ class GunicornServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.log = open(self.log_path, "w+")  # open while the server runs; stop() closes it
-        gunicorn = str(Path(sys.executable).parent / "gunicorn")
+        script = Path(sys.executable).parent / "gunicorn"
+        # the console script beside this interpreter; where gunicorn was installed elsewhere (pip --target), its
+        # module through this interpreter
+        gunicorn = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
         try:
             self.proc = subprocess.Popen(
-                [gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, *args, app],
+                [*gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, *args, app],
                 cwd=cwd,
                 env={**inherited, **self.env},
                 stdout=self.log,
