@@ -2,13 +2,12 @@
 file's 4-bit codes) and writes the packed modules; later starts load them.
 
 A cache folder is ``<cache root>/quantized/<key>``: ``weights.safetensors`` (the quantized modules' tensors, in
-the packed layout of this PyTorch's kernels for the device served on), ``manifest.json`` (the modules and the precision in words) and
-the checksums of both, checked at load as the converted default model's are. The key covers what the packed
-tensors depend on: the quantization mode, the device type (CPU and CUDA pack int4 differently), the PyTorch
-version (the int4 packing is its own), and the source
-weights (each weight file's name, size and modification time; a hub id with its revision where there is no
-folder). A damaged or unreadable folder is quantized again; a cache that cannot be written costs one warning
-line and a quantization at each start.
+the packed layout of this PyTorch's kernels for the device served on), ``manifest.json`` (the modules and the
+precision in words) and the checksums of both, checked at load as the converted default model's are. The key
+covers what the packed tensors depend on: the quantization mode, the device type (CPU and CUDA pack int4
+differently), the PyTorch version (the int4 packing is its own), and the source weights (each weight file's name,
+size and modification time; a hub id with its revision where there is no folder). A damaged or unreadable folder
+is quantized again; a cache that cannot be written costs one warning line and a quantization at each start.
 """
 
 from __future__ import annotations
