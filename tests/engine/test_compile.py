@@ -54,14 +54,18 @@ def no_new_graphs():
     assert counters["stats"]["unique_graphs"] == before, "a join or leave compiled a new graph"
 
 
-def count_calls(runner, monkeypatch) -> dict[int, int]:
-    """Count the compiled step's calls per bucket (rows)."""
+def count_calls(runner, monkeypatch) -> dict:
+    """Count the compiled step's calls per bucket (rows); ``"views"``: each call's (window, slot capacity)."""
     calls: dict[int, int] = {}
     step = runner.compiled_step
 
-    def counted(tokens, *args, **kwargs):
+    def counted(tokens, lengths, store, view, *args, **kwargs):
         calls[tokens.shape[0]] = calls.get(tokens.shape[0], 0) + 1
-        return step(tokens, *args, **kwargs)
+        views.append((view, store.capacity))
+        return step(tokens, lengths, store, view, *args, **kwargs)
+
+    views: list[tuple[int, int]] = []
+    calls["views"] = views  # type: ignore[assignment]
 
     monkeypatch.setattr(runner, "compiled_step", counted)
     return calls
@@ -69,6 +73,14 @@ def count_calls(runner, monkeypatch) -> dict[int, int]:
 
 def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 5, 9, 17, 25, 32, 33, 64, 65)] == [1, 2, 4, 8, 16, 24, 32, 32, 40, 64, 72]
+
+
+def test_windows():
+    from app.engine.batches import window, windows
+
+    assert windows(8192) == (256, 512, 1024, 2048, 4096, 8192)
+    assert windows(3072) == (256, 512, 1024, 2048, 3072) and windows(200) == (200,)
+    assert [window(n, 3072) for n in (1, 256, 257, 2049, 3072)] == [256, 256, 512, 3072, 3072]
 
 
 def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(workers, reference, gpt2_dir, monkeypatch):
@@ -99,7 +111,10 @@ def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(worke
             for x, y in zip(a.choices, b.choices):
                 assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=TOL)
     assert compiled.scheduler.max_rows_seen == 2
+    views = calls.pop("views")
     assert calls == {1: calls[1], 2: calls[2]} and calls[1] and calls[2]  # both buckets ran, compiled
+    # short requests attend over the smallest window, not the whole slot capacity
+    assert {view for view, _ in views} == {256} and all(capacity > 256 for _, capacity in views)
 
 
 def test_n_candidates_fill_one_bucket(workers, reference, gpt2_dir, monkeypatch):
@@ -119,10 +134,10 @@ def test_n_candidates_fill_one_bucket(workers, reference, gpt2_dir, monkeypatch)
     )
 
 
-def test_an_int4_model_compiles_to_one_graph_per_bucket_and_answers_as_eager(llama_dir, tmp_path):
+def test_an_int4_model_compiles_to_few_graphs_and_answers_as_eager(llama_dir, tmp_path):
     """SAKER_QUANTIZE=int4 with SAKER_COMPILE: the int4 kernel's op sits inside the compiled step (no graph
-    break), each bucket is one graph that joins and leaves do not recompile, and the answers equal the eager
-    int4 model's (same tokens, logprobs within 1e-4)."""
+    break), the batch buckets and attention windows share a few graphs that joins and leaves do not recompile,
+    and the answers equal the eager int4 model's (same tokens, logprobs within 1e-4)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -134,7 +149,9 @@ def test_an_int4_model_compiles_to_one_graph_per_bucket_and_answers_as_eager(lla
     settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
     before = counters["stats"]["unique_graphs"]
     compiled = Worker.from_loaded(("m",), load_model(settings), max_batch_rows=2, compile=True)
-    assert counters["stats"]["unique_graphs"] - before == 2  # buckets 1 and 2, one graph each
+    # buckets 1 and 2, each with every window (256, 512, ... the capacity): a handful of graphs, not one per pair
+    # (the first shapes static; then the window and the rows dynamic; the whole capacity its own)
+    assert counters["stats"]["unique_graphs"] - before <= 4
     eager = Worker.from_loaded(("m",), load_model(settings), max_batch_rows=2)
     assert any(isinstance(m, Int4Linear) for m in compiled.runner.model.modules())
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
