@@ -239,8 +239,9 @@ class Settings(BaseSettings):
         None,
         description="Compile the continuous batch's decode step (torch.compile, "
         "one graph per batch bucket: 1, 2, 4, 8, 16, 24, 32, then multiples of 8; CUDA "
-        "graphs on CUDA), at start-up so that no request pays for it. Unset: on with "
-        "CUDA, off on the CPU (where compiling takes tens of seconds per bucket).",
+        "graphs on CUDA; on the CPU also per attention window of 256, 512, ... positions), at "
+        "start-up so that no request pays for it. Unset: on with CUDA, off on the CPU (where it "
+        "pays at one request only, and compiling every bucket and window takes minutes).",
     )
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
     max_queue: int = Field(
