@@ -227,8 +227,6 @@ def load_model(settings: Settings) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    if settings.compile:  # inductor's compiled kernels kept with saker's cache, so a restart does not compile again
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(settings) / "inductor"))
     model_path = settings.model
     gguf_file = settings.gguf_file
     if model_path is None:
@@ -242,6 +240,10 @@ def load_model(settings: Settings) -> LoadedModel:
     if settings.model and _looks_local(settings.model) and not Path(settings.model).expanduser().exists():
         raise ConfigError(f"model directory {settings.model} does not exist")
     device = resolve_device(settings)
+    if settings.compile or (settings.compile is None and device.startswith("cuda")):
+        # inductor's compiled kernels kept with saker's cache, so that a restart does not compile again (unset,
+        # compile is on with CUDA)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(settings) / "inductor"))
     common = {
         "revision": settings.revision,
         "trust_remote_code": settings.trust_remote_code,

@@ -163,3 +163,16 @@ def test_an_int4_model_compiles_to_few_graphs_and_answers_as_eager(llama_dir, tm
         assert x.choices[0].token_ids == y.choices[0].token_ids
         assert x.choices[0].logprobs.token_logprobs == pytest.approx(y.choices[0].logprobs.token_logprobs, abs=TOL)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compile_, kept", [(True, True), (None, False), (False, False)])
+def test_inductors_cache_is_kept_with_sakers_when_compiling(gpt2_dir, tmp_path, monkeypatch, compile_, kept):
+    """Compiling (asked, or unset on CUDA), inductor's kernels go under ``cache_dir`` so that a restart finds them;
+    on the CPU with compile unset nothing is compiled and the variable is left alone."""
+    import os
+
+    from app.engine.loader import load_model
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    load_model(make_settings(model=str(gpt2_dir), device="cpu", compile=compile_, cache_dir=str(tmp_path)))
+    assert (os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(tmp_path / "inductor")) is kept
