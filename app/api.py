@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -60,12 +61,37 @@ def json_body() -> object:
         raw = _decoded(raw, encoding, limit)
     if not raw.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
+    if nesting_depth(raw, MAX_NESTING) > MAX_NESTING:
+        raise InvalidRequestError(
+            f"the request body is nested too deeply to be a request (more than {MAX_NESTING} levels of arrays and "
+            "objects)"
+        )
     try:
         return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidRequestError("the request body is nested too deeply to be a request") from None
+
+
+MAX_NESTING = 128  # levels of arrays and objects a request body may have (tool schemas nest a few dozen at most)
+_NESTING_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a whole string (skipped), or a bracket
+
+
+def nesting_depth(raw: bytes, limit: int) -> int:
+    """How deep the arrays and objects of a JSON text nest, counted without recursing (so the answer does not
+    depend on how deep the caller's stack already is), up to the first level past ``limit``. Brackets inside
+    strings do not count; a text that is not JSON gets some number and fails in the parser."""
+    depth = deepest = 0
+    for match in _NESTING_TOKENS.finditer(raw):
+        first = match.group()[0]
+        if first in b"[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if depth > limit:
+                    break
+        elif first in b"]}":
+            depth -= 1
+    return deepest
 
 
 def _is_protocol_error(exc: BaseException) -> bool:
