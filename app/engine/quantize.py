@@ -130,6 +130,13 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
 
 
+def rounds_activations(model: nn.Module) -> bool:
+    """Whether some linear of ``model`` rounds its float inputs to bfloat16 (``KERNEL_DTYPE``) before its product:
+    a few float32 ulps before such a linear can then move its output by a bfloat16 step (see
+    ``app/engine/attention.py``)."""
+    return any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()) and KERNEL_DTYPE != torch.float32
+
+
 def kernel_problem(mode: str, device: str) -> str | None:
     """Why this PyTorch cannot run ``mode``'s kernel on ``device``, in words; None when a one-group product
     runs (CUDA's int4 kernel wants compute capability 8.0 and up; its int8 kernel is in recent PyTorch only)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.engine.attention import use_engine_attention
 from app.engine.kv_cache import (
     default_kv_budget,
     growing_cache,
@@ -37,6 +38,7 @@ class ModelRunner:
     def __post_init__(self):
         if self.input_device is None:
             self.input_device = self.model.get_input_embeddings().weight.device
+        use_engine_attention(self.model)  # path-independent numbers on the CPU (app/engine/attention.py)
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(

@@ -1,0 +1,113 @@
+"""The attention function the engine runs on the CPU, registered with transformers' ``AttentionInterface``.
+
+Why not PyTorch's SDPA: its float32 kernels give a query a result that depends on how many queries came with it
+(a prompt prefilled at once, in chunks, or its last token alone after the prefix cache: blocked matrix products
+and the flash kernel's splits sum in different orders). The differences are a few float32 ulps, and in a float32
+model they stay there (2e-6 in logprobs). But the weight-only int4/int8 kernels (the default on the CPU) take
+their inputs in bfloat16: an ulp that moves a value across a bfloat16 rounding boundary becomes a 4e-3 change,
+and over 30 layers the embedded model's first-token logprob moved by up to 0.24 between a whole prefill and the
+same prompt from the prefix cache, and its greedy answer changed.
+
+Here scores, softmax and the weighted sum are computed in float64 and rounded once to the model's dtype. Every
+other operation of the model is row-wise (norms, the MLP, the kernels: bit-identical for 1 to 64 rows), so a
+position's output no longer depends on the path that computed it: the same logits (to the bit, in practice)
+whether a prompt is prefilled whole, in chunks, from the prefix cache, alone or beside other rows. float64
+rounding to float32 could differ only where the float64 results differ by ~1e-16 across a float32 rounding
+midpoint. Queries go in tiles (``TILE``), so a long prompt never holds more than a tile's scores.
+
+The masks are sdpa's (``sdpa_mask`` is registered under the same name): a boolean 4D mask where one is needed,
+None for a plain causal block (the last query sees every key). Models whose attention needs more than a mask
+(soft-capping, attention sinks, dropout) keep transformers' SDPA path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "saker"
+TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head is 16 MB
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype."""
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    batch, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    # grouped-query attention without copying keys: a kv head's queries as the rows of one product
+    q = query.double().view(batch, kv_heads, group, length, dim)
+    k = key.double().transpose(-1, -2)  # (B, Hkv, D, Lk)
+    v = value.double()  # (B, Hkv, Lk, Dv)
+    mask = None
+    if attention_mask is not None:  # (B|1, 1|Hq, Lq, Lk) -> (B|1, 1|Hkv, 1|group, Lq, Lk)
+        mask = attention_mask
+        if mask.shape[1] == 1:
+            mask = mask.unsqueeze(2)
+        else:
+            mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-2], mask.shape[-1])
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = attention_mask is None and is_causal and length > 1
+    out = torch.empty(batch, kv_heads, group, length, v.shape[-1], dtype=torch.float64, device=query.device)
+    for start in range(0, length, TILE):
+        end = min(start + TILE, length)
+        rows = end - start
+        # causal without a mask: keys past the tile's last query are never seen (float64 sums do not depend on
+        # the trailing zeros they would add, to float32 rounding)
+        seen = keys - length + end if causal else keys
+        tile = q[:, :, :, start:end].reshape(batch, kv_heads, group * rows, dim)
+        scores = torch.matmul(tile, k[..., :seen]).mul_(scale).view(batch, kv_heads, group, rows, seen)
+        if mask is not None:
+            block = mask[..., start:end, :]
+            if block.dtype == torch.bool:
+                scores = scores.masked_fill(~block, float("-inf"))
+            else:
+                scores = scores + block.double()
+        elif causal:  # query i sits at key position Lk - Lq + i
+            at = torch.arange(start, end, device=query.device).view(-1, 1) + (keys - length)
+            scores = scores.masked_fill(torch.arange(seen, device=query.device).view(1, -1) > at, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * rows, seen)
+        out[:, :, :, start:end] = torch.matmul(probs, v[..., :seen, :]).view(batch, kv_heads, group, rows, -1)
+    # a row with every key masked (padding) gives NaN from softmax: zeros instead
+    out = out.nan_to_num_(0.0).view(batch, heads, length, -1)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def use_engine_attention(model: torch.nn.Module) -> bool:
+    """Run ``model`` with ``attention`` where it is needed: on the CPU, for a model whose linears round their
+    inputs to bfloat16 (the weight-only int4/int8 kernels, the default for the embedded model), when its attention
+    goes through transformers' ``AttentionInterface`` with SDPA or eager. A float32 model keeps SDPA: its paths
+    differ by float32 ulps only (2e-6 in logprobs), and SDPA's flash kernel prefills about twice as fast. Returns
+    whether it was switched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from app.engine.quantize import rounds_activations
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cpu" or not rounds_activations(model):
+        return False
+    configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    if not configs or any(c._attn_implementation not in ("sdpa", "eager", NAME) for c in configs):
+        return False
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    for config in configs:
+        config._attn_implementation = NAME
+    return True
