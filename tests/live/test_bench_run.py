@@ -17,6 +17,9 @@ from app.bench.parts.s_grammar import compile_schema
 from servers import ROOT
 
 
+HANG_S = 1800  # a bench subprocess still running after this is taken for hung
+
+
 @pytest.mark.slow
 def test_quick_bench_on_tiny_model_writes_report(tmp_path):
     out = tmp_path / "out"
@@ -105,8 +108,11 @@ def test_quick_bench_on_tiny_model_writes_report(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(HANG_S + 120)
 def test_quick_bench_structured_outputs(tmp_path, saker_cache):
-    """Part S on SmolLM2 (the converted folder the other SmolLM2 tests use, linked into the bench's cache)."""
+    """Part S on SmolLM2 (the converted folder the other SmolLM2 tests use, linked into the bench's cache). The
+    assertions are on the report's shape; the time limit only catches a hang (a loaded machine once took the quick
+    run past 540 s)."""
     from app.engine.loader import ensure_default_model
     from app.settings import Settings
 
@@ -135,11 +141,11 @@ def test_quick_bench_structured_outputs(tmp_path, saker_cache):
         text=True,
     )
     try:
-        stdout, stderr = proc.communicate(timeout=540)
+        stdout, stderr = proc.communicate(timeout=HANG_S)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)  # the bench stops its gunicorn on Ctrl-C (not on a kill)
         stdout, stderr = proc.communicate(timeout=60)
-        pytest.fail(f"bench --quick --only S ran past 540 s:\n{stderr[-4000:]}")
+        pytest.fail(f"bench --quick --only S ran past {HANG_S} s (hung?):\n{stderr[-4000:]}")
     assert proc.returncode == 0, stderr[-4000:]
     report = json.loads((out / "bench.json").read_text())
     assert report["parts"] == ["S"] and report["errors"] == {} and set(report["results"]) == {"S"}
