@@ -23,13 +23,18 @@ def nulls_as_defaults(data):
 
 
 def check_logit_bias(value):
+    """Every bad entry is named (the first 8), not only the first one found."""
+    problems = []
     for key, bias in (value or {}).items():
         if not _TOKEN_ID_KEY.fullmatch(key):  # str.isdigit() takes "²", which int() refuses
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-        if len(key.lstrip("-")) > 12:  # no vocabulary is that large (and int() refuses 4300+ digits)
-            raise ValueError(f"logit_bias keys must be token ids, got a {len(key)}-digit number")
-        if not -100 <= bias <= 100:
-            raise ValueError(f"logit_bias values must be within [-100, 100], got {bias} for {key}")
+            problems.append(f"keys must be token ids, got {key[:40]!r}")
+        elif len(key.lstrip("-")) > 12:  # no vocabulary is that large (and int() refuses 4300+ digits)
+            problems.append(f"keys must be token ids, got a {len(key)}-digit number")
+        elif not -100 <= bias <= 100:
+            problems.append(f"values must be within [-100, 100], got {bias} for {key}")
+    if problems:
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ValueError("logit_bias " + "; ".join(problems[:8]) + more)
     return value
 
 

@@ -124,7 +124,9 @@ class SamplingRequest(BaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: vLLM's ``continuous_usage_stats``, which counts only with ``include_usage`` (a
+        client that asked for no usage gets none)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -157,6 +157,20 @@ def test_continuous_usage_stats_count_up_on_every_chunk(tiny, url, extra):
     )
 
 
+def test_continuous_usage_stats_without_include_usage_sends_no_usage(llama_client):
+    """vLLM's semantics: continuous_usage_stats counts only with include_usage; without it no chunk has usage."""
+    body = {
+        "model": "tiny-llama",
+        "prompt": "Hello",
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream_options": {"include_usage": False, "continuous_usage_stats": True},
+    }
+    chunks, _ = stream(llama_client, "/v1/completions", body)
+    assert chunks and all("usage" not in c or c["usage"] is None for c in chunks)
+    assert all(c["choices"] for c in chunks)  # and no usage-only chunk at the end
+
+
 def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkeypatch):
     runner = llama_app.extensions["saker.service"].worker.runner
     calls = {"n": 0}

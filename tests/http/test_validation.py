@@ -495,6 +495,14 @@ def test_every_logit_bias_key_outside_the_vocabulary_is_named(gpt2_client):
     assert all(k in message for k in keys[:8]) and "and 2 more" in message and " 5," not in message
 
 
+def test_every_malformed_logit_bias_entry_is_named(gpt2_client):
+    """Several bad keys and values in one logit_bias: the message names each of them, not only the first."""
+    bias = {"abc": 1, "1.5": 1, "7": 101, "9": -300, "3": 2}
+    message = assert_error(gpt2_client.post(URL, json=request_with(logit_bias=bias)), 400, "logit_bias")["message"]
+    assert all(part in message for part in ("'abc'", "'1.5'", "101.0 for 7", "-300.0 for 9")), message
+    assert "for 3" not in message
+
+
 def test_logprobs_above_the_vocabulary_are_400_whatever_the_cap(gpt2_dir, gpt2_worker):
     """SAKER_MAX_LOGPROBS may be raised past 20; a k above the vocabulary is still a 400, not a crash."""
     from app import create_app
