@@ -22,13 +22,15 @@ None for a plain causal block (the last query sees every key). Models whose atte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 NAME = "saker"
 TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head is 16 MB
 
 
-def attention(
+def exact_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -39,13 +41,9 @@ def attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype."""
-    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
+    """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype, computed in
+    float64. ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the last query sees every
+    key (or no mask at all with ``is_causal`` False)."""
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -89,25 +87,112 @@ def attention(
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    flat: "FlatStep | None" = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``NAME``: a flat step's attention over the slot store when the forward carries
+    one (``flat``), otherwise the model's own attention: float64 (``exact_attention``) for a model that rounds
+    its activations, SDPA for the others. Models whose attention needs more than a mask (soft-capping, attention
+    sinks, dropout) keep SDPA's path."""
+    if flat is not None:
+        return flat_attention(module, query, key, value, flat, scaling)
+    if (
+        getattr(module, "_saker_exact", False)
+        and not dropout
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+    ):
+        return exact_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@dataclass
+class FlatStep:
+    """One step's tokens as one flat sequence (the forward's batch is 1): first ``rows`` decode tokens, one per
+    running row, each in its own slot of ``store`` at its own position; then, when a prompt is being prefilled, a
+    chunk of ``chunk`` of its tokens in slot ``chunk_slot`` from position ``chunk_start`` on. Every token's key
+    and value are written at (``slots[t]``, ``positions[t]``); a decode row attends to its slot's positions up to
+    its own within the first ``view`` positions, the chunk causally to its slot's first ``chunk_start + chunk``."""
+
+    store: object  # kv_cache.SlotStore
+    slots: torch.Tensor  # (T,) long
+    positions: torch.Tensor  # (T,) long
+    rows: int
+    view: int
+    chunk_slot: int = 0
+    chunk_start: int = 0
+    chunk: int = 0
+
+
+def flat_attention(module, query, key, value, flat: FlatStep, scaling):
+    """query (1, Hq, T, D), key and value (1, Hkv, T, D) of a flat step -> (1, T, Hq, D)."""
+    layer = flat.store.layers[module.layer_idx]
+    layer.keys[flat.slots, :, flat.positions] = key[0].transpose(0, 1).to(layer.keys.dtype)
+    layer.values[flat.slots, :, flat.positions] = value[0].transpose(0, 1).to(layer.values.dtype)
+    inner = exact_attention if getattr(module, "_saker_exact", False) else _sdpa
+    parts = []
+    rows = flat.rows
+    if rows:
+        slots, positions = flat.slots[:rows], flat.positions[:rows]
+        q = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
+        keys, values = layer.keys[slots, :, : flat.view], layer.values[slots, :, : flat.view]
+        mask = (torch.arange(flat.view, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(
+            rows, 1, 1, flat.view
+        )
+        parts.append(inner(module, q, keys, values, mask, scaling=scaling)[0].view(1, rows, *query.shape[1:2], -1))
+    if flat.chunk:
+        end = flat.chunk_start + flat.chunk
+        at = flat.chunk_slot
+        q = query[:, :, rows : rows + flat.chunk]
+        keys, values = layer.keys[at : at + 1, :, :end], layer.values[at : at + 1, :, :end]
+        parts.append(inner(module, q, keys, values, None, scaling=scaling)[0])
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
+
+
+def _sdpa(module, query, key, value, mask, scaling=None):
+    """SDPA with a mask always given (its own ``is_causal`` aligns a block of queries to the first keys, not the
+    last): None means causal with the queries at the last key positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if mask is None:
+        length, keys = query.shape[2], key.shape[2]
+        mask = torch.arange(keys, device=query.device).view(1, -1) <= torch.arange(
+            keys - length, keys, device=query.device
+        ).view(-1, 1)
+        mask = mask.view(1, 1, length, keys)
+    return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, is_causal=False)
+
+
 def use_engine_attention(model: torch.nn.Module) -> bool:
-    """Run ``model`` with ``attention`` where it is needed: on the CPU, for a model whose linears round their
-    inputs to bfloat16 (the weight-only int4/int8 kernels, the default for the embedded model), when its attention
-    goes through transformers' ``AttentionInterface`` with SDPA or eager. A float32 model keeps SDPA: its paths
-    differ by float32 ulps only (2e-6 in logprobs), and SDPA's flash kernel prefills about twice as fast. Returns
-    whether it was switched."""
+    """Register ``attention`` for ``model`` (whose attention goes through transformers' ``AttentionInterface`` with
+    SDPA or eager): it runs the engine's flat steps, and for a model whose linears round their inputs to bfloat16
+    (the weight-only int4/int8 kernels, the default for the embedded model) on the CPU its attention is float64
+    (``exact_attention``). A float32 model keeps SDPA's numbers: its paths differ by float32 ulps only (2e-6 in
+    logprobs), and SDPA's flash kernel prefills about twice as fast. Returns whether it was registered."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from app.engine.quantize import rounds_activations
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if device.type != "cpu" or not rounds_activations(model):
-        return False
     configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
     if not configs or any(c._attn_implementation not in ("sdpa", "eager", NAME) for c in configs):
         return False
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    exact = device.type == "cpu" and rounds_activations(model)
     for config in configs:
         config._attn_implementation = NAME
+    for module in model.modules():  # read by ``attention`` from the module it is called for
+        module._saker_exact = exact
     return True

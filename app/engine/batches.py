@@ -83,10 +83,49 @@ class SlotBatch(BatchBase):
         self.lengths: torch.Tensor | None = None  # per slot: tokens in the slot (= position fed next)
         self.next_tokens: torch.Tensor | None = None  # per slot: the token fed next
         self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
+        self.reserved: dict[int, int] = {}  # slot -> prompt length: prompts being prefilled into their slot
+        self._like = None  # a one-token cache: what a position of this model's keys and values looks like
 
     @property
     def cache(self):
         return self.store.cache
+
+    def _live(self) -> int:
+        """Positions the longest row or reserved prompt holds, plus the one it writes next (a resize keeps them)."""
+        return max([*self.lengths_host, *self.reserved.values()], default=0) + 1
+
+    def reserve(self, prompt: list[int], cached: list | None = None) -> int:
+        """A slot for a prompt prefilled in chunks by the batch's steps (``step``), with room for the whole prompt
+        and its first token; ``cached``: per layer (keys, values) of its first positions (the prefix cache's),
+        written into the slot now. Until the prompt's rows join, steps without a chunk leave the slot's prompt
+        alone (they write at its length, a position no chunk writes)."""
+        if self._like is None:
+            self._like = self.runner.probe_cache()
+        [slot] = self.store.allocate(1)
+        self.reserved[slot] = len(prompt)
+        self.store.ensure(
+            len(prompt) + 1, [(layer.keys, layer.values) for layer in self._like.layers], live=self._live()
+        )
+        if cached:
+            self.store.write([slot], [_Layer(k, v) for k, v in cached], live=self._live())
+        device = self.store.layers[0].keys.device
+        self._per_slot(device)
+        self.lengths[slot] = len(prompt)
+        return slot
+
+    def unreserve(self, slot: int) -> None:
+        """A prompt being prefilled left (its client went away, or it failed): its slot is free."""
+        if self.reserved.pop(slot, None) is not None:
+            self.store.release([slot])
+            self.lengths[slot] = 0
+            self._reset_if_idle()
+
+    def prompt_layers(self, slot: int, length: int) -> list:
+        """A reserved slot's prompt as cache layers (views; ``PrefixCache.store`` copies them)."""
+        return [
+            _Layer(layer.keys[slot : slot + 1, :, :length], layer.values[slot : slot + 1, :, :length])
+            for layer in self.store.layers
+        ]
 
     def accepts(self, group: RequestGroup) -> bool:
         return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
@@ -106,7 +145,19 @@ class SlotBatch(BatchBase):
         """Join a prefilled group: its cache (one row, or one per candidate), its candidates' first tokens,
         their sampling state."""
         slots = self.store.allocate(group.rows)
-        length = self.store.write(slots, cache.layers, live=max(self.lengths_host, default=0) + 1)
+        length = self.store.write(slots, cache.layers, live=self._live())
+        self._join(group, slots, length, tokens, sampling)
+
+    def add_reserved(self, group: RequestGroup, slot: int, tokens: torch.Tensor, sampling: SamplingRows) -> None:
+        """Join a group whose prompt was prefilled into reserved ``slot``: its first row keeps that slot, each
+        other candidate gets a slot of its own with a copy of the prompt's keys and values."""
+        length = self.reserved.pop(slot)
+        slots = [slot] + self.store.allocate(group.rows - 1)
+        if len(slots) > 1:
+            self.store.write(slots[1:], self.prompt_layers(slot, length), live=self._live())
+        self._join(group, slots, length, tokens, sampling)
+
+    def _join(self, group: RequestGroup, slots: list[int], length: int, tokens: torch.Tensor, sampling) -> None:
         self._per_slot(tokens.device)
         index = torch.tensor(slots, dtype=torch.long, device=tokens.device)
         self.lengths[index] = length
@@ -116,6 +167,16 @@ class SlotBatch(BatchBase):
         self.lengths_host += [length] * group.rows
         self._slot_index = None
         self.sampling = sampling if self.sampling is None else SamplingRows.cat([self.sampling, sampling])
+
+    def _reset_if_idle(self) -> bool:
+        """No rows and no reserved prompt: the storage goes back (a compiled step keeps it: its graphs hold the
+        addresses). Whether it did."""
+        if self.slot_of or self.reserved or self.runner.compiled_step is not None:
+            return False
+        self.store.reset()
+        self.lengths = self.next_tokens = None
+        self.slot_of, self.lengths_host, self._slot_index, self.sampling = [], [], None, None
+        return True
 
     @property
     def slot_index(self) -> torch.Tensor:
@@ -135,12 +196,10 @@ class SlotBatch(BatchBase):
         kept = set(keep_rows)
         gone = [slot for row, slot in enumerate(self.slot_of) if row not in kept]
         self.store.release(gone)
-        if not keep_rows and self.runner.compiled_step is None:
-            # idle: the storage goes back (a compiled step keeps it: its graphs hold the addresses)
-            self.store.reset()
-            self.lengths = self.next_tokens = None
+        if not keep_rows:
             self.slot_of, self.lengths_host, self._slot_index, self.sampling = [], [], None, None
-            return
+            if self._reset_if_idle():
+                return
         self.lengths[torch.tensor(gone, dtype=torch.long, device=self.lengths.device)] = 0
         self.slot_of = [self.slot_of[r] for r in keep_rows]
         self.lengths_host = [self.lengths_host[r] for r in keep_rows]
@@ -198,6 +257,44 @@ class SlotBatch(BatchBase):
         if rows == len(self.slot_of) and self._in_order:
             return logits
         return logits.index_select(0, index)
+
+    def forward_with_chunk(
+        self, slot: int, chunk: list[int], start: int, chunk_logits: str, with_rows: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One flat forward (``attention.FlatStep``) for every row's next token (``with_rows``) and a chunk of a
+        prompt being prefilled into reserved ``slot`` from position ``start`` on: the chunk rides in the decode
+        step instead of stalling it in a forward of its own. Returns the rows' float32 logits (rows, V) in row
+        order (None without rows) and the chunk's: at each of its positions (``chunk_logits == "all"``: prompt
+        scoring), at its last only (``"last"``: it ends the prompt), or none (``"none"``)."""
+        from app.engine.attention import FlatStep
+
+        device = self.store.layers[0].keys.device
+        rows = len(self.slot_of) if with_rows else 0
+        count = len(chunk)
+        ids = torch.tensor(chunk, dtype=torch.long, device=device)
+        at = torch.arange(start, start + count, dtype=torch.long, device=device)
+        slots = torch.full((count,), slot, dtype=torch.long, device=device)
+        view = 0
+        if rows:
+            index = self.slot_index
+            ids, at = torch.cat([self.next_tokens[index], ids]), torch.cat([self.lengths[index], at])
+            slots = torch.cat([index, slots])
+            view = min(self.store.capacity, -(-(max(self.lengths_host) + 1) // 16) * 16)
+        wanted = {"all": range(rows, rows + count), "last": range(rows + count - 1, rows + count)}.get(chunk_logits, ())
+        logits_at = torch.tensor([*range(rows), *wanted], dtype=torch.long, device=device)
+        flat = FlatStep(self.store, slots, at, rows, view, chunk_slot=slot, chunk_start=start, chunk=count)
+        try:
+            logits = self.runner.flat_step(ids, flat, logits_at)
+        except torch.OutOfMemoryError as exc:
+            if not rows:
+                raise
+            raise BatchOutOfMemory(exc) from None  # the chunk's request fails first, then the step is retried
+        if not rows:
+            return None, logits
+        index = self.slot_index
+        self.lengths[index] += 1
+        self.lengths_host = [n + 1 for n in self.lengths_host]
+        return logits[:rows], logits[rows:]
 
     def warm_up(self, like, max_rows: int, length: int) -> None:
         """Compiled steps: storage for the largest bucket at ``length`` positions, then one step per batch bucket
@@ -378,3 +475,11 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
+
+
+class _Layer:
+    """One layer's keys and values shaped as a cache layer's (what ``SlotStore.write`` and ``PrefixCache.store``
+    read)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values

@@ -260,50 +260,88 @@ def admit_together(batch: SlotBatch | PaddedBatch, groups: list[RequestGroup]) -
 
 
 class ChunkedPrefill:
-    """A long prompt prefilled ``chunk`` tokens at a time, one chunk per scheduler iteration, so that the
-    running batch's decode steps go on in between. The cache and the logits are those of one prefill (the
-    same positions, to float rounding); ``finish`` then joins the group to the batch as ``admit`` does."""
+    """A long prompt prefilled ``chunk`` tokens at a time into a slot the batch reserves for it (``start``). Each
+    chunk is computed inside one of the batch's steps: beside the running rows' decode tokens in one flat forward
+    (``decode_step(batch, job)``), or alone when nothing runs or the rows cannot share its forward (``advance``).
+    The running rows never wait for a prefill forward of its own. Prompt logprobs are taken chunk by chunk, so
+    no more than a chunk's logits are held. Once the whole prompt is in, ``finish`` samples the first tokens and
+    the group joins the batch in that slot."""
 
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
-        self.cache = None
-        self.done = 0  # prompt tokens in the cache
+        self.slot: int | None = None
+        self.done = 0  # prompt tokens in the slot
         self.last: torch.Tensor | None = None  # the last prompt position's logits (1, 1, V)
-        self.spent = 0.0  # seconds of forwards so far
+        self.spent = 0.0  # seconds of steps that carried its chunks
 
-    def advance(self) -> bool:
-        """Forward the next chunk; True once the whole prompt is in."""
-        start = time.perf_counter()
-        group, runner = self.group, self.group.runner
-        prompt, all_logits = group.prompt_ids, group.needs_prompt_logits
-        if self.cache is None:
-            self.cache, self.done = runner.open_prefill(prompt, all_logits)
-            group.timings.cached_tokens += self.done
-        end = min(self.done + self.chunk, len(prompt))
-        logits = runner.extend(self.cache, prompt[self.done : end], all_logits)
-        if all_logits:  # scored now; only the last position's logits are kept
-            group.score_prompt(logits[0], self.done)
-        self.last = logits[:, -1:, :]
-        self.done = end
-        self.spent += time.perf_counter() - start
-        return end == len(prompt)
-
-    def finish(self, batch: SlotBatch | PaddedBatch) -> list[Event]:
+    def start(self, batch: SlotBatch) -> None:
+        """Reserve the slot, with the start of the prompt from the prefix cache when a kept prompt shares it."""
         group = self.group
-        group.runner.remember(group.prompt_ids, self.cache)
-        return _join(batch, group, self.last, self.cache, time.perf_counter() - self.spent)
+        cached, self.done = group.runner.cached_start(group.prompt_ids, group.needs_prompt_logits)
+        group.timings.cached_tokens += self.done
+        self.slot = batch.reserve(group.prompt_ids, cached)
+
+    def next_chunk(self) -> list[int]:
+        return self.group.prompt_ids[self.done : self.done + self.chunk]
+
+    def logits_wanted(self, count: int) -> str:
+        """Which of the next chunk's logits a step computes: every position's (prompt scoring), the last one
+        when the chunk ends the prompt (the first tokens come from it), or none."""
+        if self.group.needs_prompt_logits:
+            return "all"
+        return "last" if self.done + count == len(self.group.prompt_ids) else "none"
+
+    def took(self, logits: torch.Tensor, count: int, seconds: float) -> bool:
+        """A step computed the next ``count`` prompt tokens (``logits`` as ``logits_wanted`` asked); True once
+        the whole prompt is in."""
+        group = self.group
+        if group.needs_prompt_logits:
+            group.score_prompt(logits, self.done)
+        self.done += count
+        self.spent += seconds
+        if self.done == len(group.prompt_ids):
+            self.last = logits[-1:].unsqueeze(0)
+            return True
+        return False
+
+    def advance(self, batch: SlotBatch) -> bool:
+        """The next chunk in a forward of its own (no rows run, or they cannot share its forward)."""
+        begun = time.perf_counter()
+        chunk = self.next_chunk()
+        _, logits = batch.forward_with_chunk(
+            self.slot, chunk, self.done, self.logits_wanted(len(chunk)), with_rows=False
+        )
+        return self.took(logits, len(chunk), time.perf_counter() - begun)
+
+    def finish(self, batch: SlotBatch) -> list[Event]:
+        group = self.group
+        group.runner.remember(group.prompt_ids, batch.prompt_layers(self.slot, len(group.prompt_ids)))
+        return _join(batch, group, self.last, None, time.perf_counter() - self.spent, slot=self.slot)
+
+    def abandon(self, batch: SlotBatch) -> None:
+        """The request left or failed before its prompt was in: the slot is free."""
+        if self.slot is not None:
+            batch.unreserve(self.slot)
+            self.slot = None
 
 
 def _join(
-    batch: SlotBatch | PaddedBatch, group: RequestGroup, logits: torch.Tensor, cache, start: float
+    batch: SlotBatch | PaddedBatch,
+    group: RequestGroup,
+    logits: torch.Tensor,
+    cache,
+    start: float,
+    slot: int | None = None,
 ) -> list[Event]:
-    """After a group's prefill (logits (1, L or 1, V), its cache): the prompt's numbers, the first tokens, and
-    the group in the batch if it goes on."""
-    if group.needs_prompt_logits and logits.shape[1] > 1:
+    """After a group's prefill (logits (1, L or 1, V); its cache, or the batch's ``slot`` it was prefilled into):
+    the prompt's numbers, the first tokens, and the group in the batch if it goes on."""
+    if group.needs_prompt_logits and logits.shape[1] > 1 and slot is None:
         group.score_prompt(logits[0], 0)
     events: list[Event] = [group.prompt_numbers()]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
+        if slot is not None:
+            batch.unreserve(slot)
         return events
     last = logits[:, -1, :].float()
     count = group.params.num_candidates
@@ -317,14 +355,27 @@ def _join(
         if len(keep) < count:
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
-        batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
+        if slot is not None:
+            batch.add_reserved(group, slot, tokens, sampling)
+        else:
+            batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
+    elif slot is not None:
+        batch.unreserve(slot)
     group.timings.prefill_s += time.perf_counter() - start
     return events
 
 
-def decode_step(batch: SlotBatch | PaddedBatch) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
-    """One decode step of the whole batch; each group's events. Finished candidates leave the batch."""
-    logits = batch.forward()
+def decode_step(
+    batch: SlotBatch | PaddedBatch, job: ChunkedPrefill | None = None
+) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
+    """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``job``: a
+    prompt being prefilled whose next chunk rides in the same forward (``job.took`` tells whether it is in)."""
+    if job is None:
+        logits = batch.forward()
+    else:
+        begun, chunk = time.perf_counter(), job.next_chunk()
+        logits, chunk_logits = batch.forward_with_chunk(job.slot, chunk, job.done, job.logits_wanted(len(chunk)))
+        job.took(chunk_logits, len(chunk), time.perf_counter() - begun)
     groups = list(batch.groups)
     results, tokens = sample_step(groups, logits, batch.sampling)
     keep_rows, offset, out = [], 0, []

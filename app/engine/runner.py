@@ -77,7 +77,7 @@ class ModelRunner:
         logits are asked for: those of the reused positions are not kept)."""
         cache, start = self.open_prefill(prompt_ids, all_logits)
         logits = self.extend(cache, prompt_ids[start:], all_logits)
-        self.remember(prompt_ids, cache)
+        self.remember(prompt_ids, cache.layers)
         return logits, cache, start
 
     def open_prefill(self, prompt_ids: list[int], all_logits: bool) -> tuple[object, int]:
@@ -85,16 +85,22 @@ class ModelRunner:
         start: (cache, prompt tokens already in it)."""
         from transformers import DynamicCache
 
-        entry, start = None, 0
-        if self.prefix_cache is not None and not all_logits and self.prefills_together:
-            entry, start = self.prefix_cache.lookup(self._prefix_key(self._active_adapter), prompt_ids)
-        if entry is not None:
-            return growing_cache(
-                self.model.config, [k[..., :start, :] for k in entry.keys], [v[..., :start, :] for v in entry.values]
-            ), start
+        cached, start = self.cached_start(prompt_ids, all_logits)
+        if cached is not None:
+            return growing_cache(self.model.config, [k for k, _ in cached], [v for _, v in cached]), start
         cache = DynamicCache(config=self.model.config)
         use_growing_layers(cache)
         return cache, 0
+
+    def cached_start(self, prompt_ids: list[int], all_logits: bool) -> tuple[list | None, int]:
+        """The prefix cache's keys and values for the start of a prompt, per layer (keys, values) views of its
+        first positions, and how many positions (None, 0: none, or every position's logits are asked for)."""
+        if self.prefix_cache is None or all_logits or not self.prefills_together:
+            return None, 0
+        entry, start = self.prefix_cache.lookup(self._prefix_key(self._active_adapter), prompt_ids)
+        if entry is None:
+            return None, 0
+        return [(k[..., :start, :], v[..., :start, :]) for k, v in zip(entry.keys, entry.values)], start
 
     def extend(self, cache, ids: list[int], all_logits: bool) -> torch.Tensor:
         """Forward more prompt tokens after those in ``cache`` (their positions follow); logits (1, n or 1, V)."""
@@ -113,11 +119,12 @@ class ModelRunner:
         """Kept prompts are per PEFT adapter (None: the base model); without adapters there is one key."""
         return adapter if self.adapters else ""
 
-    def remember(self, prompt_ids: list[int], cache) -> None:
-        """Keep a prefilled prompt in the prefix cache (when there is one)."""
+    def remember(self, prompt_ids: list[int], layers) -> None:
+        """Keep a prefilled prompt in the prefix cache (when there is one): ``layers``, a cache's layers (or
+        anything with per-layer ``keys`` and ``values``, row 0, the prompt's positions first)."""
         if self.prefix_cache is not None and self.prefills_together:
             try:
-                self.prefix_cache.store(self._prefix_key(self._active_adapter), prompt_ids, cache.layers)
+                self.prefix_cache.store(self._prefix_key(self._active_adapter), prompt_ids, layers)
             except torch.OutOfMemoryError:  # keeping it is optional: give the memory back instead
                 self.prefix_cache.clear()
 
@@ -146,7 +153,7 @@ class ModelRunner:
         logits = [out.logits[i, pad:] if all_logits else out.logits[i] for i, pad in enumerate(pads)]
         caches = split_rows(cache, self.model.config, pads)
         for prompt, row in zip(prompts, caches):
-            self.remember(prompt, row)
+            self.remember(prompt, row.layers)
         return logits, caches
 
     @property
@@ -222,6 +229,21 @@ class ModelRunner:
             **extra,
         )
         return out.logits[:, -1, :].float()
+
+    def flat_step(
+        self, tokens: torch.Tensor, flat, logits_at: torch.Tensor, adapter: str | None = None
+    ) -> torch.Tensor:
+        """One forward of a step's tokens as one flat sequence (``attention.FlatStep``: decode rows and a prompt's
+        chunk, each token written into and attending over its own slot of the store); float32 logits of the
+        tokens at ``logits_at`` only (T_out, V), so a chunk whose positions need no logits costs no LM head."""
+        out = self.model(
+            input_ids=tokens.view(1, -1).to(self.input_device),
+            position_ids=flat.positions.view(1, -1).to(self.input_device),
+            use_cache=False,
+            logits_to_keep=logits_at,
+            flat=flat,
+        )
+        return out.logits[0].float()
 
     def compile_step(self) -> None:
         """SAKER_COMPILE: the slot step through torch.compile (one graph; CUDA graphs on CUDA)."""

@@ -279,14 +279,12 @@ class Scheduler:
                         self._pending.extendleft(reversed(taken[i:]))
                     break
                 if self._chunked(taken[i][0]):
-                    self._register(taken[i : i + 1])
-                    self._prefilling.append(ChunkedPrefill(taken[i][0], self.prefill_chunk_tokens))
+                    self._start_prefill(taken[i][0], taken[i : i + 1])
                     i += 1
                     continue
                 together = self._prefill_together(taken, i)
                 i += len(together)
                 self._admit(together)
-            self._advance_prefill()
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
                 self._forget(group).done(group)
@@ -295,16 +293,23 @@ class Scheduler:
                 for group in running:
                     if group not in self.batch.groups:
                         self._forget(group).done(group)
+            job = self._next_prefill()
+            if job is not None and not self._rides(job):
+                self._advance_alone(job)  # nothing runs, or the rows cannot share its forward
+                job = None
             if not self.batch.groups:
                 return
             start = time.perf_counter()
             try:
-                results = self._decode_step()
+                results = self._decode_step(job)
             except BaseException as exc:
                 failed, self.batch = self.batch.groups, new_batch(self.runner, self.kv_cache_tokens)
                 _drop_frames(exc)
                 self._after_failure(exc)  # memory back before the requests hear of it
                 for group in failed:
+                    self._forget(group).fail(group, exc)
+                while self._prefilling:  # their slots went with the batch's store
+                    group = self._prefilling.popleft().group
                     self._forget(group).fail(group, exc)
                 return
             self.steps += 1
@@ -315,6 +320,8 @@ class Scheduler:
                 self._tickets[id(group)].put(group, events)
                 if not group.rows:
                     self._forget(group).done(group)
+            if job is not None and job.done == len(job.group.prompt_ids):
+                self._finish_prefill(job)
 
     def _prefill_together(self, taken: list[tuple[RequestGroup, Ticket]], i: int) -> list[tuple[RequestGroup, Ticket]]:
         """The groups from ``taken[i]`` on that share one prefill forward: same adapter, at most
@@ -375,32 +382,68 @@ class Scheduler:
             self._reuse[key] = self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
         return self._reuse[key]
 
-    def _advance_prefill(self) -> None:
-        """One chunk of the oldest prompt being prefilled in chunks; once it is all in, the group joins."""
-        for job in [job for job in self._prefilling if job.group.cancelled]:  # clients gone: their rows free now
-            self._prefilling.remove(job)
-            self._forget(job.group).done(job.group)
-        if not self._prefilling:
-            return
-        job = self._prefilling[0]
-        group = job.group
+    def _start_prefill(self, group: RequestGroup, taken: list[tuple[RequestGroup, Ticket]]) -> None:
+        """A long prompt: a slot reserved for it, its chunks computed by the coming steps."""
+        self._register(taken)
+        job = ChunkedPrefill(group, self.prefill_chunk_tokens)
         try:
             with self.runner.adapter(group.params.adapter):
-                if not job.advance():
-                    return
-                self._prefilling.popleft()
-                events = job.finish(self.batch)
+                job.start(self.batch)
         except BaseException as exc:
-            if self._prefilling and self._prefilling[0] is job:
-                self._prefilling.popleft()
-            job.cache = None
+            job.abandon(self.batch)
             _drop_frames(exc)
             self._after_failure(exc)
             self._forget(group).fail(group, exc)
             return
+        self._prefilling.append(job)
+
+    def _next_prefill(self) -> ChunkedPrefill | None:
+        """The oldest prompt being prefilled in chunks (those whose clients went away leave first: their slots
+        are free now)."""
+        for job in [job for job in self._prefilling if job.group.cancelled]:
+            self._prefilling.remove(job)
+            job.abandon(self.batch)
+            self._forget(job.group).done(job.group)
+        return self._prefilling[0] if self._prefilling else None
+
+    def _rides(self, job: ChunkedPrefill) -> bool:
+        """Whether the job's next chunk can share the decode step's forward: rows run, and they use the job's
+        adapter (one flat forward runs one adapter)."""
+        if not self.batch.groups:
+            return False
+        return not self.runner.adapters or self.batch.adapter == job.group.params.adapter
+
+    def _advance_alone(self, job: ChunkedPrefill) -> None:
+        """The job's next chunk in a forward of its own; once the whole prompt is in, the group joins."""
+        try:
+            with self.runner.adapter(job.group.params.adapter):
+                if not job.advance(self.batch):
+                    return
+        except BaseException as exc:
+            self._fail_prefill(job, exc)
+            return
+        self._finish_prefill(job)
+
+    def _finish_prefill(self, job: ChunkedPrefill) -> None:
+        group = job.group
+        self._prefilling.remove(job)
+        try:
+            with self.runner.adapter(group.params.adapter):
+                events = job.finish(self.batch)
+        except BaseException as exc:
+            self._fail_prefill(job, exc, removed=True)
+            return
         self._tickets[id(group)].put(group, events)
         if group not in self.batch.groups:
             self._forget(group).done(group)
+
+    def _fail_prefill(self, job: ChunkedPrefill, exc: BaseException, removed: bool = False) -> None:
+        if not removed:
+            self._prefilling.remove(job)
+        job.abandon(self.batch)
+        _drop_frames(exc)
+        self._after_failure(exc)
+        self._forget(job.group).fail(job.group, exc)
 
     def _admit(self, together: list[tuple[RequestGroup, Ticket]]) -> None:
         """Prefill these groups (in one shared forward when there are several; one by one if that fails), hand
@@ -439,14 +482,21 @@ class Scheduler:
             if group not in self.batch.groups:
                 self._forget(group).done(group)
 
-    def _decode_step(self) -> list[tuple[RequestGroup, list[Event]]]:
-        """One decode step. When the forward of several groups runs out of memory, the newest group fails
-        (its request gets the out-of-memory error) and the step is retried for the others."""
+    def _decode_step(self, job: ChunkedPrefill | None = None) -> list[tuple[RequestGroup, list[Event]]]:
+        """One decode step (carrying ``job``'s next chunk). When the forward of several groups runs out of memory,
+        the prompt being prefilled fails first, then the newest group (its request gets the out-of-memory error),
+        and the step is retried for the others."""
         while True:
             try:
                 with self.runner.adapter(self.batch.adapter):
-                    return decode_step(self.batch)
+                    return decode_step(self.batch, job)
             except BatchOutOfMemory as oom:
+                if job is not None:
+                    error = oom.error
+                    del oom
+                    self._fail_prefill(job, error)
+                    job = None
+                    continue
                 newest = self.batch.groups[-1]
                 drop(self.batch, newest)
                 error = oom.error

@@ -509,17 +509,19 @@ def chunked(batch_worker, monkeypatch):
     """The batch worker prefilling prompts longer than 5 tokens 5 at a time; logs its forwards in order."""
     worker, path = batch_worker
     calls = []
-    real_extend, real_decode = worker.runner.extend, worker.runner.slot_step
+    real_flat, real_decode = worker.runner.flat_step, worker.runner.slot_step
 
-    def extend(cache, ids, all_logits):
-        calls.append(("chunk", len(ids)))
-        return real_extend(cache, ids, all_logits)
+    def flat_step(tokens, flat, logits_at):  # a chunk, and the running rows' decode tokens when they ride along
+        if flat.rows:
+            calls.append(("decode", flat.rows))
+        calls.append(("chunk", flat.chunk))
+        return real_flat(tokens, flat, logits_at)
 
     def decode(*args, **kwargs):
         calls.append(("decode", args[0].shape[0]))
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(worker.runner, "extend", extend)
+    monkeypatch.setattr(worker.runner, "flat_step", flat_step)
     monkeypatch.setattr(worker.runner, "slot_step", decode)
     monkeypatch.setattr(worker.scheduler, "prefill_chunk_tokens", 5)
     if worker.runner.prefix_cache is not None:
@@ -574,16 +576,16 @@ def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
     worker, path, calls = chunked
     _, tok = reference(path)
     ids = long_ids(tok)
-    real = worker.runner.extend
+    real = worker.runner.flat_step
     seen = {"n": 0}
 
-    def failing(cache, chunk_ids, all_logits):
+    def failing(tokens, flat, logits_at):
         seen["n"] += 1
         if seen["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return real(cache, chunk_ids, all_logits)
+        return real(tokens, flat, logits_at)
 
-    monkeypatch.setattr(worker.runner, "extend", failing)
+    monkeypatch.setattr(worker.runner, "flat_step", failing)
     short = (ids[:4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     results = run_tickets(worker, [short, (ids[11:] + ids[:11], SamplingParams(max_tokens=4, temperature=0.0))])
     same(results[0], alone(worker, *short))
@@ -598,16 +600,16 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
     _, tok = reference(path)
     ids = long_ids(tok)
     started, go = threading.Event(), threading.Event()
-    logged_extend = worker.runner.extend
+    logged_flat = worker.runner.flat_step
 
-    def gated(cache, chunk_ids, all_logits):  # hold the scheduler after the doomed prompt's first chunk
-        out = logged_extend(cache, chunk_ids, all_logits)
-        if len(chunk_ids) == 5 and not started.is_set():
+    def gated(tokens, flat, logits_at):  # hold the scheduler after the doomed prompt's first chunk
+        out = logged_flat(tokens, flat, logits_at)
+        if flat.chunk == 5 and not started.is_set():
             started.set()
             go.wait(10)
         return out
 
-    monkeypatch.setattr(worker.runner, "extend", gated)
+    monkeypatch.setattr(worker.runner, "flat_step", gated)
     running = RequestGroup(
         worker.runner, ids[:4], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), max_length=256
     )
@@ -636,17 +638,17 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
     ids = long_ids(tok)
     held = [threading.Event(), threading.Event()]  # set when the scheduler is held at the first two chunks
     release = [threading.Event(), threading.Event()]
-    logged_extend = worker.runner.extend
+    logged_flat = worker.runner.flat_step
 
-    def gated(cache, chunk_ids, all_logits):
-        out = logged_extend(cache, chunk_ids, all_logits)
+    def gated(tokens, flat, logits_at):
+        out = logged_flat(tokens, flat, logits_at)
         n = sum(1 for kind, _ in calls if kind == "chunk")
         if n <= 2:
             held[n - 1].set()
             release[n - 1].wait(10)
         return out
 
-    monkeypatch.setattr(worker.runner, "extend", gated)
+    monkeypatch.setattr(worker.runner, "flat_step", gated)
     forgotten_at = {}
     real_forget = worker.scheduler._forget
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -93,9 +94,19 @@ def test_whole_chunked_and_cached_prefills_answer_as_the_plain_forward(worker, p
         worker.scheduler.prefill_chunk_tokens = chunk_before
 
 
-def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, reference):
-    """Other requests (sampled, of other lengths, one sharing the prompt's start) decode in the same steps."""
-    fresh(worker, worker.scheduler.prefill_chunk_tokens)
+def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, reference, monkeypatch):
+    """Other requests (sampled, of other lengths, one sharing the prompt's start) decode in the same steps, and
+    the prompt's chunks (16 tokens) ride in the same forwards as their decode tokens."""
+    chunk_before = worker.scheduler.prefill_chunk_tokens
+    fresh(worker, 16)
+    mixed = []
+    real = worker.runner.flat_step
+
+    def flat_step(tokens, flat, logits_at):
+        mixed.append(flat.rows > 0 and flat.chunk > 0)
+        return real(tokens, flat, logits_at)
+
+    monkeypatch.setattr(worker.runner, "flat_step", flat_step)
     tokenizer = worker.tokenizer
     others = [
         tokenizer.encode("Write a short poem about the sea and the sky at night."),
@@ -109,8 +120,11 @@ def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, refe
     for thread in threads:
         thread.start()
     try:
+        while not worker.scheduler.batch.groups and any(thread.is_alive() for thread in threads):
+            time.sleep(0.01)  # the others are decoding before the prompt comes
         assert_matches(answer(worker, prompt), reference)
     finally:
         for thread in threads:
             thread.join()
-    assert worker.scheduler.max_rows_seen > 1
+        worker.scheduler.prefill_chunk_tokens = chunk_before
+    assert worker.scheduler.max_rows_seen > 1 and any(mixed)
