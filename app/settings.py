@@ -209,16 +209,18 @@ class Settings(BaseSettings):
     prefill_batch_tokens: int = Field(
         4096,
         ge=0,
-        description="Most padded prompt tokens in one shared prefill: "
-        "prompts admitted together are prefilled in one forward (left-padded; at "
-        "most a third padding) while they fit. 0 = each prompt alone.",
+        description="Most prompt tokens one scheduler step computes, across "
+        "the prompts being prefilled (the running rows' decode tokens count against "
+        "it): prompts admitted together share one flat forward with the running "
+        "rows. 0 = one prompt's chunk per step.",
     )
     prefill_chunk_tokens: int = Field(
         512,
         ge=0,
-        description="A prompt longer than this (beyond what the prefix "
-        "cache holds) is prefilled this many tokens per scheduler iteration, with "
-        "the running batch's decode steps in between. 0 = whole prompts at once.",
+        description="Most tokens of one prompt a scheduler step computes: a "
+        "longer prompt (beyond what the prefix cache holds) is prefilled over several "
+        "steps, each chunk in the same forward as the running rows' decode tokens. "
+        "0 = whole prompts (within prefill_batch_tokens).",
     )
     prefix_cache_tokens: int = Field(
         4096,

@@ -119,19 +119,18 @@ def attention(
 @dataclass
 class FlatStep:
     """One step's tokens as one flat sequence (the forward's batch is 1): first ``rows`` decode tokens, one per
-    running row, each in its own slot of ``store`` at its own position; then, when a prompt is being prefilled, a
-    chunk of ``chunk`` of its tokens in slot ``chunk_slot`` from position ``chunk_start`` on. Every token's key
-    and value are written at (``slots[t]``, ``positions[t]``); a decode row attends to its slot's positions up to
-    its own within the first ``view`` positions, the chunk causally to its slot's first ``chunk_start + chunk``."""
+    running row, each in its own slot of ``store`` at its own position; then the chunks of prompts being
+    prefilled, each ``(slot, start, count)``: ``count`` tokens of the prompt in ``slot`` from position ``start``
+    on. Every token's key and value are written at (``slots[t]``, ``positions[t]``); a decode row attends to its
+    slot's positions up to its own within the first ``view`` positions, a chunk causally to its slot's first
+    ``start + count``."""
 
     store: object  # kv_cache.SlotStore
     slots: torch.Tensor  # (T,) long
     positions: torch.Tensor  # (T,) long
     rows: int
     view: int
-    chunk_slot: int = 0
-    chunk_start: int = 0
-    chunk: int = 0
+    chunks: tuple[tuple[int, int, int], ...] = ()
 
 
 def flat_attention(module, query, key, value, flat: FlatStep, scaling):
@@ -149,13 +148,14 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling):
         mask = (torch.arange(flat.view, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(
             rows, 1, 1, flat.view
         )
-        parts.append(inner(module, q, keys, values, mask, scaling=scaling)[0].view(1, rows, *query.shape[1:2], -1))
-    if flat.chunk:
-        end = flat.chunk_start + flat.chunk
-        at = flat.chunk_slot
-        q = query[:, :, rows : rows + flat.chunk]
-        keys, values = layer.keys[at : at + 1, :, :end], layer.values[at : at + 1, :, :end]
+        parts.append(inner(module, q, keys, values, mask, scaling=scaling)[0].view(1, rows, query.shape[1], -1))
+    offset = rows
+    for slot, start, count in flat.chunks:  # a few per step: the prompts being prefilled
+        end = start + count
+        q = query[:, :, offset : offset + count]
+        keys, values = layer.keys[slot : slot + 1, :, :end], layer.values[slot : slot + 1, :, :end]
         parts.append(inner(module, q, keys, values, None, scaling=scaling)[0])
+        offset += count
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # a type only: generate imports this module
 def new_batch(runner: ModelRunner, kv_cache_tokens: int | None = None) -> "SlotBatch | PaddedBatch":
     """A slot batch where the model's cache layers are plain (their rows can be written into slots), else a
     left-padded one."""
-    return SlotBatch(runner, kv_cache_tokens) if runner.prefills_together else PaddedBatch(runner)
+    return SlotBatch(runner, kv_cache_tokens) if runner.plain_cache else PaddedBatch(runner)
 
 
 class BatchOutOfMemory(Exception):
@@ -258,43 +258,56 @@ class SlotBatch(BatchBase):
             return logits
         return logits.index_select(0, index)
 
-    def forward_with_chunk(
-        self, slot: int, chunk: list[int], start: int, chunk_logits: str, with_rows: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One flat forward (``attention.FlatStep``) for every row's next token (``with_rows``) and a chunk of a
-        prompt being prefilled into reserved ``slot`` from position ``start`` on: the chunk rides in the decode
-        step instead of stalling it in a forward of its own. Returns the rows' float32 logits (rows, V) in row
-        order (None without rows) and the chunk's: at each of its positions (``chunk_logits == "all"``: prompt
+    def forward_with_chunks(
+        self, chunks: list[tuple[int, list[int], int, str]], with_rows: bool = True
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """One flat forward (``attention.FlatStep``) for every row's next token (``with_rows``) and chunks of
+        prompts being prefilled into reserved slots, each ``(slot, ids, start, logits)``: the prompts ride in the
+        decode step instead of stalling it in forwards of their own. Returns the rows' float32 logits (rows, V) in
+        row order (None without rows) and each chunk's: at each of its positions (``logits == "all"``: prompt
         scoring), at its last only (``"last"``: it ends the prompt), or none (``"none"``)."""
         from app.engine.attention import FlatStep
 
         device = self.store.layers[0].keys.device
         rows = len(self.slot_of) if with_rows else 0
-        count = len(chunk)
-        ids = torch.tensor(chunk, dtype=torch.long, device=device)
-        at = torch.arange(start, start + count, dtype=torch.long, device=device)
-        slots = torch.full((count,), slot, dtype=torch.long, device=device)
-        view = 0
+        ids, at, slots, wanted, spans, view = [], [], [], [], [], 0
         if rows:
             index = self.slot_index
-            ids, at = torch.cat([self.next_tokens[index], ids]), torch.cat([self.lengths[index], at])
-            slots = torch.cat([index, slots])
+            ids, at, slots = [self.next_tokens[index]], [self.lengths[index]], [index]
             view = min(self.store.capacity, -(-(max(self.lengths_host) + 1) // 16) * 16)
-        wanted = {"all": range(rows, rows + count), "last": range(rows + count - 1, rows + count)}.get(chunk_logits, ())
+        offset = rows
+        for slot, chunk, start, logits in chunks:
+            count = len(chunk)
+            ids.append(torch.tensor(chunk, dtype=torch.long, device=device))
+            at.append(torch.arange(start, start + count, dtype=torch.long, device=device))
+            slots.append(torch.full((count,), slot, dtype=torch.long, device=device))
+            keep = {"all": range(offset, offset + count), "last": range(offset + count - 1, offset + count)}
+            positions = keep.get(logits, range(0))
+            spans.append((len(wanted) + rows, len(wanted) + rows + len(positions)))
+            wanted += positions
+            offset += count
         logits_at = torch.tensor([*range(rows), *wanted], dtype=torch.long, device=device)
-        flat = FlatStep(self.store, slots, at, rows, view, chunk_slot=slot, chunk_start=start, chunk=count)
+        flat = FlatStep(
+            self.store,
+            torch.cat(slots),
+            torch.cat(at),
+            rows,
+            view,
+            tuple((slot, start, len(chunk)) for slot, chunk, start, _ in chunks),
+        )
         try:
-            logits = self.runner.flat_step(ids, flat, logits_at)
+            logits = self.runner.flat_step(torch.cat(ids), flat, logits_at)
         except torch.OutOfMemoryError as exc:
             if not rows:
                 raise
-            raise BatchOutOfMemory(exc) from None  # the chunk's request fails first, then the step is retried
+            raise BatchOutOfMemory(exc) from None  # the newest prompt fails first, then the step is retried
+        per_chunk = [logits[a:b] for a, b in spans]
         if not rows:
-            return None, logits
+            return None, per_chunk
         index = self.slot_index
         self.lengths[index] += 1
         self.lengths_host = [n + 1 for n in self.lengths_host]
-        return logits[:rows], logits[rows:]
+        return logits[:rows], per_chunk
 
     def warm_up(self, like, max_rows: int, length: int) -> None:
         """Compiled steps: storage for the largest bucket at ``length`` positions, then one step per batch bucket

@@ -239,26 +239,6 @@ def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
     return _join(batch, group, logits, cache, start)
 
 
-def admit_together(batch: SlotBatch | PaddedBatch, groups: list[RequestGroup]) -> list[list[Event] | BaseException]:
-    """``admit`` for several groups (each of which ``prefills``) with one prefill forward over their prompts,
-    left-padded to a common length; each group then goes on with its own row of the logits and of the cache
-    (padding cut off), as if prefilled alone. Per group its events, or the exception that failed it after the
-    forward. A failed forward raises (no group has joined the batch then)."""
-    start = time.perf_counter()
-    runner = groups[0].runner
-    all_logits = any(g.needs_prompt_logits for g in groups)
-    logits, caches = runner.prefill_together([g.prompt_ids for g in groups], all_logits=all_logits)
-    out: list[list[Event] | BaseException] = []
-    for group, row_logits, cache in zip(groups, logits, caches):
-        if not group.needs_prompt_logits:
-            row_logits = row_logits[-1:]
-        try:
-            out.append(_join(batch, group, row_logits.unsqueeze(0), cache, start))
-        except Exception as exc:
-            out.append(exc)
-    return out
-
-
 class ChunkedPrefill:
     """A long prompt prefilled ``chunk`` tokens at a time into a slot the batch reserves for it (``start``). Each
     chunk is computed inside one of the batch's steps: beside the running rows' decode tokens in one flat forward
@@ -281,8 +261,13 @@ class ChunkedPrefill:
         group.timings.cached_tokens += self.done
         self.slot = batch.reserve(group.prompt_ids, cached)
 
-    def next_chunk(self) -> list[int]:
-        return self.group.prompt_ids[self.done : self.done + self.chunk]
+    @property
+    def remaining(self) -> int:
+        return len(self.group.prompt_ids) - self.done
+
+    def next_chunk(self, budget: int) -> list[int]:
+        """The next tokens to compute: at most a chunk, and no more than ``budget``."""
+        return self.group.prompt_ids[self.done : self.done + min(self.chunk, budget)]
 
     def logits_wanted(self, count: int) -> str:
         """Which of the next chunk's logits a step computes: every position's (prompt scoring), the last one
@@ -303,15 +288,6 @@ class ChunkedPrefill:
             self.last = logits[-1:].unsqueeze(0)
             return True
         return False
-
-    def advance(self, batch: SlotBatch) -> bool:
-        """The next chunk in a forward of its own (no rows run, or they cannot share its forward)."""
-        begun = time.perf_counter()
-        chunk = self.next_chunk()
-        _, logits = batch.forward_with_chunk(
-            self.slot, chunk, self.done, self.logits_wanted(len(chunk)), with_rows=False
-        )
-        return self.took(logits, len(chunk), time.perf_counter() - begun)
 
     def finish(self, batch: SlotBatch) -> list[Event]:
         group = self.group
@@ -365,17 +341,28 @@ def _join(
     return events
 
 
+def compute_chunks(
+    batch: SlotBatch, jobs: list[tuple[ChunkedPrefill, list[int]]], with_rows: bool = True
+) -> torch.Tensor | None:
+    """One flat forward for chunks of prompts being prefilled (each job with its next tokens), with every running
+    row's next token (``with_rows``; their logits are returned) or alone. Each job takes its chunk's numbers."""
+    begun = time.perf_counter()
+    logits, outs = batch.forward_with_chunks(
+        [(job.slot, chunk, job.done, job.logits_wanted(len(chunk))) for job, chunk in jobs], with_rows
+    )
+    seconds = time.perf_counter() - begun
+    for (job, chunk), out in zip(jobs, outs):
+        job.took(out, len(chunk), seconds)
+    return logits
+
+
 def decode_step(
-    batch: SlotBatch | PaddedBatch, job: ChunkedPrefill | None = None
+    batch: SlotBatch | PaddedBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = ()
 ) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
-    """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``job``: a
-    prompt being prefilled whose next chunk rides in the same forward (``job.took`` tells whether it is in)."""
-    if job is None:
-        logits = batch.forward()
-    else:
-        begun, chunk = time.perf_counter(), job.next_chunk()
-        logits, chunk_logits = batch.forward_with_chunk(job.slot, chunk, job.done, job.logits_wanted(len(chunk)))
-        job.took(chunk_logits, len(chunk), time.perf_counter() - begun)
+    """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``jobs``:
+    prompts being prefilled whose next chunks ride in the same forward (each job's ``remaining`` tells whether it
+    is in)."""
+    logits = compute_chunks(batch, jobs) if jobs else batch.forward()
     groups = list(batch.groups)
     results, tokens = sample_step(groups, logits, batch.sampling)
     keep_rows, offset, out = [], 0, []

@@ -85,20 +85,6 @@ def use_growing_layers(cache) -> None:
         cache.layers = [GrowingLayer() for _ in layers]
 
 
-def split_rows(cache, config, starts: list[int]) -> list:
-    """One cache per row of a left-padded batch ``cache`` (plain dynamic layers): row ``i`` without its first
-    ``starts[i]`` (padding) columns, as a fresh DynamicCache of GrowingLayers holding views of the batch's
-    tensors (copied into their own buffers at their first update)."""
-    return [
-        growing_cache(
-            config,
-            [layer.keys[row : row + 1, :, start:] for layer in cache.layers],
-            [layer.values[row : row + 1, :, start:] for layer in cache.layers],
-        )
-        for row, start in enumerate(starts)
-    ]
-
-
 def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
     """A fresh DynamicCache of GrowingLayers already holding these per-layer keys and values (views: they are
     copied into the layers' own buffers at the first update, so the tensors given are never written)."""

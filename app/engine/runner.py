@@ -13,7 +13,6 @@ from app.engine.kv_cache import (
     growing_cache,
     kv_bytes_per_token,
     mergeable,
-    split_rows,
     use_growing_layers,
 )
 from app.engine.logprobs import is_byte_level
@@ -33,7 +32,7 @@ class ModelRunner:
     compiled_step: object = None  # SAKER_COMPILE: the slot step compiled (CUDA graphs on CUDA), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
-    _prefills_together: bool | None = field(default=None, repr=False)
+    _plain_cache: bool | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.input_device is None:
@@ -95,7 +94,7 @@ class ModelRunner:
     def cached_start(self, prompt_ids: list[int], all_logits: bool) -> tuple[list | None, int]:
         """The prefix cache's keys and values for the start of a prompt, per layer (keys, values) views of its
         first positions, and how many positions (None, 0: none, or every position's logits are asked for)."""
-        if self.prefix_cache is None or all_logits or not self.prefills_together:
+        if self.prefix_cache is None or all_logits or not self.plain_cache:
             return None, 0
         entry, start = self.prefix_cache.lookup(self._prefix_key(self._active_adapter), prompt_ids)
         if entry is None:
@@ -111,7 +110,7 @@ class ModelRunner:
 
     def cached_prefix(self, prompt_ids: list[int], adapter: str | None) -> int:
         """How many of the prompt's tokens a prefill with this adapter would take from the prefix cache."""
-        if self.prefix_cache is None or not self.prefills_together:
+        if self.prefix_cache is None or not self.plain_cache:
             return 0
         return self.prefix_cache.lookup(self._prefix_key(adapter), prompt_ids, touch=False)[1]
 
@@ -122,50 +121,23 @@ class ModelRunner:
     def remember(self, prompt_ids: list[int], layers) -> None:
         """Keep a prefilled prompt in the prefix cache (when there is one): ``layers``, a cache's layers (or
         anything with per-layer ``keys`` and ``values``, row 0, the prompt's positions first)."""
-        if self.prefix_cache is not None and self.prefills_together:
+        if self.prefix_cache is not None and self.plain_cache:
             try:
                 self.prefix_cache.store(self._prefix_key(self._active_adapter), prompt_ids, layers)
             except torch.OutOfMemoryError:  # keeping it is optional: give the memory back instead
                 self.prefix_cache.clear()
 
-    def prefill_together(self, prompts: list[list[int]], all_logits: bool) -> tuple[list[torch.Tensor], list]:
-        """One forward over several prompts, left-padded to the longest, each row with its own positions and a
-        mask over its padding. Per prompt: its logits (L, V), or (1, V) for the last position only, and its
-        KV cache without the padding (see ``kv_cache.split_rows``)."""
-        from transformers import DynamicCache
-
-        longest = max(len(p) for p in prompts)
-        pads = [longest - len(p) for p in prompts]
-        ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=torch.long, device=self.input_device)
-        mask = torch.tensor(
-            [[0] * pad + [1] * len(p) for pad, p in zip(pads, prompts)], dtype=torch.long, device=self.input_device
-        )
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
-        logits = [out.logits[i, pad:] if all_logits else out.logits[i] for i, pad in enumerate(pads)]
-        caches = split_rows(cache, self.model.config, pads)
-        for prompt, row in zip(prompts, caches):
-            self.remember(prompt, row.layers)
-        return logits, caches
-
     @property
-    def prefills_together(self) -> bool:
-        """Whether prompts can share a prefill: the model's cache layers are plain (can be split by row)."""
-        if self._prefills_together is None:
+    def plain_cache(self) -> bool:
+        """Whether the model's cache layers are plain (no sliding windows, no static or recurrent state): its keys
+        and values can be kept in the slot store, and its prompts computed by the batch's flat steps."""
+        if self._plain_cache is None:
             from transformers import DynamicCache
 
             cache = DynamicCache(config=self.model.config)
             use_growing_layers(cache)
-            self._prefills_together = mergeable(cache)
-        return self._prefills_together
+            self._plain_cache = mergeable(cache)
+        return self._plain_cache
 
     def decode(
         self,

@@ -28,14 +28,14 @@ from app.engine.generate import (
     Event,
     RequestGroup,
     admit,
-    admit_together,
+    compute_chunks,
     decode_step,
     drop,
     drop_finished,
     new_batch,
 )
 from app.engine.output import RequestDecoder
-from app.engine.runner import ModelRunner
+from app.engine.runner import MIXED, ModelRunner
 
 log = logging.getLogger("saker.scheduler")
 
@@ -168,11 +168,11 @@ class Scheduler:
         self.max_batch_rows = max(1, max_batch_rows)
         self.max_batch_tokens = max_batch_tokens
         self.kv_cache_tokens = kv_cache_tokens  # the KV budget: rows x the longest row's reach stays within it
-        self.prefill_tokens = prefill_tokens  # padded prompt tokens one shared prefill may hold (0: alone)
-        # longer prompts are prefilled this many tokens per iteration (0: whole)
+        # prompt tokens one step computes, across the prompts being prefilled (the running rows' tokens count too)
+        self.prefill_tokens = prefill_tokens
+        # a prompt computes at most this many of its tokens per step (0: the whole prompt, budget allowing)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
-        self._reuse: dict[int, int] = {}  # id(group) -> prefix-cache tokens, for this iteration's decisions
         self.batch = new_batch(runner, kv_cache_tokens)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
@@ -269,22 +269,20 @@ class Scheduler:
         return min(1.0, held / self.kv_cache_tokens)
 
     def _iteration(self) -> None:
+        """One step: admit waiting requests (their prompts start prefilling), then one forward in which every
+        running row advances by a token and the prompts being prefilled by a chunk each, within the step's token
+        budget (``_plan``); the rows' numbers go to their tickets, prompts that are in join the batch."""
         taken = self._take_admissible()
-        self._reuse.clear()
         with torch.inference_mode():
-            i = 0
-            while i < len(taken):
+            for i, (group, ticket) in enumerate(taken):
                 if self.batch.groups and not self.batch.joinable:
                     with self._cond:  # this model's cache cannot be joined: one group at a time
                         self._pending.extendleft(reversed(taken[i:]))
                     break
-                if self._chunked(taken[i][0]):
-                    self._start_prefill(taken[i][0], taken[i : i + 1])
-                    i += 1
-                    continue
-                together = self._prefill_together(taken, i)
-                i += len(together)
-                self._admit(together)
+                if self._in_steps(group):
+                    self._start_prefill(group, [(group, ticket)])
+                else:
+                    self._admit([(group, ticket)])
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
                 self._forget(group).done(group)
@@ -293,15 +291,14 @@ class Scheduler:
                 for group in running:
                     if group not in self.batch.groups:
                         self._forget(group).done(group)
-            job = self._next_prefill()
-            if job is not None and not self._rides(job):
-                self._advance_alone(job)  # nothing runs, or the rows cannot share its forward
-                job = None
+            jobs, apart = self._plan()
+            for alone in apart:  # nothing runs, or the rows use another adapter
+                self._chunks_alone(alone)
             if not self.batch.groups:
                 return
             start = time.perf_counter()
             try:
-                results = self._decode_step(job)
+                results = self._decode_step(jobs)
             except BaseException as exc:
                 failed, self.batch = self.batch.groups, new_batch(self.runner, self.kv_cache_tokens)
                 _drop_frames(exc)
@@ -320,45 +317,9 @@ class Scheduler:
                 self._tickets[id(group)].put(group, events)
                 if not group.rows:
                     self._forget(group).done(group)
-            if job is not None and job.done == len(job.group.prompt_ids):
-                self._finish_prefill(job)
-
-    def _prefill_together(self, taken: list[tuple[RequestGroup, Ticket]], i: int) -> list[tuple[RequestGroup, Ticket]]:
-        """The groups from ``taken[i]`` on that share one prefill forward: same adapter, at most
-        ``prefill_tokens`` padded prompt tokens, at most a third of them padding. Just ``taken[i]`` otherwise."""
-        first = taken[i][0]
-        if self.prefill_tokens <= 0 or not self._shares_prefill(first):
-            return taken[i : i + 1]
-        together, longest, total = taken[i : i + 1], len(first.prompt_ids), len(first.prompt_ids)
-        scoring = first.needs_prompt_logits
-        for group, ticket in taken[i + 1 :]:
-            length = len(group.prompt_ids)
-            padded = (len(together) + 1) * max(longest, length)
-            scoring = scoring or group.needs_prompt_logits
-            # a forward that keeps every position's logits holds padded x vocabulary floats: no more than a
-            # prefill chunk's worth (the bound a long prompt's scoring has)
-            limit = (
-                min(self.prefill_tokens, self.prefill_chunk_tokens)
-                if scoring and self.prefill_chunk_tokens > 0
-                else self.prefill_tokens
-            )
-            if (
-                not self._shares_prefill(group)
-                or group.params.adapter != first.params.adapter
-                or padded > limit
-                or 2 * padded > 3 * (total + length)
-            ):
-                break
-            together.append((group, ticket))
-            longest, total = max(longest, length), total + length
-        return together
-
-    def _shares_prefill(self, group: RequestGroup) -> bool:
-        """A group whose prompt starts with a cached one prefills alone (only its new tokens); a long one in
-        chunks."""
-        if not group.prefills or not self.runner.prefills_together or self._chunked(group):
-            return False
-        return group.needs_prompt_logits or not self._cached(group)
+            for job, _ in jobs:
+                if job.remaining == 0 and job in self._prefilling:
+                    self._finish_prefill(job)
 
     def _register(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
         now = time.perf_counter()
@@ -366,26 +327,15 @@ class Scheduler:
             self._tickets[id(group)] = ticket
             group.timings.queue_s = now - group.submitted
 
-    def _chunked(self, group: RequestGroup) -> bool:
-        """Whether this group's prompt is long enough to be prefilled in chunks (beyond what the prefix
-        cache already holds)."""
-        if self.prefill_chunk_tokens <= 0 or not group.prefills or not self.runner.prefills_together:
-            return False
-        return len(group.prompt_ids) - self._cached(group) > self.prefill_chunk_tokens
-
-    def _cached(self, group: RequestGroup) -> int:
-        """Prompt tokens the prefix cache would give this group's prefill (looked up once per iteration)."""
-        if group.needs_prompt_logits:
-            return 0
-        key = id(group)
-        if key not in self._reuse:
-            self._reuse[key] = self.runner.cached_prefix(group.prompt_ids, group.params.adapter)
-        return self._reuse[key]
+    def _in_steps(self, group: RequestGroup) -> bool:
+        """Whether this group's prompt is computed by the batch's steps (in chunks, beside the running rows): a
+        prompt that needs a forward, of a model whose cache is kept in slots."""
+        return group.prefills and self.runner.plain_cache
 
     def _start_prefill(self, group: RequestGroup, taken: list[tuple[RequestGroup, Ticket]]) -> None:
-        """A long prompt: a slot reserved for it, its chunks computed by the coming steps."""
+        """A prompt to prefill: a slot reserved for it, its chunks computed by the coming steps."""
         self._register(taken)
-        job = ChunkedPrefill(group, self.prefill_chunk_tokens)
+        job = ChunkedPrefill(group, self.prefill_chunk_tokens or len(group.prompt_ids))
         try:
             with self.runner.adapter(group.params.adapter):
                 job.start(self.batch)
@@ -397,32 +347,56 @@ class Scheduler:
             return
         self._prefilling.append(job)
 
-    def _next_prefill(self) -> ChunkedPrefill | None:
-        """The oldest prompt being prefilled in chunks (those whose clients went away leave first: their slots
-        are free now)."""
+    def _plan(self) -> tuple[list[tuple[ChunkedPrefill, list[int]]], list[list[tuple[ChunkedPrefill, list[int]]]]]:
+        """This step's prompt chunks: the prompts being prefilled, oldest first, each at most a chunk, within the
+        step's token budget (the running rows' decode tokens count first). Those that use the running rows'
+        adapter ride in the decode step's forward; the others are computed before it, one forward per adapter
+        (one forward runs one adapter). Prompts whose clients went away leave first (their slots are free now)."""
         for job in [job for job in self._prefilling if job.group.cancelled]:
             self._prefilling.remove(job)
             job.abandon(self.batch)
             self._forget(job.group).done(job.group)
-        return self._prefilling[0] if self._prefilling else None
+        if not self._prefilling:
+            return [], []
+        by_adapter: dict[object, list[tuple[ChunkedPrefill, list[int]]]] = {}
+        if self.prefill_tokens <= 0:  # one prompt's chunk per step
+            oldest = self._prefilling[0]
+            by_adapter[oldest.group.params.adapter] = [(oldest, oldest.next_chunk(oldest.chunk))]
+        budget = self.prefill_tokens - self.batch.rows
+        for job in self._prefilling if self.prefill_tokens > 0 else ():
+            if budget <= 0 and by_adapter:
+                break
+            chunk = job.next_chunk(max(1, budget))  # the oldest prompt moves on even when the rows fill the budget
+            by_adapter.setdefault(job.group.params.adapter, []).append((job, chunk))
+            budget -= len(chunk)
+        riding = []
+        if self.batch.groups and (not self.runner.adapters or self.batch.adapter is not MIXED):
+            riding = by_adapter.pop(self.batch.adapter, [])
+        return riding, list(by_adapter.values())
 
-    def _rides(self, job: ChunkedPrefill) -> bool:
-        """Whether the job's next chunk can share the decode step's forward: rows run, and they use the job's
-        adapter (one flat forward runs one adapter)."""
-        if not self.batch.groups:
-            return False
-        return not self.runner.adapters or self.batch.adapter == job.group.params.adapter
-
-    def _advance_alone(self, job: ChunkedPrefill) -> None:
-        """The job's next chunk in a forward of its own; once the whole prompt is in, the group joins."""
+    def _chunks_alone(self, jobs: list[tuple[ChunkedPrefill, list[int]]]) -> None:
+        """Prompt chunks in a forward of their own; prompts that are in join the batch."""
         try:
-            with self.runner.adapter(job.group.params.adapter):
-                if not job.advance(self.batch):
-                    return
+            with self.runner.adapter(jobs[0][0].group.params.adapter):
+                compute_chunks(self.batch, jobs, with_rows=False)
         except BaseException as exc:
-            self._fail_prefill(job, exc)
+            if len(jobs) == 1:
+                self._fail_prefill(jobs[0][0], exc)
+                return
+            log.warning(
+                "prefill of %d prompts together failed (%s: %s); one at a time",
+                len(jobs),
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            _drop_frames(exc)
+            self._after_failure(exc)
+            for job in jobs:
+                self._chunks_alone([job])
             return
-        self._finish_prefill(job)
+        for job, _ in jobs:
+            if job.remaining == 0:
+                self._finish_prefill(job)
 
     def _finish_prefill(self, job: ChunkedPrefill) -> None:
         group = job.group
@@ -438,64 +412,44 @@ class Scheduler:
             self._forget(group).done(group)
 
     def _fail_prefill(self, job: ChunkedPrefill, exc: BaseException, removed: bool = False) -> None:
-        if not removed:
+        if not removed and job in self._prefilling:
             self._prefilling.remove(job)
         job.abandon(self.batch)
         _drop_frames(exc)
         self._after_failure(exc)
         self._forget(job.group).fail(job.group, exc)
 
-    def _admit(self, together: list[tuple[RequestGroup, Ticket]]) -> None:
-        """Prefill these groups (in one shared forward when there are several; one by one if that fails), hand
-        each its first events; a group that is already finished is done, a group whose prefill failed fails."""
-        self._register(together)
-        groups = [group for group, _ in together]
-        outcomes: list | None = None
-        if len(groups) > 1:
+    def _admit(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
+        """A group whose prompt is not computed by the steps: one that needs no forward (its events at once), or
+        one of a model whose cache is not kept in slots (prefilled alone into the padded batch). A group that is
+        already finished is done, one whose prefill failed fails."""
+        self._register(taken)
+        for group, ticket in taken:
             try:
-                with self.runner.adapter(groups[0].params.adapter):
-                    outcomes = admit_together(self.batch, groups)
+                with self.runner.adapter(group.params.adapter):
+                    events = admit(self.batch, group)
             except BaseException as exc:
-                log.warning(
-                    "prefill of %d prompts together failed (%s: %s); one at a time",
-                    len(groups),
-                    type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "",
-                )
                 _drop_frames(exc)
                 self._after_failure(exc)
-        if outcomes is None:
-            outcomes = []
-            for group in groups:
-                try:
-                    with self.runner.adapter(group.params.adapter):
-                        outcomes.append(admit(self.batch, group))
-                except BaseException as exc:
-                    _drop_frames(exc)
-                    outcomes.append(exc)
-        for (group, ticket), outcome in zip(together, outcomes):
-            if isinstance(outcome, BaseException):
-                self._after_failure(outcome)
-                self._forget(group).fail(group, outcome)
+                self._forget(group).fail(group, exc)
                 continue
-            ticket.put(group, outcome)
+            ticket.put(group, events)
             if group not in self.batch.groups:
                 self._forget(group).done(group)
 
-    def _decode_step(self, job: ChunkedPrefill | None = None) -> list[tuple[RequestGroup, list[Event]]]:
-        """One decode step (carrying ``job``'s next chunk). When the forward of several groups runs out of memory,
-        the prompt being prefilled fails first, then the newest group (its request gets the out-of-memory error),
-        and the step is retried for the others."""
+    def _decode_step(self, jobs: list[tuple[ChunkedPrefill, list[int]]]) -> list[tuple[RequestGroup, list[Event]]]:
+        """One decode step (carrying ``jobs``' chunks). When the forward runs out of memory, the newest prompt
+        being prefilled fails first, then the newest group (its request gets the out-of-memory error), and the
+        step is retried for the others."""
         while True:
             try:
                 with self.runner.adapter(self.batch.adapter):
-                    return decode_step(self.batch, job)
+                    return decode_step(self.batch, jobs)
             except BatchOutOfMemory as oom:
-                if job is not None:
+                if jobs:
                     error = oom.error
                     del oom
-                    self._fail_prefill(job, error)
-                    job = None
+                    self._fail_prefill(jobs.pop()[0], error)
                     continue
                 newest = self.batch.groups[-1]
                 drop(self.batch, newest)

@@ -79,7 +79,7 @@ class Worker:
         self._loader = loader
         self.max_batch_rows = max_batch_rows  # candidate rows in the scheduler's decode batch
         self.max_batch_tokens = max_batch_tokens
-        self.prefill_batch_tokens = prefill_batch_tokens  # padded prompt tokens of a shared prefill (0: off)
+        self.prefill_batch_tokens = prefill_batch_tokens  # prompt tokens one step computes (0: one prompt's chunk)
         self.prefix_cache_tokens = prefix_cache_tokens  # prompt tokens whose KV is kept for reuse (0: off)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # longer prompts are prefilled in chunks (0: off)
         self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)

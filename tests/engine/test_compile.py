@@ -112,7 +112,9 @@ def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(worke
                 assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=TOL)
     assert compiled.scheduler.max_rows_seen == 2
     views = calls.pop("views")
-    assert calls == {1: calls[1], 2: calls[2]} and calls[1] and calls[2]  # both buckets ran, compiled
+    # decode-only steps ran compiled, in the buckets of the rows they had (a step that carries a prompt's chunk
+    # runs the eager flat step instead)
+    assert set(calls) <= {1, 2} and calls.get(2)
     # short requests attend over the smallest window, not the whole slot capacity
     assert {view for view, _ in views} == {256} and all(capacity > 256 for _, capacity in views)
 

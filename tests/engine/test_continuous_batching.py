@@ -334,23 +334,24 @@ def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, ref
 
 @pytest.fixture()
 def shared_prefill(batch_worker, monkeypatch):
-    """The batch worker with shared prefills on (4096 padded tokens); records each shared prefill's prompts."""
+    """The batch worker with a step budget of 4096 prompt tokens; records the prompt chunks of each flat step."""
     worker, path = batch_worker
     calls = []
-    real = worker.runner.prefill_together
+    real = worker.runner.flat_step
 
-    def recording(prompts, all_logits):
-        calls.append([len(p) for p in prompts])
-        return real(prompts, all_logits)
+    def recording(tokens, flat, logits_at):
+        calls.append([count for _, _, count in flat.chunks])
+        return real(tokens, flat, logits_at)
 
-    monkeypatch.setattr(worker.runner, "prefill_together", recording)
+    monkeypatch.setattr(worker.runner, "flat_step", recording)
     monkeypatch.setattr(worker.scheduler, "prefill_tokens", 4096)
     return worker, path, calls
 
 
 def test_prompts_prefilled_together_match_alone(shared_prefill, reference):
-    """Prompts of different lengths and settings admitted together share one left-padded prefill; each
-    request's text, logprobs (echoed prompt included) and seeded samples are those it gets alone."""
+    """Prompts of different lengths and settings admitted together are computed in one flat forward (no
+    padding: each attends over its own slot); each request's text, logprobs (echoed prompt included) and seeded
+    samples are those it gets alone."""
     worker, path, calls = shared_prefill
     _, tok = reference(path)
     requests = [
@@ -373,24 +374,26 @@ def test_prompts_prefilled_together_match_alone(shared_prefill, reference):
     assert len(set(lengths)) > 1, lengths
     results = batched(worker, requests)
     assert calls and max(len(c) for c in calls) >= 3, calls
-    assert sum(len(c) for c in calls) <= len(requests)
+    assert sum(len(c) for c in calls) == len(requests)  # each prompt in one chunk, once
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
 
 
-def test_shared_prefill_chunks_bound_padding(shared_prefill, reference):
-    """A prompt much longer than the others does not share their prefill (at most a third padding)."""
+def test_the_step_budget_bounds_the_prompt_tokens_of_a_forward(shared_prefill, reference, monkeypatch):
+    """With a budget of 12 tokens per step, prompts admitted together are spread over steps (one is cut
+    between two), and each still answers as alone."""
     worker, path, calls = shared_prefill
+    monkeypatch.setattr(worker.scheduler, "prefill_tokens", 12)
+    monkeypatch.setattr(worker.scheduler, "prefill_chunk_tokens", 12)
     _, tok = reference(path)
     text = tok(
         "Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the "
         "office? Answer: east east"
     ).input_ids
-    short = [text[:6], text[3:9], text[5:10]]
-    longer = text[:30]
-    requests = [(ids, SamplingParams(max_tokens=3, temperature=0.0)) for ids in short + [longer]]
+    requests = [(ids, SamplingParams(max_tokens=3, temperature=0.0)) for ids in (text[:6], text[3:9], text[5:10])]
     results = batched(worker, requests)
-    assert calls == [[6, 6, 5]]  # the 30-token prompt is prefilled alone
+    assert calls[0] == [6, 6] and all(sum(c) <= 12 for c in calls), calls
+    assert sum(sum(c) for c in calls) == 6 + 6 + 5
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
 
@@ -400,25 +403,28 @@ def test_failed_shared_prefill_falls_back_to_one_at_a_time(shared_prefill, refer
 
     worker, path, calls = shared_prefill
     _, tok = reference(path)
+    real = worker.runner.flat_step
 
-    def out_of_memory(prompts, all_logits):
-        calls.append([len(p) for p in prompts])
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
+    def out_of_memory(tokens, flat, logits_at):  # the fixture's recorder records the forwards that run
+        if len(flat.chunks) > 1:
+            calls.append([count for _, _, count in flat.chunks])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
+        return real(tokens, flat, logits_at)
 
-    monkeypatch.setattr(worker.runner, "prefill_together", out_of_memory)
+    monkeypatch.setattr(worker.runner, "flat_step", out_of_memory)
     text = tok("Once upon a time there was a garden north of the office").input_ids
     requests = [
         (ids, SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)) for ids in (text[:6], text[2:8], text[4:9])
     ]
     results = batched(worker, requests)
-    assert calls == [[6, 6, 5]]
+    assert calls[:4] == [[6, 6, 5], [6], [6], [5]]
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
 
 
-def test_shared_prefill_padding_is_cut_from_a_request_decoding_alone(shared_prefill, reference):
-    """The shorter prompt of a shared prefill decodes alone (the other only scores its prompt): its cache must
-    hold none of the padding, as there is no mask then."""
+def test_a_prompt_scored_beside_another_leaves_nothing_in_its_slot(shared_prefill, reference):
+    """The shorter prompt decodes alone after the other only scored its prompt in the same forward: its slot
+    holds its own positions only."""
     worker, path, calls = shared_prefill
     _, tok = reference(path)
     text = tok("Once upon a time there was a garden north of the office").input_ids
@@ -427,7 +433,7 @@ def test_shared_prefill_padding_is_cut_from_a_request_decoding_alone(shared_pref
         (text[:8], SamplingParams(max_tokens=0, echo=True, logprobs=2)),
     ]
     results = batched(worker, requests)
-    assert calls == [[6, 8]]
+    assert calls[0] == [6, 8]
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
 
@@ -514,7 +520,7 @@ def chunked(batch_worker, monkeypatch):
     def flat_step(tokens, flat, logits_at):  # a chunk, and the running rows' decode tokens when they ride along
         if flat.rows:
             calls.append(("decode", flat.rows))
-        calls.append(("chunk", flat.chunk))
+        calls.extend(("chunk", count) for _, _, count in flat.chunks)
         return real_flat(tokens, flat, logits_at)
 
     def decode(*args, **kwargs):
@@ -604,7 +610,7 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
 
     def gated(tokens, flat, logits_at):  # hold the scheduler after the doomed prompt's first chunk
         out = logged_flat(tokens, flat, logits_at)
-        if flat.chunk == 5 and not started.is_set():
+        if any(count == 5 for _, _, count in flat.chunks) and not started.is_set():
             started.set()
             go.wait(10)
         return out
@@ -630,7 +636,7 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
 
 
 def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, reference, monkeypatch):
-    """Behind another long prompt, a cancelled one is dropped at the next iteration, not when its turn comes."""
+    """Beside another long prompt, a cancelled one is dropped at the next step, before its prompt is in."""
     import threading
 
     worker, path, calls = chunked
@@ -640,12 +646,14 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
     release = [threading.Event(), threading.Event()]
     logged_flat = worker.runner.flat_step
 
+    steps = []
+
     def gated(tokens, flat, logits_at):
         out = logged_flat(tokens, flat, logits_at)
-        n = sum(1 for kind, _ in calls if kind == "chunk")
-        if n <= 2:
-            held[n - 1].set()
-            release[n - 1].wait(10)
+        steps.append(len(flat.chunks))
+        if len(steps) <= 2:
+            held[len(steps) - 1].set()
+            release[len(steps) - 1].wait(10)
         return out
 
     monkeypatch.setattr(worker.runner, "flat_step", gated)
@@ -653,7 +661,7 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
     real_forget = worker.scheduler._forget
 
     def forget(group):
-        forgotten_at[id(group)] = sum(1 for kind, _ in calls if kind == "chunk")
+        forgotten_at[id(group)] = len(steps)
         return real_forget(group)
 
     monkeypatch.setattr(worker.scheduler, "_forget", forget)
@@ -664,12 +672,12 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
     doomed = RequestGroup(worker.runner, second_prompt, params, max_length=256)
     second = worker.scheduler.submit([doomed])
     release[0].set()
-    assert held[1].wait(10)  # second chunk: the second prompt now waits for its turn
-    assert any(job.group is doomed for job in worker.scheduler._prefilling)
+    assert held[1].wait(10)  # the second step: both prompts' chunks
+    assert steps == [1, 2] and any(job.group is doomed for job in worker.scheduler._prefilling)
     second.cancel()
     release[1].set()
     assert list(second) == []
-    assert forgotten_at[id(doomed)] == 2  # dropped before the first one's third chunk
+    assert forgotten_at[id(doomed)] == 2  # dropped before the third step
     events = [event for _, event in first]
     same(collect(events, params), alone(worker, first_prompt, params))
     assert not worker.scheduler._prefilling

@@ -38,7 +38,7 @@ def worker(mistral_dir):
 
 
 def test_sliding_window_model_uses_the_padded_batch(worker):
-    assert not worker.runner.prefills_together
+    assert not worker.runner.plain_cache
     assert isinstance(worker.scheduler.batch, PaddedBatch)
 
 

@@ -103,7 +103,7 @@ def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, refe
     real = worker.runner.flat_step
 
     def flat_step(tokens, flat, logits_at):
-        mixed.append(flat.rows > 0 and flat.chunk > 0)
+        mixed.append(flat.rows > 0 and bool(flat.chunks))
         return real(tokens, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", flat_step)
