@@ -148,7 +148,7 @@ def test_out_of_memory_mid_stream_is_an_error_frame_then_done(llama_app, monkeyp
 def test_out_of_memory_before_the_first_token_of_a_stream_is_a_plain_503(llama_app, monkeypatch, cuda_cache):
     client = llama_app.test_client()
     worker = llama_app.extensions["saker.service"].worker
-    inject_oom(monkeypatch, worker.runner, "prefill", on_call=1)
+    inject_oom(monkeypatch, worker.runner, "flat_step", on_call=1)  # the prompt's forward
     resp = client.post(URL, json={"model": "tiny-llama", "prompt": "Hi", "max_tokens": 4, "stream": True})
     error_of(resp, 503, "out_of_memory")
     monkeypatch.undo()

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.engine.attention import TILE, attention
+from app.engine.attention import TILE
+from app.engine.attention import exact_attention as attention
 
 MODULE = types.SimpleNamespace(is_causal=True)
 
