@@ -72,9 +72,23 @@ def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
         except ClientGone as exc:
             outcome["error"] = exc
 
+    waiting = threading.Event()
+
+    class Events:  # the ticket's queue, telling when the reader waits on it
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get(self, *args, **kwargs):
+            waiting.set()
+            return self.inner.get(*args, **kwargs)
+
+        def put(self, item):
+            self.inner.put(item)
+
+    ticket._events = Events(ticket._events)
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    time.sleep(0.2)  # the reader is waiting for events
+    assert waiting.wait(10)  # the reader is waiting for events (no clock: told by the queue)
     assert reader.is_alive()
     there[0] = False
     woken["callback"]()
