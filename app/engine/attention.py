@@ -30,17 +30,7 @@ NAME = "saker"
 TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head is 16 MB
 
 
-def exact_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def exact_attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **_) -> tuple:
     """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype, computed in
     float64. ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the last query sees every
     key (or no mask at all with ``is_causal`` False)."""
