@@ -207,20 +207,23 @@ class Settings(BaseSettings):
         "machine's memory on the CPU.",
     )
     prefill_batch_tokens: int = Field(
-        4096,
+        512,
         ge=0,
         description="Most prompt tokens one scheduler step computes, across "
         "the prompts being prefilled (the running rows' decode tokens count against "
         "it): prompts admitted together share one flat forward with the running "
-        "rows. 0 = one prompt's chunk per step.",
+        "rows; it also bounds how long a step (and so an abort) can take. 0 = one "
+        "prompt's chunk per step.",
     )
     prefill_chunk_tokens: int = Field(
-        512,
+        64,
         ge=0,
-        description="Most tokens of one prompt a scheduler step computes: a "
-        "longer prompt (beyond what the prefix cache holds) is prefilled over several "
-        "steps, each chunk in the same forward as the running rows' decode tokens. "
-        "0 = whole prompts (within prefill_batch_tokens).",
+        description="Most tokens of one prompt a scheduler step computes while "
+        "other rows decode (a step with a chunk is their inter-token gap): a longer "
+        "prompt is prefilled over several steps, each chunk in the same forward as "
+        "the running rows' decode tokens. With no row decoding a prompt takes up to "
+        "prefill_batch_tokens a step; a prompt scored with echo/prompt_logprobs keeps "
+        "to its chunks. 0 = whole prompts (within prefill_batch_tokens).",
     )
     prefix_cache_tokens: int = Field(
         4096,

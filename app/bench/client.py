@@ -31,6 +31,7 @@ class Reply:
     finish_reason: str | None = None  # the first choice's (non-streamed answers)
     cached_tokens: int | None = None  # prompt tokens the server says it took from its prefix cache, if it says
     index: tuple[int, int] | None = None  # closed_loop: (client, request of that client)
+    frame_times: list[float] | None = None  # streaming: when each frame that carries a token arrived
 
 
 class HTTPError(RuntimeError):
@@ -142,6 +143,7 @@ class Client:
         the first frame that carries a token stops the TTFT clock."""
         ttft = None
         frames = 0
+        times: list[float] = []
         text = []
         usage = timing = None
         for obj in iter_json(resp):
@@ -150,8 +152,9 @@ class Client:
             for choice in obj.get("choices") or []:
                 lp = choice.get("logprobs") or {}
                 if choice.get("text") or choice.get("finish_reason") or lp.get("tokens"):
+                    times.append(time.perf_counter())
                     if ttft is None:
-                        ttft = time.perf_counter() - start
+                        ttft = times[-1] - start
                     frames += 1
                     text.append(choice.get("text") or "")
             if obj.get("usage"):
@@ -171,6 +174,7 @@ class Client:
             cached_tokens=cached_tokens(usage, timing),
             start=start,
             end=end,
+            frame_times=times,
         )
 
 

@@ -24,6 +24,7 @@ GOALS = {
     "K 1 client": ("<=", 1.0),  # saker's decode ms/token / llama.cpp's
     "K 8 clients": (">=", 1.5),  # saker's tokens/s / llama.cpp's
     "K 32 clients": (">=", 1.5),
+    "M": ("<=", 3.0),  # the decoding streams' inter-token latency p99 / p50 while long prompts arrive
 }
 
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
@@ -81,6 +82,10 @@ class Plan:
     k_rounds: int = 3  # K: measured rounds per level and server (the median counts)
     k_single_requests: int = 4  # K: requests of the 1-client loop per round
     k_per_client: int = 2  # K: requests per client per round beyond 1 client
+    m_clients: int = 16  # M: streams decoding while the long prompts arrive
+    m_tokens: int = 256  # M: greedy tokens per stream (ignore_eos)
+    m_long: int = 2048  # M: tokens of each long prompt
+    m_every: float = 4.0  # M: seconds between two long prompts
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
@@ -132,6 +137,10 @@ class Plan:
             k_rounds=1,
             k_single_requests=2,
             k_per_client=1,
+            m_clients=4,
+            m_tokens=64,
+            m_long=384,
+            m_every=1.0,
             a_budget=0.0,
             t_budget=0.0,
             b_budget=0.0,

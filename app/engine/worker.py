@@ -70,9 +70,9 @@ class Worker:
         max_running_requests: int | None = None,
         max_batch_tokens: int | None = None,
         compile: bool | None = False,
-        prefill_batch_tokens: int = 4096,
+        prefill_batch_tokens: int = 512,
         prefix_cache_tokens: int = 4096,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int = 64,
         kv_cache_tokens: int | None = None,
     ):
         self.names = names
@@ -81,7 +81,7 @@ class Worker:
         self.max_batch_tokens = max_batch_tokens
         self.prefill_batch_tokens = prefill_batch_tokens  # prompt tokens one step computes (0: one prompt's chunk)
         self.prefix_cache_tokens = prefix_cache_tokens  # prompt tokens whose KV is kept for reuse (0: off)
-        self.prefill_chunk_tokens = prefill_chunk_tokens  # longer prompts are prefilled in chunks (0: off)
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # a prompt's tokens per step while rows decode (0: all)
         self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)
         self.compile = compile  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
         self.scheduler: Scheduler | None = None

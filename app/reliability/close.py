@@ -16,6 +16,7 @@ from typing import Any
 
 from app.reliability.base import RunBase, rounded
 from app.reliability.wire import build, complete, hard_close, metrics, post_json, sample
+from app.settings import Settings
 
 
 class CloseSection(RunBase):
@@ -24,7 +25,9 @@ class CloseSection(RunBase):
     def step_times(self) -> dict:
         rng = random.Random(7)
         chunk = int(
-            self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS") or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS") or 512
+            self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS")
+            or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS")
+            or Settings.model_fields["prefill_chunk_tokens"].default
         )
         chunk = max(16, min(chunk, self.context - 8))
         decode, prefill = [], []

@@ -13,6 +13,7 @@ import time
 from app.reliability.base import RunBase
 from app.reliability.server import Server
 from app.reliability.wire import metrics, post_json, sample
+from app.settings import Settings
 
 
 class MemorySection(RunBase):
@@ -79,7 +80,9 @@ class MemorySection(RunBase):
         per_token, dtype_bytes = self.kv_bytes_per_token()
         budget_tokens = int(sample(metrics(server.port), "saker_kv_cache_budget_tokens"))
         chunk = int(
-            self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS") or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS") or 512
+            self.server_env.get("SAKER_PREFILL_CHUNK_TOKENS")
+            or os.environ.get("SAKER_PREFILL_CHUNK_TOKENS")
+            or Settings.model_fields["prefill_chunk_tokens"].default
         )
         weights = sum(
             p.stat().st_size for p in self.model_dir.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()
@@ -88,7 +91,6 @@ class MemorySection(RunBase):
         budget_bytes = budget_tokens * per_token
         # the prefix cache keeps recent prompts' KV under its own budget (SAKER_PREFIX_CACHE_TOKENS), apart from
         # the running batch's
-        from app.settings import Settings
 
         prefix_tokens = int(
             self.server_env.get("SAKER_PREFIX_CACHE_TOKENS")

@@ -27,11 +27,31 @@ def parts_of(only=None, gpu=False):
 
 
 def test_parts_include_s():
-    assert "S" in parts_of() and parts_of()[-1] == "S"
-    assert parts_of(gpu=True)[-2:] == ("S", "D")
+    assert "S" in parts_of() and parts_of()[-2:] == ("S", "M")
+    assert parts_of(gpu=True)[-3:] == ("S", "M", "D")
     assert parts_of("s, a") == ("A", "S")
     with pytest.raises(SystemExit):
         parts_of("S,X")
+
+
+def test_part_m_reads_its_goal_from_the_gaps():
+    from app.bench.parts import m
+
+    full, quick = plan.Plan(), plan.Plan.quick()
+    assert (full.m_clients, full.m_tokens, full.m_long) == (16, 256, 2048) and quick.m_long < full.m_long
+    assert plan.GOALS["M"] == ("<=", 3.0)
+    result = {
+        "streams": 16,
+        "long_prompt_tokens": 2048,
+        "itl_ms": {"p50": 50.0, "p99": 400.0, "n": 100},
+        "itl_p99_over_p50": 8.0,
+        "long_ttft_s": {"p50": 6.5, "p99": 7.0, "n": 3},
+        "goal": {"op": "<=", "value": 3.0},
+        "met": plan.check_goal("M", 8.0),
+    }
+    [itl, ttft] = m.rows(result)
+    assert itl[2] == "8" and itl[4] == "<= 3: NOT met" and ttft[2] == "6.5"
+    assert plan.check_goal("M", 2.5) is True
 
 
 def test_plan_s_full_and_quick():

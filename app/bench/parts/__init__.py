@@ -51,6 +51,11 @@ PARTS = (
         with_url=False,
     ),
     Part("S", "structured outputs on SmolLM2: JSON-schema chat requests / the same free; grammar compile costs"),
+    Part(
+        "M",
+        "mixed arrivals on SmolLM2 as served: streams' inter-token latency p99 / p50 while long prompts arrive, "
+        "and those prompts' time to first token",
+    ),
     Part("D", "1B-class Llama in bf16 on a GPU: decode ms/token / the bandwidth floor", gpu=True, with_url=False),
 )
 BY_LETTER = {part.letter: part for part in PARTS}
