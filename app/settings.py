@@ -218,12 +218,10 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(
         64,
         ge=0,
-        description="Most tokens of one prompt a scheduler step computes while "
-        "other rows decode (a step with a chunk is their inter-token gap): a longer "
-        "prompt is prefilled over several steps, each chunk in the same forward as "
-        "the running rows' decode tokens. With no row decoding a prompt takes up to "
-        "prefill_batch_tokens a step; a prompt scored with echo/prompt_logprobs keeps "
-        "to its chunks. 0 = whole prompts (within prefill_batch_tokens).",
+        description="Most tokens of one prompt a scheduler step computes (a step "
+        "with a chunk is the decoding rows' inter-token gap): a longer prompt is "
+        "prefilled over several steps, each chunk in the same forward as the running "
+        "rows' decode tokens. 0 = whole prompts (within prefill_batch_tokens).",
     )
     prefix_cache_tokens: int = Field(
         4096,

@@ -265,9 +265,9 @@ class ChunkedPrefill:
     def remaining(self) -> int:
         return len(self.group.prompt_ids) - self.done
 
-    def next_chunk(self, budget: int, capped: bool = True) -> list[int]:
-        """The next tokens to compute: no more than ``budget``, and (``capped``) at most a chunk."""
-        return self.group.prompt_ids[self.done : self.done + (min(self.chunk, budget) if capped else budget)]
+    def next_chunk(self, budget: int) -> list[int]:
+        """The next tokens to compute: at most a chunk, and no more than ``budget``."""
+        return self.group.prompt_ids[self.done : self.done + min(self.chunk, budget)]
 
     def logits_wanted(self, count: int) -> str:
         """Which of the next chunk's logits a step computes: every position's (prompt scoring), the last one

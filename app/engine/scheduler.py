@@ -349,11 +349,10 @@ class Scheduler:
 
     def _plan(self) -> tuple[list[tuple[ChunkedPrefill, list[int]]], list[list[tuple[ChunkedPrefill, list[int]]]]]:
         """This step's prompt chunks: the prompts being prefilled, oldest first, within the step's token budget (the
-        running rows' decode tokens count first), each at most a chunk while rows decode (a step with a chunk is
-        a decoding stream's inter-token gap; with no row running a prompt may take the whole budget). Those that
-        use the running rows' adapter ride in the decode step's forward; the others are computed before it, one
-        forward per adapter (one forward runs one adapter). Prompts whose clients went away leave first (their
-        slots are free now)."""
+        running rows' decode tokens count first), each at most a chunk (a step with a chunk is a decoding stream's
+        inter-token gap). Those that use the running rows' adapter ride in the decode step's forward; the others
+        are computed before it, one forward per adapter (one forward runs one adapter). Prompts whose clients went
+        away leave first (their slots are free now)."""
         for job in [job for job in self._prefilling if job.group.cancelled]:
             self._prefilling.remove(job)
             job.abandon(self.batch)
@@ -365,13 +364,10 @@ class Scheduler:
             oldest = self._prefilling[0]
             by_adapter[oldest.group.params.adapter] = [(oldest, oldest.next_chunk(oldest.chunk))]
         budget = self.prefill_tokens - self.batch.rows
-        idle = not self.batch.groups  # no stream waits on this step: a prompt may take the whole budget
         for job in self._prefilling if self.prefill_tokens > 0 else ():
             if budget <= 0 and by_adapter:
                 break
-            # the oldest prompt moves on even when the rows fill the budget; a scored prompt keeps to its chunk
-            # (its logits are held a chunk at a time)
-            chunk = job.next_chunk(max(1, budget), capped=not idle or job.group.needs_prompt_logits)
+            chunk = job.next_chunk(max(1, budget))  # the oldest prompt moves on even when the rows fill the budget
             by_adapter.setdefault(job.group.params.adapter, []).append((job, chunk))
             budget -= len(chunk)
         riding = []
