@@ -95,10 +95,10 @@ class SlotBatch(BatchBase):
         return max([*self.lengths_host, *self.reserved.values()], default=0) + 1
 
     def reserve(self, prompt: list[int], cached: list | None = None) -> int:
-        """A slot for a prompt prefilled in chunks by the batch's steps (``step``), with room for the whole prompt
-        and its first token; ``cached``: per layer (keys, values) of its first positions (the prefix cache's),
-        written into the slot now. Until the prompt's rows join, steps without a chunk leave the slot's prompt
-        alone (they write at its length, a position no chunk writes)."""
+        """A slot for a prompt prefilled in chunks by the batch's steps (``forward_with_chunks``), with room for the
+        whole prompt and its first token; ``cached``: per layer (keys, values) of its first positions (the prefix
+        cache's), written into the slot now. Until the prompt's rows join, steps without a chunk leave the slot's
+        prompt alone (they write at its length, a position no chunk writes)."""
         if self._like is None:
             self._like = self.runner.probe_cache()
         [slot] = self.store.allocate(1)
