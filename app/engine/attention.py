@@ -121,6 +121,7 @@ class FlatStep:
     rows: int
     view: int
     chunks: tuple[tuple[int, int, int], ...] = ()
+    row_mask: torch.Tensor | None = None  # (rows, 1, 1, view): what each decode row sees (built once per step)
 
 
 def flat_attention(module, query, key, value, flat: FlatStep, scaling):
@@ -135,9 +136,10 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling):
         slots, positions = flat.slots[:rows], flat.positions[:rows]
         q = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
         keys, values = layer.keys[slots, :, : flat.view], layer.values[slots, :, : flat.view]
-        mask = (torch.arange(flat.view, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(
-            rows, 1, 1, flat.view
-        )
+        mask = flat.row_mask
+        if mask is None:
+            mask = torch.arange(flat.view, device=positions.device).view(1, -1) <= positions.view(-1, 1)
+            mask = flat.row_mask = mask.view(rows, 1, 1, flat.view)
         parts.append(inner(module, q, keys, values, mask, scaling=scaling)[0].view(1, rows, query.shape[1], -1))
     offset = rows
     for slot, start, count in flat.chunks:  # a few per step: the prompts being prefilled
