@@ -240,9 +240,10 @@ def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
 
 
 class ChunkedPrefill:
-    """A long prompt prefilled ``chunk`` tokens at a time into a slot the batch reserves for it (``start``). Each
-    chunk is computed inside one of the batch's steps: beside the running rows' decode tokens in one flat forward
-    (``decode_step(batch, job)``), or alone when nothing runs or the rows cannot share its forward (``advance``).
+    """A prompt prefilled at most ``chunk`` tokens at a time into a slot the batch reserves for it (``start``).
+    Each chunk is computed inside one of the batch's steps (``compute_chunks``): beside the running rows' decode
+    tokens in one flat forward (``decode_step(batch, jobs)``), or alone when nothing runs or the rows use another
+    adapter.
     The running rows never wait for a prefill forward of its own. Prompt logprobs are taken chunk by chunk, so
     no more than a chunk's logits are held. Once the whole prompt is in, ``finish`` samples the first tokens and
     the group joins the batch in that slot."""

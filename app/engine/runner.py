@@ -108,12 +108,6 @@ class ModelRunner:
             input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
         ).logits
 
-    def cached_prefix(self, prompt_ids: list[int], adapter: str | None) -> int:
-        """How many of the prompt's tokens a prefill with this adapter would take from the prefix cache."""
-        if self.prefix_cache is None or not self.plain_cache:
-            return 0
-        return self.prefix_cache.lookup(self._prefix_key(adapter), prompt_ids, touch=False)[1]
-
     def _prefix_key(self, adapter: object) -> object:
         """Kept prompts are per PEFT adapter (None: the base model); without adapters there is one key."""
         return adapter if self.adapters else ""

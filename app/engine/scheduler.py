@@ -360,12 +360,10 @@ class Scheduler:
         if not self._prefilling:
             return [], []
         by_adapter: dict[object, list[tuple[ChunkedPrefill, list[int]]]] = {}
-        if self.prefill_tokens <= 0:  # one prompt's chunk per step
-            oldest = self._prefilling[0]
-            by_adapter[oldest.group.params.adapter] = [(oldest, oldest.next_chunk(oldest.chunk))]
-        budget = self.prefill_tokens - self.batch.rows
-        for job in self._prefilling if self.prefill_tokens > 0 else ():
-            if budget <= 0 and by_adapter:
+        one = self.prefill_tokens <= 0  # one prompt's chunk per step
+        budget = self._prefilling[0].chunk if one else self.prefill_tokens - self.batch.rows
+        for job in self._prefilling:
+            if by_adapter and (one or budget <= 0):
                 break
             chunk = job.next_chunk(max(1, budget))  # the oldest prompt moves on even when the rows fill the budget
             by_adapter.setdefault(job.group.params.adapter, []).append((job, chunk))
