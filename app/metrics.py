@@ -69,13 +69,13 @@ class _AdmissionCounters:
 
 
 class _PrefixCacheCounters:
-    """The prefix cache's own counts (app/engine/prefix_cache.py), once the model is loaded with one."""
+    """The prefix cache's own counts (app/engine/blocks.py), once the model is loaded with one."""
 
     def __init__(self, metrics: "Metrics"):
         self.metrics = metrics
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        cache = getattr(getattr(self.metrics.worker, "runner", None), "prefix_cache", None)
+        cache = getattr(self.metrics.worker, "prefix_cache", None)
         if cache is None:
             return
         yield CounterMetricFamily(
@@ -87,7 +87,7 @@ class _PrefixCacheCounters:
             value=cache.reused_tokens,
         )
         yield GaugeMetricFamily(
-            "saker_prefix_cache_tokens", "Prompt tokens whose KV the prefix cache holds now", value=cache.tokens
+            "saker_prefix_cache_tokens", "Prompt tokens whose KV the prefix cache holds now", value=cache.cached_tokens
         )
 
 
@@ -119,7 +119,7 @@ class _VllmAliases:
         )
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (saker_kv_cache_usage)", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0-1 (vLLM's older name)", usage)
-        cache = getattr(getattr(worker, "runner", None), "prefix_cache", None)
+        cache = getattr(worker, "prefix_cache", None)
         if cache is not None:
             for name, doc, value in (
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.queried_tokens),

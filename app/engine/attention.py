@@ -88,7 +88,7 @@ def attention(
     flat: "FlatStep | None" = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The function registered as ``NAME``: a flat step's attention over the slot store when the forward carries
+    """The function registered as ``NAME``: a flat step's attention over the block pool when the forward carries
     one (``flat``), otherwise the model's own attention: float64 (``exact_attention``) for a model that rounds
     its activations, SDPA for the others. Models whose attention needs more than a mask (soft-capping, attention
     sinks, dropout) keep SDPA's path."""
@@ -108,45 +108,52 @@ def attention(
 
 @dataclass
 class FlatStep:
-    """One step's tokens as one flat sequence (the forward's batch is 1): first ``rows`` decode tokens, one per
-    running row, each in its own slot of ``store`` at its own position; then the chunks of prompts being
-    prefilled, each ``(slot, start, count)``: ``count`` tokens of the prompt in ``slot`` from position ``start``
-    on. Every token's key and value are written at (``slots[t]``, ``positions[t]``); a decode row attends to its
-    slot's positions up to its own within the first ``view`` positions, a chunk causally to its slot's first
-    ``start + count``."""
+    """One step's tokens over the block pool (``kv_cache.KVPool``): first ``rows`` decode tokens, one per running
+    sequence, then the chunks of prompts being prefilled. Every token's key and value are written at its pool slot
+    (``write``); decode row ``i`` attends over the slots ``gather[i]`` (its positions, in order, padded with the
+    null block) where ``row_mask[i]`` is set; a chunk ``(slots, count)`` is the last ``count`` of its sequence's
+    positions, attending causally over ``slots`` (the sequence's first ``start + count`` positions).
 
-    store: object  # kv_cache.SlotStore
-    slots: torch.Tensor  # (T,) long
-    positions: torch.Tensor  # (T,) long
+    ``batched``: a decode-only step feeds its rows as the forward's batch (one token each: query (rows, H, 1, D),
+    what peft's per-row adapters and a compiled step want); otherwise the step is one flat sequence (batch 1)."""
+
+    keys: list  # the pool's, per layer (slots, kv heads, head dim)
+    values: list
+    write: torch.Tensor  # (T,) long
     rows: int
-    view: int
-    chunks: tuple[tuple[int, int, int], ...] = ()
-    row_mask: torch.Tensor | None = None  # (rows, 1, 1, view): what each decode row sees (built once per step)
+    gather: torch.Tensor | None = None  # (rows, W) long
+    row_mask: torch.Tensor | None = None  # (rows, 1, 1, W) bool
+    chunks: tuple[tuple[torch.Tensor, int], ...] = ()
+    batched: bool = False
 
 
 def flat_attention(module, query, key, value, flat: FlatStep, scaling):
-    """query (1, Hq, T, D), key and value (1, Hkv, T, D) of a flat step -> (1, T, Hq, D)."""
-    layer = flat.store.layers[module.layer_idx]
-    layer.keys[flat.slots, :, flat.positions] = key[0].transpose(0, 1).to(layer.keys.dtype)
-    layer.values[flat.slots, :, flat.positions] = value[0].transpose(0, 1).to(layer.values.dtype)
+    """query (1, Hq, T, D), key and value (1, Hkv, T, D) of a flat step (batched: (rows, H, 1, D)) -> (1, T, Hq, D)
+    (batched: (rows, 1, Hq, D))."""
+    keys, values = flat.keys[module.layer_idx], flat.values[module.layer_idx]
+    if flat.batched:
+        new_keys, new_values = key[:, :, 0], value[:, :, 0]
+    else:
+        new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    keys[flat.write] = new_keys.to(keys.dtype)
+    values[flat.write] = new_values.to(values.dtype)
     inner = exact_attention if getattr(module, "_saker_exact", False) else _sdpa
     parts = []
     rows = flat.rows
     if rows:
-        slots, positions = flat.slots[:rows], flat.positions[:rows]
-        q = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
-        keys, values = layer.keys[slots, :, : flat.view], layer.values[slots, :, : flat.view]
-        mask = flat.row_mask
-        if mask is None:
-            mask = torch.arange(flat.view, device=positions.device).view(1, -1) <= positions.view(-1, 1)
-            mask = flat.row_mask = mask.view(rows, 1, 1, flat.view)
-        parts.append(inner(module, q, keys, values, mask, scaling=scaling)[0].view(1, rows, query.shape[1], -1))
+        q = query if flat.batched else query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
+        k = keys[flat.gather].transpose(1, 2)  # (rows, W, Hkv, D) -> (rows, Hkv, W, D)
+        v = values[flat.gather].transpose(1, 2)
+        out = inner(module, q, k, v, flat.row_mask, scaling=scaling)[0]  # (rows, 1, Hq, D)
+        if flat.batched:
+            return out, None
+        parts.append(out.view(1, rows, query.shape[1], -1))
     offset = rows
-    for slot, start, count in flat.chunks:  # a few per step: the prompts being prefilled
-        end = start + count
+    for slots, count in flat.chunks:  # a few per step: the prompts being prefilled
         q = query[:, :, offset : offset + count]
-        keys, values = layer.keys[slot : slot + 1, :, :end], layer.values[slot : slot + 1, :, :end]
-        parts.append(inner(module, q, keys, values, None, scaling=scaling)[0])
+        k = keys[slots].transpose(0, 1).unsqueeze(0)  # (L, Hkv, D) -> (1, Hkv, L, D)
+        v = values[slots].transpose(0, 1).unsqueeze(0)
+        parts.append(inner(module, q, k, v, None, scaling=scaling)[0])
         offset += count
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
 

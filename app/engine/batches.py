@@ -1,32 +1,35 @@
 """The running batch: where the rows of the requests being decoded live between steps.
 
-``SlotBatch`` keeps every candidate row in a slot of a preallocated KV store (``kv_cache.SlotStore``): joining
-and leaving move no other row's data, and a step runs over slots ``[0, high)`` (eager) or over a bucket of slots
-(``bucket``; the compiled step). ``PaddedBatch`` is the fallback for models whose cache cannot be kept in slots
+``BlockBatch`` keeps every candidate row as a sequence of blocks of the KV pool (``kv_cache.KVPool``, bookkept by
+``blocks.BlockManager``, which also keeps the prefix cache): joining and leaving move no other row's data, and a
+step attends over each row's own blocks, as many as its length needs (eager) or a window bucket (``bucket``,
+``window``; the compiled step). ``PaddedBatch`` is the fallback for models whose cache cannot be kept in blocks
 (sliding windows, ...): rows left-padded to the longest. ``new_batch`` picks one for a model. What happens at each
 step (admission, sampling, stopping) is in ``generate``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from app.engine.kv_cache import SlotStore, mergeable
+from app.engine.blocks import BLOCK, BlockManager
+from app.engine.kv_cache import KVPool, mergeable
 from app.engine.runner import MIXED, ModelRunner
 from app.engine.sampler import SamplingRows
-
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # a type only: generate imports this module
     from app.engine.generate import RequestGroup
 
 
-def new_batch(runner: ModelRunner, kv_cache_tokens: int | None = None) -> "SlotBatch | PaddedBatch":
-    """A slot batch where the model's cache layers are plain (their rows can be written into slots), else a
+def new_batch(
+    runner: ModelRunner, kv_cache_tokens: int | None = None, prefix_cache_tokens: int = 0
+) -> "BlockBatch | PaddedBatch":
+    """A block batch where the model's cache layers are plain (their keys and values can live in blocks), else a
     left-padded one."""
-    return SlotBatch(runner, kv_cache_tokens) if runner.plain_cache else PaddedBatch(runner)
+    return BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens) if runner.plain_cache else PaddedBatch(runner)
 
 
 class BatchOutOfMemory(Exception):
@@ -62,225 +65,265 @@ class BatchBase:
         return (adapters.pop() if adapters else None) if len(adapters) <= 1 else MIXED
 
 
-class SlotBatch(BatchBase):
-    """The running batch over a ``SlotStore``: each candidate row owns a slot of preallocated keys and values.
+class BlockBatch(BatchBase):
+    """The running batch over the block pool (``kv_cache.KVPool``, bookkept by ``blocks.BlockManager``): each
+    candidate row is a sequence with its own block table; rows are kept in row order (tables, lengths and next
+    tokens in preallocated arrays), so joining and leaving move no KV.
 
-    A group joins after its prefill (its prompt's keys and values are written into its rows' slots) and leaves
-    when its last candidate finishes (the slots are free at once); no other row's data moves. A step feeds every
-    slot in ``[0, high)`` its next token at its own position, with a mask built from per-slot lengths (free slots
-    in between run along and are ignored), then takes the active rows' logits in row order."""
+    A prompt is computed by the batch's steps into blocks reserved for it (``reserve``: the leading full blocks a
+    cached prompt shares come from the prefix cache, no KV is copied), then its group joins (``add_reserved``): the
+    first candidate keeps the prompt's blocks, each other one shares its full blocks and copies only the last,
+    partial one. A step (``forward``, ``forward_with_chunks``) feeds every row its next token at its own position;
+    a row gets a new block when it crosses into one."""
 
     joinable = True
 
-    def __init__(self, runner: ModelRunner, kv_cache_tokens: int | None = None):
+    def __init__(self, runner: ModelRunner, kv_cache_tokens: int | None = None, prefix_cache_tokens: int = 0):
         self.runner = runner
         self.groups: list[RequestGroup] = []
-        self.store = SlotStore(kv_cache_tokens)
-        self.slot_of: list[int] = []  # slot of each row, in row order
-        self.lengths_host: list[int] = []  # tokens each row has in its slot (row order)
-        self._slot_index: torch.Tensor | None = None
-        self._in_order = False  # rows sit in slots 0..n-1 in order (logits need no gather)
-        self.lengths: torch.Tensor | None = None  # per slot: tokens in the slot (= position fed next)
-        self.next_tokens: torch.Tensor | None = None  # per slot: the token fed next
+        self.kv_cache_tokens = kv_cache_tokens  # the pool's size in positions (None: the default budget)
+        self.blocks = BlockManager(0, prefix_cache_tokens // BLOCK)
+        self.pool: KVPool | None = None
+        self.static = False  # compiled on CUDA: the pool never moves (set by ``warm_up``)
+        self.capacity = 0  # compiled: the longest window a step attends over (set by ``warm_up``)
+        self.n = 0  # rows
+        self.tables = np.zeros((0, 0), dtype=np.int64)  # per row: its blocks in order, 0 (the null block) after
+        self.counts = np.zeros(0, dtype=np.int64)  # per row: blocks in its table
+        self.lengths = np.zeros(0, dtype=np.int64)  # per row: positions it holds (= the position fed next)
+        self.next_tokens: torch.Tensor | None = None  # per row: the token fed next
         self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
-        self.reserved: dict[int, int] = {}  # slot -> prompt length: prompts being prefilled into their slot
-        self._like = None  # a one-token cache: what a position of this model's keys and values looks like
+        self.prompts = 0  # prompts holding blocks while they are prefilled
 
     @property
-    def cache(self):
-        return self.store.cache
+    def lengths_host(self) -> list[int]:
+        return self.lengths[: self.n].tolist()
 
-    def _live(self) -> int:
-        """Positions the longest row or reserved prompt holds, plus the one it writes next (a resize keeps them)."""
-        return max([*self.lengths_host, *self.reserved.values()], default=0) + 1
+    # -- blocks ---------------------------------------------------------------------------------------------------
+    def _pool(self) -> KVPool:
+        if self.pool is None:
+            tokens = self.kv_cache_tokens or self.runner.default_kv_budget()
+            self.blocks.num_blocks = max(2, -(-tokens // BLOCK) + 1)  # and the null block
+            self.pool = KVPool(self.runner.probe_cache(), self.blocks.num_blocks, self.static)
+        return self.pool
 
-    def reserve(self, prompt: list[int], cached: list | None = None) -> int:
-        """A slot for a prompt prefilled in chunks by the batch's steps (``forward_with_chunks``), with room for the
-        whole prompt and its first token; ``cached``: per layer (keys, values) of its first positions (the prefix
-        cache's), written into the slot now. Until the prompt's rows join, steps without a chunk leave the slot's
-        prompt alone (they write at its length, a position no chunk writes)."""
-        if self._like is None:
-            self._like = self.runner.probe_cache()
-        [slot] = self.store.allocate(1)
-        self.reserved[slot] = len(prompt)
-        self.store.ensure(
-            len(prompt) + 1, [(layer.keys, layer.values) for layer in self._like.layers], live=self._live()
-        )
-        if cached:
-            self.store.write([slot], [_Layer(k, v) for k, v in cached], live=self._live())
-        device = self.store.layers[0].keys.device
-        self._per_slot(device)
-        self.lengths[slot] = len(prompt)
-        return slot
+    def _allocate(self, count: int) -> list[int]:
+        pool = self._pool()
+        out = self.blocks.allocate(count) if count > 0 else []
+        pool.touch(self.blocks.fresh)
+        return out
 
-    def unreserve(self, slot: int) -> None:
-        """A prompt being prefilled left (its client went away, or it failed): its slot is free."""
-        if self.reserved.pop(slot, None) is not None:
-            self.store.release([slot])
-            self.lengths[slot] = 0
-            self._reset_if_idle()
+    def _room(self, rows: int, columns: int) -> None:
+        """Arrays for at least ``rows`` rows of ``columns`` blocks (grown, doubling; the new part zero)."""
+        have_rows, have_columns = self.tables.shape
+        if rows <= have_rows and columns <= have_columns:
+            return
+        rows, columns = max(rows, 2 * have_rows, 8), max(columns, have_columns if columns <= have_columns else 2 * have_columns, 16)
+        tables = np.zeros((rows, columns), dtype=np.int64)
+        tables[:have_rows, :have_columns] = self.tables
+        counts, lengths = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        counts[: self.counts.shape[0]], lengths[: self.lengths.shape[0]] = self.counts, self.lengths
+        self.tables, self.counts, self.lengths = tables, counts, lengths
 
-    def prompt_layers(self, slot: int, length: int) -> list:
-        """A reserved slot's prompt as cache layers (views; ``PrefixCache.store`` copies them)."""
-        return [
-            _Layer(layer.keys[slot : slot + 1, :, :length], layer.values[slot : slot + 1, :, :length])
-            for layer in self.store.layers
-        ]
+    def reserve(self, prompt: list[int], salt: object, reuse: bool) -> tuple[list[int], list, int]:
+        """Blocks for a prompt computed by the batch's steps: ``(table, keys, cached)``, its block table (the
+        leading full blocks a kept prompt shares, when ``reuse``, then fresh ones for the rest), the chained keys of
+        its full blocks (to ``register`` them once computed) and how many of its positions are cached (at least one
+        is always computed: its logits pick the first token)."""
+        self._pool()
+        keys = self.blocks.keys(prompt, salt) if self.blocks.cached_limit else []
+        found = self.blocks.lookup(keys[: (len(prompt) - 1) // BLOCK], len(prompt)) if reuse else []
+        try:
+            table = found + self._allocate(-(-len(prompt) // BLOCK) - len(found))
+        except BaseException:
+            self.blocks.release(found)
+            raise
+        self.prompts += 1
+        return table, keys, len(found) * BLOCK
+
+    def register(self, table: list[int], keys: list, start: int, end: int) -> None:
+        """The full blocks among positions ``[start, end)`` of a prompt are computed: later prompts may share them."""
+        for i in range(start // BLOCK, min(end // BLOCK, len(keys))):
+            self.blocks.register(table[i], keys[i])
+
+    def unreserve(self, table: list[int]) -> None:
+        """A prompt being prefilled left (its client went away, or it failed): its blocks are let go."""
+        self.blocks.release(table)
+        self.prompts -= 1
+        self._when_idle()
 
     def accepts(self, group: RequestGroup) -> bool:
         return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
 
-    def _per_slot(self, device) -> None:
-        """Per-slot tensors as long as the store's slots (grown with it)."""
-        size = self.store.wanted
-        if self.lengths is None or self.lengths.shape[0] < size:
-            lengths = torch.zeros(size, dtype=torch.long, device=device)
-            tokens = torch.zeros(size, dtype=torch.long, device=device)
-            if self.lengths is not None:
-                lengths[: self.lengths.shape[0]] = self.lengths
-                tokens[: self.next_tokens.shape[0]] = self.next_tokens
-            self.lengths, self.next_tokens = lengths, tokens
-
-    def add(self, group: RequestGroup, cache, tokens: torch.Tensor, sampling: SamplingRows) -> None:
-        """Join a prefilled group: its cache (one row, or one per candidate), its candidates' first tokens,
-        their sampling state."""
-        slots = self.store.allocate(group.rows)
-        length = self.store.write(slots, cache.layers, live=self._live())
-        self._join(group, slots, length, tokens, sampling)
-
-    def add_reserved(self, group: RequestGroup, slot: int, tokens: torch.Tensor, sampling: SamplingRows) -> None:
-        """Join a group whose prompt was prefilled into reserved ``slot``: its first row keeps that slot, each
-        other candidate gets a slot of its own with a copy of the prompt's keys and values."""
-        length = self.reserved.pop(slot)
-        slots = [slot] + self.store.allocate(group.rows - 1)
-        if len(slots) > 1:
-            self.store.write(slots[1:], self.prompt_layers(slot, length), live=self._live())
-        self._join(group, slots, length, tokens, sampling)
-
-    def _join(self, group: RequestGroup, slots: list[int], length: int, tokens: torch.Tensor, sampling) -> None:
-        self._per_slot(tokens.device)
-        index = torch.tensor(slots, dtype=torch.long, device=tokens.device)
-        self.lengths[index] = length
-        self.next_tokens[index] = tokens
+    def add_reserved(
+        self, group: RequestGroup, table: list[int], tokens: torch.Tensor, sampling: SamplingRows
+    ) -> None:
+        """Join a group whose prompt was computed into ``table``: its first row keeps those blocks, each other
+        candidate shares the full ones and gets a copy of the last, partial one."""
+        length = len(group.prompt_ids)
+        full, partial = length // BLOCK, length % BLOCK
+        tables = [table]
+        for _ in range(group.rows - 1):
+            self.blocks.share(table[:full])
+            own = []
+            if partial:
+                own = self._allocate(1)
+                self.pool.copy_block(table[full], own[0])
+            tables.append(table[:full] + own)
+        self.prompts -= 1
+        rows = group.rows
+        self._room(self.n + rows, max(len(t) for t in tables))
+        for i, t in enumerate(tables):
+            self.tables[self.n + i, : len(t)] = t
+            self.counts[self.n + i] = len(t)
+        self.lengths[self.n : self.n + rows] = length
+        self.n += rows
         self.groups.append(group)
-        self.slot_of += slots
-        self.lengths_host += [length] * group.rows
-        self._slot_index = None
+        self.next_tokens = tokens if self.next_tokens is None else torch.cat([self.next_tokens, tokens])
         self.sampling = sampling if self.sampling is None else SamplingRows.cat([self.sampling, sampling])
 
-    def _reset_if_idle(self) -> bool:
-        """No rows and no reserved prompt: the storage goes back (a compiled step keeps it: its graphs hold the
-        addresses). Whether it did."""
-        if self.slot_of or self.reserved or self.runner.compiled_step is not None:
-            return False
-        self.store.reset()
-        self.lengths = self.next_tokens = None
-        self.slot_of, self.lengths_host, self._slot_index, self.sampling = [], [], None, None
-        return True
-
-    @property
-    def slot_index(self) -> torch.Tensor:
-        if self._slot_index is None:
-            self._slot_index = torch.tensor(self.slot_of, dtype=torch.long, device=self.lengths.device)
-            self._in_order = self.slot_of == list(range(len(self.slot_of)))
-        return self._slot_index
-
     def keep(self, keep_rows: list[int], tokens: torch.Tensor | None) -> None:
-        """After a step: the rows' next tokens (row order), then only ``keep_rows`` stay; the others' slots are
-        free."""
-        if tokens is not None and self.slot_of:
-            self.next_tokens[self.slot_index] = tokens
+        """After a step: the rows' next tokens (row order), then only ``keep_rows`` stay; the others' blocks are
+        let go."""
+        if tokens is not None and self.n:
+            self.next_tokens = tokens
         self.groups = [g for g in self.groups if g.rows]
-        if len(keep_rows) == len(self.slot_of):
+        n = self.n
+        if len(keep_rows) == n:
             return
         kept = set(keep_rows)
-        gone = [slot for row, slot in enumerate(self.slot_of) if row not in kept]
-        self.store.release(gone)
-        if not keep_rows:
-            self.slot_of, self.lengths_host, self._slot_index, self.sampling = [], [], None, None
-            if self._reset_if_idle():
-                return
-        self.lengths[torch.tensor(gone, dtype=torch.long, device=self.lengths.device)] = 0
-        self.slot_of = [self.slot_of[r] for r in keep_rows]
-        self.lengths_host = [self.lengths_host[r] for r in keep_rows]
-        self._slot_index = None
-        self.sampling = self.sampling.select(keep_rows) if keep_rows else None
+        for row in range(n):
+            if row not in kept:
+                self.blocks.release(self.tables[row, : self.counts[row]].tolist())
+        index = np.asarray(keep_rows, dtype=np.int64)
+        count = len(keep_rows)
+        self.tables[:count], self.counts[:count], self.lengths[:count] = (
+            self.tables[index],
+            self.counts[index],
+            self.lengths[index],
+        )
+        self.tables[count:n], self.counts[count:n], self.lengths[count:n] = 0, 0, 0
+        self.n = count
+        if count:
+            self.next_tokens = self.next_tokens.index_select(0, torch.from_numpy(index).to(self.next_tokens.device))
+            self.sampling = self.sampling.select(keep_rows)
+        else:
+            self.next_tokens, self.sampling = None, None
+            self._when_idle()
+
+    def _when_idle(self) -> None:
+        """No rows and no prompt being prefilled: the pool's memory goes back, all of it when no prompt is cached,
+        or all but the cached blocks once they are a small part of what the pool touched (a compiled step keeps its
+        pool: its graphs hold the addresses)."""
+        if self.n or self.prompts or self.pool is None or self.runner.compiled_step is not None:
+            return
+        cached = self.blocks.cached_tokens // BLOCK
+        if not cached:
+            self.pool = None
+            self.blocks.reset()
+        elif self.pool.touched > 2 * cached + 64:
+            self.pool = self.pool.compacted(self.blocks.compact())
+
+    def reset(self) -> None:
+        """Drop every row, prompt and block (after a failed step); the prefix cache's counters stay."""
+        self.groups, self.n, self.prompts = [], 0, 0
+        self.tables[:], self.counts[:], self.lengths[:] = 0, 0, 0
+        self.next_tokens = self.sampling = None
+        self.pool = None
+        self.blocks.reset()
+
+    @property
+    def kv_usage(self) -> float:
+        """Blocks held by rows and prompts, as a share of the pool (0-1)."""
+        return self.blocks.held_blocks / max(1, self.blocks.num_blocks - 1) if self.pool is not None else 0.0
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    def _rows_inputs(self, rows: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The decode rows' pool slots to write (rows,) and to attend over (rows, width), for ``rows`` rows (those
+        past ``self.n`` are padding: the null block), after giving a block to each row that crosses into one."""
+        self._room(rows, width // BLOCK)
+        n = self.n
+        lengths = self.lengths[:n]
+        column = lengths // BLOCK
+        for row in np.nonzero(column >= self.counts[:n])[0].tolist():  # a row starts a new block: 1 in 16 steps
+            [block] = self._allocate(1)
+            self.tables[row, column[row]] = block
+            self.counts[row] += 1
+        write = np.zeros(rows, dtype=np.int64)
+        write[:n] = self.tables[np.arange(n), column] * BLOCK + lengths % BLOCK
+        gather = (self.tables[:rows, : width // BLOCK, None] * BLOCK + _IN_BLOCK).reshape(rows, width)
+        return write, gather, self.lengths[:rows]
 
     def forward(self) -> torch.Tensor:
         """One decode step for every row; float32 logits (B, V) in row order. A forward that runs out of memory
         with several groups in the batch raises ``BatchOutOfMemory``: nothing moved (lengths advance only after
         a step), so the step can be retried once a group has left.
 
-        Eager, the step runs over slots ``[0, high)`` with a window just past the longest row. Compiled
-        (SAKER_COMPILE), it runs over a bucket of slots (free slots pad it) and, on the CPU, a window bucket
-        (``window``: 256, 512, ... positions, up to the capacity; on CUDA the whole capacity), so that the shapes
-        come from a fixed set whatever rows join and leave, each warmed up at start (``warm_up``)."""
-        store, runner = self.store, self.runner
-        longest = max(self.lengths_host) + 1
+        Eager, the rows attend over a window just past the longest row. Compiled (SAKER_COMPILE), the step runs over
+        a bucket of rows (padding rows point at the null block) and, on the CPU, a window bucket (``window``: 256,
+        512, ... positions, up to the capacity; on CUDA the whole capacity), so that the shapes come from a fixed set
+        whatever rows join and leave, each warmed up at start (``warm_up``)."""
+        runner, n = self.runner, self.n
+        longest = int(self.lengths[:n].max()) + 1
         mixed = self.adapter is MIXED
         compiled = runner.compiled_step if not mixed else None
         if compiled is not None:
-            rows = bucket(store.high)
-            store.ensure(longest, slots=rows)
-            # CUDA graphs keep the whole capacity (one recorded graph per bucket: windowed ones failed in the server
-            # on an H100, see docs/performance.md); the CPU takes the smallest window that holds the rows
-            view = store.capacity if store.static else window(longest, store.capacity)
+            rows = bucket(n)
+            width = self.capacity if self.static else window(longest, self.capacity)
         else:
-            rows = store.high
-            store.ensure(longest)
-            view = min(store.capacity, -(-longest // 16) * 16)
-        self._per_slot(self.lengths.device)
-        names = None
+            rows, width = n, -(-longest // BLOCK) * BLOCK
+        write, gather, positions = self._rows_inputs(rows, width)
+        device = self.next_tokens.device
+        tokens = self.next_tokens
+        if rows > n:
+            tokens = torch.cat([tokens, tokens.new_zeros(rows - n)])
+        extra = {}
         if mixed:
-            names = ["__base__"] * rows
-            row = 0
-            for group in self.groups:
-                for _ in range(group.rows):
-                    names[self.slot_of[row]] = group.params.adapter or "__base__"
-                    row += 1
+            extra["adapter_names"] = [g.params.adapter or "__base__" for g in self.groups for _ in range(g.rows)]
+        pool = self.pool
         try:
-            forward = compiled or runner.slot_step
-            logits = forward(
-                self.next_tokens[:rows],
-                self.lengths[:rows],
-                store,
-                view,
-                **({"adapter_names": names} if names is not None else {}),
+            logits = (compiled or runner.rows_step)(
+                tokens, _on(positions, device), _on(write, device), _on(gather, device), pool.keys, pool.values, **extra
             )
         except torch.OutOfMemoryError as exc:
             if len(self.groups) < 2:
                 raise
             raise BatchOutOfMemory(exc) from None
-        index = self.slot_index
-        self.lengths[index] += 1
-        self.lengths_host = [n + 1 for n in self.lengths_host]
-        if rows == len(self.slot_of) and self._in_order:
-            return logits
-        return logits.index_select(0, index)
+        self.lengths[:n] += 1
+        return logits[:n] if rows > n else logits
 
     def forward_with_chunks(
-        self, chunks: list[tuple[int, list[int], int, str]], with_rows: bool = True
+        self, chunks: list[tuple[list[int], list[int], int, str]], with_rows: bool = True
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """One flat forward (``attention.FlatStep``) for every row's next token (``with_rows``) and chunks of
-        prompts being prefilled into reserved slots, each ``(slot, ids, start, logits)``: the prompts ride in the
-        decode step instead of stalling it in forwards of their own. Returns the rows' float32 logits (rows, V) in
-        row order (None without rows) and each chunk's: at each of its positions (``logits == "all"``: prompt
-        scoring), at its last only (``"last"``: it ends the prompt), or none (``"none"``)."""
+        prompts being prefilled, each ``(table, ids, start, logits)``: ``ids`` at positions ``start..`` of the
+        prompt whose blocks are ``table``. The prompts ride in the decode step instead of stalling it in forwards of
+        their own. Returns the rows' float32 logits (rows, V) in row order (None without rows) and each chunk's: at
+        each of its positions (``logits == "all"``: prompt scoring), at its last only (``"last"``: it ends the
+        prompt), or none (``"none"``)."""
         from app.engine.attention import FlatStep
 
-        device = self.store.layers[0].keys.device
-        rows = len(self.slot_of) if with_rows else 0
-        ids, at, slots, wanted, spans, view = [], [], [], [], [], 0
+        pool = self._pool()
+        device = pool.keys[0].device
+        rows = self.n if with_rows else 0
+        ids, at, writes, wanted, spans, gather, mask = [], [], [], [], [], None, None
         if rows:
-            index = self.slot_index
-            ids, at, slots = [self.next_tokens[index]], [self.lengths[index]], [index]
-            view = min(self.store.capacity, -(-(max(self.lengths_host) + 1) // 16) * 16)
-        offset = rows
-        for slot, chunk, start, logits in chunks:
-            count = len(chunk)
+            longest = int(self.lengths[:rows].max()) + 1
+            write, gather, positions = self._rows_inputs(rows, -(-longest // BLOCK) * BLOCK)
+            ids, at, writes = [self.next_tokens], [positions], [write]
+            gather = _on(gather, device)
+            width = gather.shape[1]
+            mask = (torch.arange(width, device=device).view(1, -1) <= _on(positions, device).view(-1, 1)).view(
+                rows, 1, 1, width
+            )
+        offset, spans_of = rows, []
+        for table, chunk, start, logits in chunks:
+            count, end = len(chunk), start + len(chunk)
+            blocks = np.asarray(table, dtype=np.int64)
+            slots = (blocks[:, None] * BLOCK + _IN_BLOCK).reshape(-1)[:end]
             ids.append(torch.tensor(chunk, dtype=torch.long, device=device))
-            at.append(torch.arange(start, start + count, dtype=torch.long, device=device))
-            slots.append(torch.full((count,), slot, dtype=torch.long, device=device))
+            at.append(np.arange(start, end, dtype=np.int64))
+            writes.append(slots[start:end])
+            spans_of.append((_on(slots, device), count))
             keep = {"all": range(offset, offset + count), "last": range(offset + count - 1, offset + count)}
             positions = keep.get(logits, range(0))
             spans.append((len(wanted) + rows, len(wanted) + rows + len(positions)))
@@ -288,15 +331,10 @@ class SlotBatch(BatchBase):
             offset += count
         logits_at = torch.tensor([*range(rows), *wanted], dtype=torch.long, device=device)
         flat = FlatStep(
-            self.store,
-            torch.cat(slots),
-            torch.cat(at),
-            rows,
-            view,
-            tuple((slot, start, len(chunk)) for slot, chunk, start, _ in chunks),
+            pool.keys, pool.values, _on(np.concatenate(writes), device), rows, gather, mask, tuple(spans_of)
         )
         try:
-            logits = self.runner.flat_step(torch.cat(ids), flat, logits_at)
+            logits = self.runner.flat_step(torch.cat(ids), _on(np.concatenate(at), device), flat, logits_at)
         except torch.OutOfMemoryError as exc:
             if not rows:
                 raise
@@ -304,26 +342,38 @@ class SlotBatch(BatchBase):
         per_chunk = [logits[a:b] for a, b in spans]
         if not rows:
             return None, per_chunk
-        index = self.slot_index
-        self.lengths[index] += 1
-        self.lengths_host = [n + 1 for n in self.lengths_host]
+        self.lengths[:rows] += 1
         return logits[:rows], per_chunk
 
-    def warm_up(self, like, max_rows: int, length: int) -> None:
-        """Compiled steps: storage for the largest bucket at ``length`` positions, then one step per batch bucket
-        up to ``max_rows`` (on the CPU, per window as well) over free slots, so that no request pays a compile or
-        a graph capture (torch.compile makes the rows and the window dynamic at their second value: a few graphs
-        in all). On CUDA the window is the whole capacity and each bucket is one recorded CUDA graph."""
+    def warm_up(self, max_rows: int, capacity: int) -> None:
+        """Compiled steps: the pool allocated, then one step per batch bucket up to ``max_rows`` (on the CPU, per
+        window as well) over padding rows, so that no request pays a compile or a graph capture (torch.compile makes
+        the rows and the window dynamic at their second value: a few graphs in all). On CUDA the window is the whole
+        ``capacity`` and each bucket is one recorded CUDA graph."""
         top = bucket(max_rows)
-        device = like.layers[0].keys.device
-        self.store.static = device.type == "cuda"
-        self.store.ensure(length, like=[(layer.keys, layer.values) for layer in like.layers], slots=top)
+        self.capacity = -(-capacity // BLOCK) * BLOCK
+        pool = self._pool()
+        device = pool.keys[0].device
+        self.static = pool.static = device.type == "cuda"
+        if self.static:
+            for tensor in (*pool.keys, *pool.values):
+                torch._dynamo.mark_static_address(tensor)
         for rows in BUCKETS + tuple(range(BUCKETS[-1] + 8, top + 1, 8)):
             if rows > top:
                 break
             zeros = torch.zeros(rows, dtype=torch.long, device=device)
-            for view in (self.store.capacity,) if self.store.static else windows(self.store.capacity):
-                self.runner.compiled_step(zeros, zeros.clone(), self.store, view)
+            for width in (self.capacity,) if self.static else windows(self.capacity):
+                gather = torch.zeros(rows, width, dtype=torch.long, device=device)
+                self.runner.compiled_step(zeros, zeros.clone(), zeros.clone(), gather, pool.keys, pool.values)
+
+
+_IN_BLOCK = np.arange(BLOCK, dtype=np.int64)
+
+
+def _on(array: np.ndarray, device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` (no copy on the CPU)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32)
@@ -341,7 +391,7 @@ def windows(capacity: int) -> tuple[int, ...]:
 
 def window(longest: int, capacity: int) -> int:
     """The smallest window that holds ``longest`` positions. A compiled step attends over its window rather than
-    the whole slot capacity (8,192 positions for SmolLM2): on the CPU a 512-position window made the embedded
+    the whole context (8,192 positions for SmolLM2): on the CPU a 512-position window made the embedded
     model's step 13.6-14.1 ms against 18-20 eager, where the whole capacity made it 220 ms."""
     size = WINDOW_MIN
     while size < longest:
@@ -358,7 +408,7 @@ def bucket(rows: int) -> int:
 
 
 class PaddedBatch(BatchBase):
-    """The running batch for models whose cache layers cannot be written per slot (sliding windows, static
+    """The running batch for models whose cache layers cannot be kept in blocks (sliding windows, static
     caches): one KV cache for the rows of several groups, left-padded to a common length.
 
     Each row keeps its own positions; an attention mask hides the padding. A group joins after its prefill
@@ -433,6 +483,10 @@ class PaddedBatch(BatchBase):
             self.mask = self.mask.index_select(0, index)
             self._trim()
 
+    def reset(self) -> None:
+        """Drop every row (after a failed step)."""
+        self.keep([], None)
+
     def _trim(self) -> None:
         """Drop leading columns that are padding in every row (a long prompt left the batch)."""
         leading = int((self.mask.cumsum(1) == 0).sum(1).min())
@@ -488,11 +542,3 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
-
-
-class _Layer:
-    """One layer's keys and values shaped as a cache layer's (what ``SlotStore.write`` and ``PrefixCache.store``
-    read)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values

@@ -54,7 +54,6 @@ class FrontRunner:
     eos_token_ids: tuple[int, ...]
     byte_level: bool
     adapters: tuple[str, ...] = ()
-    prefix_cache: object = None
     compiled_step: object = None
     input_device: object = field(default=None)
 

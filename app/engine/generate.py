@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from app.engine.blocks import BLOCK
 from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers
 from app.engine.grammar import grammars_for
 from app.engine.logprobs import raw_logprobs
@@ -23,8 +24,8 @@ from app.engine.stopping import StoppingCriteria
 from app.engine.batches import (  # noqa: F401 - BUCKETS, bucket and PaddedBatch re-exported for the engine's users
     BUCKETS,
     BatchOutOfMemory,
+    BlockBatch,
     PaddedBatch,
-    SlotBatch,
     bucket,
     new_batch,
 )
@@ -98,8 +99,14 @@ class RequestGroup:
 
     @property
     def reach(self) -> int:
-        """The longest a row of this group can get: prompt + max new tokens (positions of its slot)."""
+        """The longest a row of this group can get: prompt + max new tokens."""
         return len(self.prompt_ids) + max(self.max_new, 0)
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks this group may hold at most: each candidate's up to its reach (the candidates share their
+        prompt's full blocks, so they hold fewer)."""
+        return self.params.num_candidates * -(-self.reach // BLOCK)
 
     @property
     def budget_tokens(self) -> int:
@@ -228,39 +235,47 @@ def sample_step(
 Event = PromptNumbers | TokenNumbers
 
 
-def admit(batch: SlotBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
-    """Prefill a group, sample its first tokens from the prefill's logits and, if it goes on, add it to the
-    batch. Returns its events so far: the prompt's, then its first tokens'."""
+def admit(batch: BlockBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
+    """Prefill a group in a forward of its own, sample its first tokens and, if it goes on, add it to the batch
+    (a prompt with nothing to compute gives its numbers at once). Returns its events so far: the prompt's, then its
+    first tokens'. The scheduler computes prompts in its steps instead (``ChunkedPrefill``); this is for a solo run
+    and for models whose cache is not kept in blocks."""
     start = time.perf_counter()
     if not group.prefills:
         return [group.prompt_numbers()]
-    logits, cache, reused = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
-    group.timings.cached_tokens += reused
+    if isinstance(batch, BlockBatch):
+        job = ChunkedPrefill(group, len(group.prompt_ids))
+        job.start(batch)
+        compute_chunks(batch, [(job, job.next_chunk(job.remaining))], with_rows=False)
+        return job.finish(batch)
+    logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
     return _join(batch, group, logits, cache, start)
 
 
 class ChunkedPrefill:
-    """A prompt prefilled at most ``chunk`` tokens at a time into a slot the batch reserves for it (``start``).
-    Each chunk is computed inside one of the batch's steps (``compute_chunks``): beside the running rows' decode
-    tokens in one flat forward (``decode_step(batch, jobs)``), or alone when nothing runs or the rows use another
-    adapter.
-    The running rows never wait for a prefill forward of its own. Prompt logprobs are taken chunk by chunk, so
-    no more than a chunk's logits are held. Once the whole prompt is in, ``finish`` samples the first tokens and
-    the group joins the batch in that slot."""
+    """A prompt computed at most ``chunk`` tokens at a time into blocks the batch reserves for it (``start``; the
+    leading blocks a kept prompt shares come from the prefix cache). Each chunk is computed inside one of the
+    batch's steps (``compute_chunks``): beside the running rows' decode tokens in one flat forward
+    (``decode_step(batch, jobs)``), or alone when nothing runs or the rows use another adapter. The running rows
+    never wait for a prefill forward of its own. Prompt logprobs are taken chunk by chunk, so no more than a chunk's
+    logits are held. Once the whole prompt is in, ``finish`` samples the first tokens and the group joins the batch
+    on those blocks."""
 
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
-        self.slot: int | None = None
-        self.done = 0  # prompt tokens in the slot
+        self.table: list[int] | None = None  # the prompt's blocks
+        self.keys: list = []  # the chained keys of its full blocks (prefix caching)
+        self.done = 0  # prompt tokens computed (or cached)
         self.last: torch.Tensor | None = None  # the last prompt position's logits (1, 1, V)
         self.spent = 0.0  # seconds of steps that carried its chunks
 
-    def start(self, batch: SlotBatch) -> None:
-        """Reserve the slot, with the start of the prompt from the prefix cache when a kept prompt shares it."""
+    def start(self, batch: BlockBatch) -> None:
+        """Reserve the prompt's blocks, its leading ones from the prefix cache when a kept prompt shares them (not
+        when every position's logits are asked for: those of cached positions are not kept)."""
         group = self.group
-        cached, self.done = group.runner.cached_start(group.prompt_ids, group.needs_prompt_logits)
+        salt = group.runner.prefix_salt(group.params.adapter)
+        self.table, self.keys, self.done = batch.reserve(group.prompt_ids, salt, reuse=not group.needs_prompt_logits)
         group.timings.cached_tokens += self.done
-        self.slot = batch.reserve(group.prompt_ids, cached)
 
     @property
     def remaining(self) -> int:
@@ -277,12 +292,13 @@ class ChunkedPrefill:
             return "all"
         return "last" if self.done + count == len(self.group.prompt_ids) else "none"
 
-    def took(self, logits: torch.Tensor, count: int, seconds: float) -> bool:
-        """A step computed the next ``count`` prompt tokens (``logits`` as ``logits_wanted`` asked); True once
-        the whole prompt is in."""
+    def took(self, batch: BlockBatch, logits: torch.Tensor, count: int, seconds: float) -> bool:
+        """A step computed the next ``count`` prompt tokens (``logits`` as ``logits_wanted`` asked): the full blocks
+        they completed go to the prefix cache. True once the whole prompt is in."""
         group = self.group
         if group.needs_prompt_logits:
             group.score_prompt(logits, self.done)
+        batch.register(self.table, self.keys, self.done, self.done + count)
         self.done += count
         self.spent += seconds
         if self.done == len(group.prompt_ids):
@@ -290,35 +306,34 @@ class ChunkedPrefill:
             return True
         return False
 
-    def finish(self, batch: SlotBatch) -> list[Event]:
-        group = self.group
-        group.runner.remember(group.prompt_ids, batch.prompt_layers(self.slot, len(group.prompt_ids)))
-        return _join(batch, group, self.last, None, time.perf_counter() - self.spent, slot=self.slot)
+    def finish(self, batch: BlockBatch) -> list[Event]:
+        table, self.table = self.table, None
+        return _join(batch, self.group, self.last, None, time.perf_counter() - self.spent, table=table)
 
-    def abandon(self, batch: SlotBatch) -> None:
-        """The request left or failed before its prompt was in: the slot is free."""
-        if self.slot is not None:
-            batch.unreserve(self.slot)
-            self.slot = None
+    def abandon(self, batch: BlockBatch) -> None:
+        """The request left or failed before its prompt was in: its blocks are let go."""
+        if self.table is not None:
+            batch.unreserve(self.table)
+            self.table = None
 
 
 def _join(
-    batch: SlotBatch | PaddedBatch,
+    batch: BlockBatch | PaddedBatch,
     group: RequestGroup,
     logits: torch.Tensor,
     cache,
     start: float,
-    slot: int | None = None,
+    table: list[int] | None = None,
 ) -> list[Event]:
-    """After a group's prefill (logits (1, L or 1, V); its cache, or the batch's ``slot`` it was prefilled into):
+    """After a group's prefill (logits (1, L or 1, V); its cache, or the blocks ``table`` it was computed into):
     the prompt's numbers, the first tokens, and the group in the batch if it goes on."""
-    if group.needs_prompt_logits and logits.shape[1] > 1 and slot is None:
+    if group.needs_prompt_logits and logits.shape[1] > 1 and table is None:
         group.score_prompt(logits[0], 0)
     events: list[Event] = [group.prompt_numbers()]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
-        if slot is not None:
-            batch.unreserve(slot)
+        if table is not None:
+            batch.unreserve(table)
         return events
     last = logits[:, -1, :].float()
     count = group.params.num_candidates
@@ -332,33 +347,33 @@ def _join(
         if len(keep) < count:
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
-        if slot is not None:
-            batch.add_reserved(group, slot, tokens, sampling)
+        if table is not None:
+            batch.add_reserved(group, table, tokens, sampling)
         else:
             batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
-    elif slot is not None:
-        batch.unreserve(slot)
+    elif table is not None:
+        batch.unreserve(table)
     group.timings.prefill_s += time.perf_counter() - start
     return events
 
 
 def compute_chunks(
-    batch: SlotBatch, jobs: list[tuple[ChunkedPrefill, list[int]]], with_rows: bool = True
+    batch: BlockBatch, jobs: list[tuple[ChunkedPrefill, list[int]]], with_rows: bool = True
 ) -> torch.Tensor | None:
     """One flat forward for chunks of prompts being prefilled (each job with its next tokens), with every running
     row's next token (``with_rows``; their logits are returned) or alone. Each job takes its chunk's numbers."""
     begun = time.perf_counter()
     logits, outs = batch.forward_with_chunks(
-        [(job.slot, chunk, job.done, job.logits_wanted(len(chunk))) for job, chunk in jobs], with_rows
+        [(job.table, chunk, job.done, job.logits_wanted(len(chunk))) for job, chunk in jobs], with_rows
     )
     seconds = time.perf_counter() - begun
     for (job, chunk), out in zip(jobs, outs):
-        job.took(out, len(chunk), seconds)
+        job.took(batch, out, len(chunk), seconds)
     return logits
 
 
 def decode_step(
-    batch: SlotBatch | PaddedBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = ()
+    batch: BlockBatch | PaddedBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = ()
 ) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``jobs``:
     prompts being prefilled whose next chunks ride in the same forward (each job's ``remaining`` tells whether it
@@ -376,7 +391,7 @@ def decode_step(
     return out
 
 
-def drop(batch: SlotBatch | PaddedBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
+def drop(batch: BlockBatch | PaddedBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
     """Take a group's rows out of the batch: all of them (its client went away), or those of ``candidates``
     (the output side ended them: stop strings)."""
     keep_rows, offset = [], 0
@@ -389,7 +404,7 @@ def drop(batch: SlotBatch | PaddedBatch, group: RequestGroup, candidates: set[in
     batch.keep(keep_rows, None)
 
 
-def drop_finished(batch: SlotBatch | PaddedBatch) -> bool:
+def drop_finished(batch: BlockBatch | PaddedBatch) -> bool:
     """Rows whose candidates the output side ended since the last step leave the batch; whether any did."""
     dropped = False
     for group in list(batch.groups):

@@ -1,4 +1,5 @@
-"""A KV-cache layer that appends in place.
+"""KV storage: the block pool the running batch keeps every sequence's keys and values in (``KVPool``), and a
+cache layer that appends in place for models whose cache cannot live in blocks (``GrowingLayer``).
 
 transformers' ``DynamicLayer`` grows by ``torch.cat``: every decode step copies the whole cache of every layer.
 ``GrowingLayer`` keeps keys and values in a buffer with room to spare and writes each new token into it; the
@@ -9,10 +10,10 @@ update and copied into a fresh buffer.
 
 from __future__ import annotations
 
-import heapq
-
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import DynamicLayer
+
+from app.engine.blocks import BLOCK
 
 ROUND = 128  # buffer lengths are multiples of this
 
@@ -85,19 +86,6 @@ def use_growing_layers(cache) -> None:
         cache.layers = [GrowingLayer() for _ in layers]
 
 
-def growing_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A fresh DynamicCache of GrowingLayers already holding these per-layer keys and values (views: they are
-    copied into the layers' own buffers at the first update, so the tensors given are never written)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    use_growing_layers(cache)
-    for layer, k, v in zip(cache.layers, keys, values):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-    return cache
-
-
 def kv_bytes_per_token(cache) -> int:
     """Bytes one token position takes in a prefilled cache (all layers, keys and values)."""
     return sum(
@@ -120,161 +108,57 @@ def default_kv_budget(bytes_per_token: int, device: torch.device) -> int:
     return max(1, room // max(1, bytes_per_token))
 
 
-# -- the decode batch's slot store ---------------------------------------------------------------------------------
-class SlotLayer(CacheLayerMixin):
-    """One layer's keys and values for every slot: (slots, kv heads, capacity, head dim), preallocated. A decode
-    step writes each row's new key and value at that row's own position and hands attention a view of the first
-    ``view`` positions of the first ``rows`` slots (the mask, built from per-row lengths, hides the rest)."""
+# -- the block pool ------------------------------------------------------------------------------------------------
+class KVPool:
+    """Keys and values of every block of the KV cache, per layer: ``(blocks x BLOCK, kv heads, head dim)`` each, on
+    that layer's device, in its dtype (``like``: a probe cache of one position). Position ``p`` of a sequence lives
+    at slot ``table[p // BLOCK] * BLOCK + p % BLOCK`` (``blocks.BlockManager`` keeps the tables).
 
-    is_compileable = True
-    is_sliding = False
+    The storage is allocated once, for the whole budget, with ``torch.empty``: on the CPU its pages are only taken
+    when first written, and blocks are handed out lowest first, so the memory used follows the blocks in use. A block
+    is zeroed when first handed out (``touch``), so that padding positions a step reads are finite; block 0, the null
+    block that padding points at, is zeroed at once."""
 
-    def __init__(self, store: "SlotStore"):
-        super().__init__()
-        self.store = store
-        self.is_initialized = True
+    def __init__(self, like, num_blocks: int, static: bool = False):
+        self.num_blocks = num_blocks
+        self.static = static  # a compiled step on CUDA: the storage never moves (its graphs hold the addresses)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for layer in like.layers:
+            for name, out in (("keys", self.keys), ("values", self.values)):
+                one = getattr(layer, name)  # (1, heads, 1, dim)
+                tensor = torch.empty(num_blocks * BLOCK, one.shape[1], one.shape[3], dtype=one.dtype, device=one.device)
+                if static:
+                    torch._dynamo.mark_static_address(tensor)
+                out.append(tensor)
+        self.touched = 0  # blocks zeroed so far
+        self.touch(1)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        store = self.store
-        rows, at = store.row_ids.to(self.keys.device), store.write_at.to(self.keys.device)
-        self.keys[rows, :, at] = key_states[:, :, 0]
-        self.values[rows, :, at] = value_states[:, :, 0]
-        return self.keys[: store.rows, :, : store.view], self.values[: store.rows, :, : store.view]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.store.view, 0
-
-    def get_seq_length(self) -> int:
-        return self.store.view
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[-2] if self.keys is not None else 0
-
-
-class SlotStore:
-    """Preallocated keys and values of the running batch: one slot per candidate row, written at per-row
-    positions, so joining and leaving move no other row's data. A joining row's prefilled keys and values are
-    written into its slot; a leaving row's slot is free at once (the lowest free slot is taken first, so the
-    occupied slots stay near the front: a step runs over slots ``[0, high)``).
-
-    Storage is allocated at the first join (each layer's on that layer's device, in its dtype) and grows, in
-    place of a reallocation per join, when more slots or a longer row are needed (``ensure``)."""
-
-    def __init__(self, budget: int | None = None):
-        self.budget = budget  # token positions the storage should stay within (None: no bound)
-        # a compiled step on CUDA: each storage tensor is marked a static address, so that the step's in-place
-        # key/value writes are allowed inside a CUDA graph (inductor skips graphs that mutate other inputs)
-        self.static = False
-        self.layers: list[SlotLayer] = []
-        self.cache = None
-        self.slots = 0  # slots with storage
-        self.wanted = 0  # slots handed out or free to hand out (storage follows at ``ensure``)
-        self.capacity = 0  # positions per slot
-        self._free: list[int] = []  # a heap: the lowest free slot first
-        self.used: set[int] = set()
-        # the step being run (set by ``prepare``)
-        self.rows = 0
-        self.view = 0
-        self.row_ids: torch.Tensor | None = None
-        self.write_at: torch.Tensor | None = None
-
-    @property
-    def high(self) -> int:
-        """One past the highest slot in use."""
-        return max(self.used) + 1 if self.used else 0
-
-    def allocate(self, count: int) -> list[int]:
-        """The ``count`` lowest free slots (more are made room for at the next ``ensure``)."""
-        while len(self._free) < count:
-            more = 8
-            for slot in range(self.wanted, self.wanted + more):
-                heapq.heappush(self._free, slot)
-            self.wanted += more
-        out = [heapq.heappop(self._free) for _ in range(count)]
-        self.used.update(out)
-        return out
-
-    def reset(self) -> None:
-        """Give the storage back (an idle batch): the next join sizes it for what it needs then, so a long request
-        or a wide one does not leave its storage behind."""
-        self.layers, self.cache = [], None
-        self.slots = self.wanted = self.capacity = 0
-        self._free, self.used = [], set()
-
-    def release(self, slots: list[int]) -> None:
-        for slot in slots:
-            if slot in self.used:
-                self.used.discard(slot)
-                heapq.heappush(self._free, slot)
-
-    def ensure(
-        self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None, slots: int = 0, live: int = 0
-    ) -> None:
-        """Storage for every slot handed out so far (and at least ``slots``) with room for ``length`` positions
-        each (``like``: per layer a keys and a values tensor to take head counts, dtypes and devices from, the
-        first time; ``live``: the positions the longest running row already holds, which a resize keeps).
-
-        With a budget, slots x capacity stays within it: the room to grow (about 1.5x) and the slots handed out
-        ahead (8 at a time) are cut to what the budget leaves, down to what the rows need (admission keeps rows x
-        their reach within the budget, so what they need fits)."""
-        asked = slots
-        while self.wanted < asked:
-            heapq.heappush(self._free, self.wanted)
-            self.wanted += 1
-        need = max(length, live)
-        if self.layers and self.wanted <= self.slots and need <= self.capacity:
+    def touch(self, fresh: int) -> None:
+        """Zero the blocks below ``fresh`` not zeroed yet (they are being handed out for the first time)."""
+        if fresh <= self.touched:
             return
-        slots = max(self.slots, self.wanted)
-        capacity = self.capacity if need <= self.capacity else _room(need)
-        if self.budget and slots * capacity > self.budget:
-            capacity = max(need, self.budget // slots)
-            if slots * capacity > self.budget:  # slots handed out ahead: keep only those in use (or asked for)
-                slots = max(self.high, asked, 1)
-                self._trim(slots)
-                capacity = max(need, self.budget // slots)
-        if not self.layers:
-            from transformers import Cache
+        start, end = self.touched * BLOCK, fresh * BLOCK
+        for tensor in (*self.keys, *self.values):
+            tensor[start:end].zero_()
+        self.touched = fresh
 
-            self.layers = [SlotLayer(self) for _ in like]
-            self.cache = Cache(layers=self.layers)
-            for layer, (keys, values) in zip(self.layers, like):
-                layer.keys = keys.new_zeros(0, keys.shape[1], 0, keys.shape[3])
-                layer.values = values.new_zeros(0, values.shape[1], 0, values.shape[3])
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
-                keep_slots, keep_positions = min(slots, old.shape[0]), min(capacity, old.shape[2])
-                new[:keep_slots, :, :keep_positions] = old[:keep_slots, :, :keep_positions]
-                if self.static:
-                    torch._dynamo.mark_static_address(new)
-                setattr(layer, name, new)
-        self.slots, self.capacity = slots, capacity
+    def copy_block(self, source: int, target: int) -> None:
+        for tensor in (*self.keys, *self.values):
+            tensor[target * BLOCK : (target + 1) * BLOCK] = tensor[source * BLOCK : (source + 1) * BLOCK]
 
-    def _trim(self, slots: int) -> None:
-        """Hand out no slot at or past ``slots`` (none of them is in use)."""
-        self.wanted = slots
-        self._free = [slot for slot in self._free if slot < slots]
-        heapq.heapify(self._free)
+    def compacted(self, kept: list[int]) -> "KVPool":
+        """A new pool holding only the blocks ``kept`` (as blocks 1, 2, ...): this one's storage can go."""
+        new = object.__new__(KVPool)
+        new.num_blocks, new.static, new.touched = self.num_blocks, self.static, 0
+        new.keys = [torch.empty_like(t) for t in self.keys]
+        new.values = [torch.empty_like(t) for t in self.values]
+        new.touch(len(kept) + 1)
+        if kept:
+            index = (torch.tensor(kept).view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)
+            for old, fresh in zip((*self.keys, *self.values), (*new.keys, *new.values)):
+                fresh[BLOCK : (len(kept) + 1) * BLOCK] = old[index.to(old.device)]
+        return new
 
-    def write(self, slots: list[int], layers, live: int = 0) -> int:
-        """Write a prefilled cache (per layer keys/values of 1 row, or one row per slot) into ``slots``;
-        returns its length (``live``: positions the longest running row holds, see ``ensure``)."""
-        length = layers[0].keys.shape[-2]
-        self.ensure(length + 1, [(layer.keys, layer.values) for layer in layers], live=live)
-        index = torch.tensor(slots, dtype=torch.long, device=self.layers[0].keys.device)
-        for slot_layer, layer in zip(self.layers, layers):
-            at = index.to(slot_layer.keys.device)
-            slot_layer.keys[at, :, :length] = layer.keys
-            slot_layer.values[at, :, :length] = layer.values
-        return length
-
-    def prepare(self, rows: int, lengths: torch.Tensor, view: int) -> None:
-        """The next step runs over slots ``[0, rows)``; row ``i`` writes at position ``lengths[i]`` and attends to
-        positions ``[0, lengths[i]]`` of a ``view``-long window."""
-        self.rows, self.view = rows, view
-        self.row_ids = torch.arange(rows, device=lengths.device)
-        self.write_at = lengths
+    def bytes_touched(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (*self.keys, *self.values)) * self.touched * BLOCK

@@ -8,13 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.engine.attention import use_engine_attention
-from app.engine.kv_cache import (
-    default_kv_budget,
-    growing_cache,
-    kv_bytes_per_token,
-    mergeable,
-    use_growing_layers,
-)
+from app.engine.kv_cache import default_kv_budget, kv_bytes_per_token, mergeable, use_growing_layers
 from app.engine.logprobs import is_byte_level
 
 MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
@@ -28,8 +22,7 @@ class ModelRunner:
     adapters: tuple[str, ...] = ()  # named PEFT adapters (the model is a PeftModel when any)
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
-    prefix_cache: object = None  # a PrefixCache (SAKER_PREFIX_CACHE_TOKENS > 0), or None
-    compiled_step: object = None  # SAKER_COMPILE: the slot step compiled (CUDA graphs on CUDA), or None
+    compiled_step: object = None  # SAKER_COMPILE: the decode-only step compiled (CUDA graphs on CUDA), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
     _plain_cache: bool | None = field(default=None, repr=False)
@@ -71,60 +64,26 @@ class ModelRunner:
         yield
 
     def prefill(self, prompt_ids: list[int], all_logits: bool):
-        """Forward the prompt; logits (1, L or 1, V), the KV cache and how many prompt tokens came from the
-        prefix cache: a prompt that starts with a recent one forwards only the rest (not when every position's
-        logits are asked for: those of the reused positions are not kept)."""
-        cache, start = self.open_prefill(prompt_ids, all_logits)
-        logits = self.extend(cache, prompt_ids[start:], all_logits)
-        self.remember(prompt_ids, cache.layers)
-        return logits, cache, start
-
-    def open_prefill(self, prompt_ids: list[int], all_logits: bool) -> tuple[object, int]:
-        """A fresh cache for a prompt's prefill, seeded from the prefix cache when a kept prompt shares its
-        start: (cache, prompt tokens already in it)."""
+        """Forward the prompt alone (a model whose cache is not kept in blocks); logits (1, L or 1, V) and the KV
+        cache."""
         from transformers import DynamicCache
 
-        cached, start = self.cached_start(prompt_ids, all_logits)
-        if cached is not None:
-            return growing_cache(self.model.config, [k for k, _ in cached], [v for _, v in cached]), start
         cache = DynamicCache(config=self.model.config)
         use_growing_layers(cache)
-        return cache, 0
-
-    def cached_start(self, prompt_ids: list[int], all_logits: bool) -> tuple[list | None, int]:
-        """The prefix cache's keys and values for the start of a prompt, per layer (keys, values) views of its
-        first positions, and how many positions (None, 0: none, or every position's logits are asked for)."""
-        if self.prefix_cache is None or all_logits or not self.plain_cache:
-            return None, 0
-        entry, start = self.prefix_cache.lookup(self._prefix_key(self._active_adapter), prompt_ids)
-        if entry is None:
-            return None, 0
-        return [(k[..., :start, :], v[..., :start, :]) for k, v in zip(entry.keys, entry.values)], start
-
-    def extend(self, cache, ids: list[int], all_logits: bool) -> torch.Tensor:
-        """Forward more prompt tokens after those in ``cache`` (their positions follow); logits (1, n or 1, V)."""
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.input_device)
-        return self.model(
+        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
+        logits = self.model(
             input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
         ).logits
+        return logits, cache
 
-    def _prefix_key(self, adapter: object) -> object:
-        """Kept prompts are per PEFT adapter (None: the base model); without adapters there is one key."""
+    def prefix_salt(self, adapter: object) -> object:
+        """Kept prompt blocks are per PEFT adapter (None: the base model); without adapters there is one salt."""
         return adapter if self.adapters else ""
-
-    def remember(self, prompt_ids: list[int], layers) -> None:
-        """Keep a prefilled prompt in the prefix cache (when there is one): ``layers``, a cache's layers (or
-        anything with per-layer ``keys`` and ``values``, row 0, the prompt's positions first)."""
-        if self.prefix_cache is not None and self.plain_cache:
-            try:
-                self.prefix_cache.store(self._prefix_key(self._active_adapter), prompt_ids, layers)
-            except torch.OutOfMemoryError:  # keeping it is optional: give the memory back instead
-                self.prefix_cache.clear()
 
     @property
     def plain_cache(self) -> bool:
         """Whether the model's cache layers are plain (no sliding windows, no static or recurrent state): its keys
-        and values can be kept in the slot store, and its prompts computed by the batch's flat steps."""
+        and values can be kept in the block pool, and its prompts computed by the batch's flat steps."""
         if self._plain_cache is None:
             from transformers import DynamicCache
 
@@ -173,38 +132,45 @@ class ModelRunner:
         from the bytes one position of this model's cache takes."""
         return default_kv_budget(kv_bytes_per_token(self.probe_cache()), self.input_device)
 
-    def slot_step(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, store, view: int, adapter_names: list[str] | None = None
+    def rows_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write: torch.Tensor,
+        gather: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        adapter_names: list[str] | None = None,
     ) -> torch.Tensor:
-        """One decode step over slots ``[0, n)`` of a ``SlotStore``: ``tokens`` (n,) fed at positions ``lengths``
-        (n,), each slot attending to its first ``lengths[i] + 1`` positions of a ``view``-long window. A function
-        of tensors and two ints only, so that it compiles as one graph (no break, no recompile while rows join
-        and leave) and, on CUDA, replays as a CUDA graph per batch bucket. Float32 logits (n, V). ``adapter_names``
-        (eager only, under ``adapter(MIXED)``): each slot's LoRA adapter, ``"__base__"`` for the base model."""
-        n = tokens.shape[0]
-        store.prepare(n, lengths, view)
-        positions = torch.arange(view, device=lengths.device)
-        mask = (positions.view(1, -1) <= lengths.view(-1, 1)).view(n, 1, 1, view)
+        """A decode-only step: ``tokens`` (n,) of n sequences at ``positions`` (n,), written at pool slots ``write``
+        (n,), each attending over its slots ``gather`` (n, W) up to its own position. A function of tensors only, so
+        that it compiles as one graph (no break, no recompile while rows join and leave) and, on CUDA, replays as a
+        CUDA graph per batch bucket. Float32 logits (n, V). ``adapter_names`` (eager only, under
+        ``adapter(MIXED)``): each row's LoRA adapter, ``"__base__"`` for the base model."""
+        from app.engine.attention import FlatStep
+
+        n, width = gather.shape
+        mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)
+        flat = FlatStep(keys, values, write, n, gather, mask, batched=True)
         extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
         out = self.model(
             input_ids=tokens.view(n, 1),
-            past_key_values=store.cache,
-            attention_mask=mask,
-            position_ids=lengths.view(n, 1),
-            use_cache=True,
+            position_ids=positions.view(n, 1),
+            use_cache=False,
+            flat=flat,
             **extra,
         )
         return out.logits[:, -1, :].float()
 
     def flat_step(
-        self, tokens: torch.Tensor, flat, logits_at: torch.Tensor, adapter: str | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor, flat, logits_at: torch.Tensor
     ) -> torch.Tensor:
-        """One forward of a step's tokens as one flat sequence (``attention.FlatStep``: decode rows and a prompt's
-        chunk, each token written into and attending over its own slot of the store); float32 logits of the
-        tokens at ``logits_at`` only (T_out, V), so a chunk whose positions need no logits costs no LM head."""
+        """One forward of a step's tokens as one flat sequence (``attention.FlatStep``: decode rows and prompts'
+        chunks, each token written into and attending over its own sequence's blocks); float32 logits of the tokens
+        at ``logits_at`` only (T_out, V), so a chunk whose positions need no logits costs no LM head."""
         out = self.model(
             input_ids=tokens.view(1, -1).to(self.input_device),
-            position_ids=flat.positions.view(1, -1).to(self.input_device),
+            position_ids=positions.view(1, -1).to(self.input_device),
             use_cache=False,
             logits_to_keep=logits_at,
             flat=flat,
@@ -212,6 +178,6 @@ class ModelRunner:
         return out.logits[0].float()
 
     def compile_step(self) -> None:
-        """SAKER_COMPILE: the slot step through torch.compile (one graph; CUDA graphs on CUDA)."""
+        """SAKER_COMPILE: the decode-only step through torch.compile (one graph; CUDA graphs on CUDA)."""
         mode = "reduce-overhead" if self.input_device.type == "cuda" else None
-        self.compiled_step = torch.compile(self.slot_step, fullgraph=True, mode=mode)
+        self.compiled_step = torch.compile(self.rows_step, fullgraph=True, mode=mode)

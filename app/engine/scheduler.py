@@ -20,10 +20,12 @@ from typing import Iterator
 
 import torch
 
+from app.engine.blocks import BLOCK
 from app.engine.errors import ClientGone
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.generate import (
     BatchOutOfMemory,
+    BlockBatch,
     ChunkedPrefill,
     Event,
     RequestGroup,
@@ -163,17 +165,20 @@ class Scheduler:
         prefill_tokens: int = 0,
         prefill_chunk_tokens: int = 0,
         kv_cache_tokens: int | None = None,
+        prefix_cache_tokens: int = 0,
     ):
         self.runner = runner
         self.max_batch_rows = max(1, max_batch_rows)
         self.max_batch_tokens = max_batch_tokens
-        self.kv_cache_tokens = kv_cache_tokens  # the KV budget: rows x the longest row's reach stays within it
+        # the KV budget in positions: the blocks every running and admitted group may hold at its longest stay within
+        # it (rows x the longest row's reach, for the padded batch)
+        self.kv_cache_tokens = kv_cache_tokens
         # prompt tokens one step computes, across the prompts being prefilled (the running rows' tokens count too)
         self.prefill_tokens = prefill_tokens
         # a prompt computes at most this many of its tokens per step (0: the whole prompt, budget allowing)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
-        self.batch = new_batch(runner, kv_cache_tokens)
+        self.batch = new_batch(runner, kv_cache_tokens, prefix_cache_tokens)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
         self._cond = threading.Condition()
@@ -222,9 +227,7 @@ class Scheduler:
             # max_batch_rows rows beside it (its rows do not count against that limit, only against the KV
             # budget): small requests do not wait for a large one to end
             rows = sum(self._counted(g) for g in self.batch.groups + coming)
-            all_rows = self.batch.rows + sum(g.params.num_candidates for g in coming)
             tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
-            reach = max((g.reach for g in self.batch.groups + coming), default=0)
             adapters = self.batch.adapters | {g.params.adapter for g in coming}
             busy = bool(self.batch.groups or coming)
             while self._pending:
@@ -238,10 +241,8 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
-                    if (
-                        self.kv_cache_tokens
-                        and (all_rows + group.params.num_candidates) * max(reach, group.reach) > self.kv_cache_tokens
-                    ):
+                    held = self.batch.groups + coming + [g for g, _ in taken] + [group]
+                    if self.kv_cache_tokens and self._kv_need(held) > self.kv_cache_tokens:
                         break
                     if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
                         break
@@ -250,9 +251,7 @@ class Scheduler:
                 busy = True
                 adapters.add(group.params.adapter)
                 rows += self._counted(group)
-                all_rows += group.params.num_candidates
                 tokens += group.budget_tokens
-                reach = max(reach, group.reach)
             return taken
 
     def _counted(self, group: RequestGroup) -> int:
@@ -260,13 +259,18 @@ class Scheduler:
         rows = group.params.num_candidates
         return 0 if rows > self.max_batch_rows else rows
 
+    def _kv_need(self, groups: list[RequestGroup]) -> int:
+        """KV positions ``groups`` may hold at their longest: their blocks (every candidate's, up to its reach); for
+        the padded batch, their rows x the longest reach."""
+        if self.runner.plain_cache:
+            return sum(g.kv_blocks for g in groups) * BLOCK
+        rows = sum(g.params.num_candidates for g in groups)
+        return rows * max((g.reach for g in groups), default=0)
+
     @property
     def kv_usage(self) -> float:
-        """Token positions the running batch's rows hold, as a share of the KV budget (0-1)."""
-        if not self.kv_cache_tokens:
-            return 0.0
-        held = sum(getattr(self.batch, "lengths_host", ()))
-        return min(1.0, held / self.kv_cache_tokens)
+        """The KV blocks held by the running rows and the prompts being prefilled, as a share of the pool (0-1)."""
+        return getattr(self.batch, "kv_usage", 0.0)
 
     def _iteration(self) -> None:
         """One step: admit waiting requests (their prompts start prefilling), then one forward in which every
@@ -300,12 +304,13 @@ class Scheduler:
             try:
                 results = self._decode_step(jobs)
             except BaseException as exc:
-                failed, self.batch = self.batch.groups, new_batch(self.runner, self.kv_cache_tokens)
+                failed = self.batch.groups
+                self.batch.reset()
                 _drop_frames(exc)
                 self._after_failure(exc)  # memory back before the requests hear of it
                 for group in failed:
                     self._forget(group).fail(group, exc)
-                while self._prefilling:  # their slots went with the batch's store
+                while self._prefilling:  # their blocks went with the batch's pool
                     group = self._prefilling.popleft().group
                     self._forget(group).fail(group, exc)
                 return
@@ -470,8 +475,8 @@ class Scheduler:
         if isinstance(exc, torch.OutOfMemoryError):
             from app.engine.oom import free_memory
 
-            if self.runner.prefix_cache is not None:
-                self.runner.prefix_cache.clear()  # kept prompts are the first memory to give back
+            if isinstance(self.batch, BlockBatch):
+                self.batch.blocks.clear_cached()  # kept prompts are the first memory to give back
             free_memory()
 
 

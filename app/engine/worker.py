@@ -17,7 +17,6 @@ from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_guard
-from app.engine.prefix_cache import PrefixCache
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
@@ -172,8 +171,6 @@ class Worker:
             loaded.source,
             loaded.precision,
         )
-        if self.prefix_cache_tokens:
-            self.runner.prefix_cache = PrefixCache(self.prefix_cache_tokens)
         self.warm_up()
         if self.kv_cache_tokens is None:
             self.kv_cache_tokens = self.runner.default_kv_budget()
@@ -184,6 +181,7 @@ class Worker:
             prefill_tokens=self.prefill_batch_tokens,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             kv_cache_tokens=self.kv_cache_tokens,
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
             self.compile_decode_step()
@@ -235,27 +233,32 @@ class Worker:
         collect(iter(SoloRun(self.runner, ids, params, max_length=self.info.context_length)), params)
 
     def compile_decode_step(self) -> None:
-        """SAKER_COMPILE: compile the slot step and run it once per batch bucket on the scheduler's own store
-        (its storage preallocated: every slot as long as the context, within the KV budget), so that no request
-        pays a compile or a CUDA graph capture. Models whose cache cannot be kept in slots decode eagerly."""
+        """SAKER_COMPILE: compile the decode-only step and run it once per batch bucket (and window) on the
+        scheduler's own pool, so that no request pays a compile or a CUDA graph capture. Models whose cache cannot be
+        kept in blocks decode eagerly."""
         batch = self.scheduler.batch
         if not hasattr(batch, "warm_up"):
-            log.warning("SAKER_COMPILE: this model's cache cannot be kept in slots; decoding eagerly")
+            log.warning("SAKER_COMPILE: this model's cache cannot be kept in blocks; decoding eagerly")
             return
         start = time.perf_counter()
         self.runner.compile_step()
-        slots = min(self.max_batch_rows, max(1, self.kv_cache_tokens // self.info.context_length))
-        length = min(self.info.context_length, max(1, self.kv_cache_tokens // max(1, slots)))
         import torch
 
         with torch.inference_mode():
-            batch.warm_up(self.runner.probe_cache(), self.max_batch_rows, length)
+            batch.warm_up(self.max_batch_rows, self.info.context_length)
         log.info(
-            "compiled the decode step for batches up to %d rows, %d positions per slot (%.1f s)",
+            "compiled the decode step for batches up to %d rows, windows up to %d positions (%.1f s)",
             self.max_batch_rows,
-            length,
+            batch.capacity,
             time.perf_counter() - start,
         )
+
+    @property
+    def prefix_cache(self):
+        """The prefix cache's bookkeeping (``blocks.BlockManager``: its counters), None when it is off or the model
+        runs in an engine process."""
+        blocks = getattr(getattr(getattr(self, "scheduler", None), "batch", None), "blocks", None)
+        return blocks if blocks is not None and blocks.cached_limit else None
 
     def load_in_background(self, on_error: Callable[[str], None] | None = None) -> threading.Thread:
         def run():

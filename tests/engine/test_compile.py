@@ -1,4 +1,4 @@
-"""SAKER_COMPILE, proven on the CPU: the continuous batch's decode step (``ModelRunner.slot_step``) is one graph
+"""SAKER_COMPILE, proven on the CPU: the continuous batch's decode-only step (``ModelRunner.rows_step``) is one graph
 for torch.compile (``fullgraph=True``: no graph break) and is not compiled again while requests join and leave
 the batch (only a new batch bucket would be); compiled answers equal eager ones (greedy text, logprobs within
 1e-4). The CUDA-graph replay of the same step is checked on a GPU (tests/engine/test_models.py)."""
@@ -54,15 +54,16 @@ def no_new_graphs():
     assert counters["stats"]["unique_graphs"] == before, "a join or leave compiled a new graph"
 
 
-def count_calls(runner, monkeypatch) -> dict:
-    """Count the compiled step's calls per bucket (rows); ``"views"``: each call's (window, slot capacity)."""
+def count_calls(worker, monkeypatch) -> dict:
+    """Count the compiled step's calls per bucket (rows); ``"views"``: each call's (window, the longest window)."""
     calls: dict[int, int] = {}
+    runner = worker.runner
     step = runner.compiled_step
 
-    def counted(tokens, lengths, store, view, *args, **kwargs):
+    def counted(tokens, positions, write, gather, *args, **kwargs):
         calls[tokens.shape[0]] = calls.get(tokens.shape[0], 0) + 1
-        views.append((view, store.capacity))
-        return step(tokens, lengths, store, view, *args, **kwargs)
+        views.append((gather.shape[1], worker.scheduler.batch.capacity))
+        return step(tokens, positions, write, gather, *args, **kwargs)
 
     views: list[tuple[int, int]] = []
     calls["views"] = views  # type: ignore[assignment]
@@ -87,7 +88,7 @@ def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(worke
     compiled, eager = workers
     assert compiled.runner.compiled_step is not None and eager.runner.compiled_step is None
     _, tok = reference(gpt2_dir)
-    calls = count_calls(compiled.runner, monkeypatch)
+    calls = count_calls(compiled, monkeypatch)
     requests = [
         (
             tok("Once upon a time").input_ids,
@@ -115,8 +116,8 @@ def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(worke
     # decode-only steps ran compiled, in the buckets of the rows they had (a step that carries a prompt's chunk
     # runs the eager flat step instead)
     assert set(calls) <= {1, 2} and calls.get(2)
-    # short requests attend over the smallest window, not the whole slot capacity
-    assert {view for view, _ in views} == {256} and all(capacity > 256 for _, capacity in views)
+    # short requests attend over the smallest window (here the whole context: the tiny GPT-2's is 256 positions)
+    assert {view for view, _ in views} == {256} and {capacity for _, capacity in views} == {256}
 
 
 def test_n_candidates_fill_one_bucket(workers, reference, gpt2_dir, monkeypatch):
@@ -124,7 +125,7 @@ def test_n_candidates_fill_one_bucket(workers, reference, gpt2_dir, monkeypatch)
 
     compiled, eager = workers
     _, tok = reference(gpt2_dir)
-    calls = count_calls(compiled.runner, monkeypatch)
+    calls = count_calls(compiled, monkeypatch)
     request = [(tok("Hello there").input_ids, SamplingParams(max_tokens=6, temperature=0.7, seed=9, n=2, logprobs=1))]
     with no_new_graphs():
         (a,) = run(compiled, request)

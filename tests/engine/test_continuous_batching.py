@@ -339,9 +339,9 @@ def shared_prefill(batch_worker, monkeypatch):
     calls = []
     real = worker.runner.flat_step
 
-    def recording(tokens, flat, logits_at):
-        calls.append([count for _, _, count in flat.chunks])
-        return real(tokens, flat, logits_at)
+    def recording(tokens, positions, flat, logits_at):
+        calls.append([count for _, count in flat.chunks])
+        return real(tokens, positions, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", recording)
     monkeypatch.setattr(worker.scheduler, "prefill_tokens", 4096)
@@ -405,11 +405,11 @@ def test_failed_shared_prefill_falls_back_to_one_at_a_time(shared_prefill, refer
     _, tok = reference(path)
     real = worker.runner.flat_step
 
-    def out_of_memory(tokens, flat, logits_at):  # the fixture's recorder records the forwards that run
+    def out_of_memory(tokens, positions, flat, logits_at):  # the fixture's recorder records the forwards that run
         if len(flat.chunks) > 1:
-            calls.append([count for _, _, count in flat.chunks])
+            calls.append([count for _, count in flat.chunks])
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
-        return real(tokens, flat, logits_at)
+        return real(tokens, positions, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", out_of_memory)
     text = tok("Once upon a time there was a garden north of the office").input_ids
@@ -503,9 +503,9 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     rng.shuffle(first)
     late = [(prompt(), params()) for _ in range(rng.randint(0, 3))]
     batched(fast, warm)
-    hits = fast.runner.prefix_cache.hits
+    hits = fast.prefix_cache.hits
     results = batched(fast, first, late)
-    assert fast.runner.prefix_cache.hits > hits
+    assert fast.prefix_cache.hits > hits
     for (ids, p), result in zip(first + late, results):
         same(result, batched(plain, [(ids, p)])[0])
 
@@ -515,23 +515,23 @@ def chunked(batch_worker, monkeypatch):
     """The batch worker prefilling prompts longer than 5 tokens 5 at a time; logs its forwards in order."""
     worker, path = batch_worker
     calls = []
-    real_flat, real_decode = worker.runner.flat_step, worker.runner.slot_step
+    real_flat, real_decode = worker.runner.flat_step, worker.runner.rows_step
 
-    def flat_step(tokens, flat, logits_at):  # a chunk, and the running rows' decode tokens when they ride along
+    def flat_step(tokens, positions, flat, logits_at):  # a chunk, and the running rows' decode tokens when they ride along
         if flat.rows:
             calls.append(("decode", flat.rows))
-        calls.extend(("chunk", count) for _, _, count in flat.chunks)
-        return real_flat(tokens, flat, logits_at)
+        calls.extend(("chunk", count) for _, count in flat.chunks)
+        return real_flat(tokens, positions, flat, logits_at)
 
     def decode(*args, **kwargs):
         calls.append(("decode", args[0].shape[0]))
         return real_decode(*args, **kwargs)
 
     monkeypatch.setattr(worker.runner, "flat_step", flat_step)
-    monkeypatch.setattr(worker.runner, "slot_step", decode)
+    monkeypatch.setattr(worker.runner, "rows_step", decode)
     monkeypatch.setattr(worker.scheduler, "prefill_chunk_tokens", 5)
-    if worker.runner.prefix_cache is not None:
-        worker.runner.prefix_cache.clear()  # a kept prompt would leave too little to chunk
+    if worker.prefix_cache is not None:
+        worker.prefix_cache.clear_cached()  # a kept prompt would leave too little to chunk
     return worker, path, calls
 
 
@@ -585,11 +585,11 @@ def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
     real = worker.runner.flat_step
     seen = {"n": 0}
 
-    def failing(tokens, flat, logits_at):
+    def failing(tokens, positions, flat, logits_at):
         seen["n"] += 1
         if seen["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return real(tokens, flat, logits_at)
+        return real(tokens, positions, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", failing)
     short = (ids[:4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
@@ -608,9 +608,9 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
     started, go = threading.Event(), threading.Event()
     logged_flat = worker.runner.flat_step
 
-    def gated(tokens, flat, logits_at):  # hold the scheduler after the doomed prompt's first chunk
-        out = logged_flat(tokens, flat, logits_at)
-        if any(count == 5 for _, _, count in flat.chunks) and not started.is_set():
+    def gated(tokens, positions, flat, logits_at):  # hold the scheduler after the doomed prompt's first chunk
+        out = logged_flat(tokens, positions, flat, logits_at)
+        if any(count == 5 for _, count in flat.chunks) and not started.is_set():
             started.set()
             go.wait(10)
         return out
@@ -648,8 +648,8 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
 
     steps = []
 
-    def gated(tokens, flat, logits_at):
-        out = logged_flat(tokens, flat, logits_at)
+    def gated(tokens, positions, flat, logits_at):
+        out = logged_flat(tokens, positions, flat, logits_at)
         steps.append(len(flat.chunks))
         if len(steps) <= 2:
             held[len(steps) - 1].set()

@@ -43,7 +43,7 @@ REQUESTS = [
 @pytest.mark.parametrize("params", REQUESTS, ids=["greedy-logprobs", "n-stop", "echo", "best_of", "constrained"])
 def test_answers_equal_the_in_process_engine(workers, params):
     remote, local = workers
-    assert remote.scheduler.process.is_alive() and remote.runner.prefix_cache is None
+    assert remote.scheduler.process.is_alive() and remote.prefix_cache is None
     prompts = [remote.encode("The capital of France is"), remote.encode("Once upon a time")]
     got, got_timings = remote.complete(prompts, params, 256)
     want, _ = local.complete(prompts, params, 256)

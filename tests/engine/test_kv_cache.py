@@ -1,4 +1,4 @@
-"""GrowingLayer appends in place but must read exactly like transformers' DynamicLayer."""
+"""GrowingLayer appends in place but must read exactly like transformers' DynamicLayer; the block pool's storage."""
 
 from __future__ import annotations
 
@@ -32,92 +32,47 @@ def test_growing_layer_matches_dynamic_layer_through_growth_and_outside_changes(
     assert ours._k_buf.shape[-2] >= ours.get_seq_length()
 
 
-def test_slot_store_joins_and_leaves_move_no_other_rows_data():
-    """Rows are written into the lowest free slots; a leave frees its slot without touching the others; a new
-    row takes the freed slot; storage grows (keeping contents) only when more slots or positions are needed."""
+def test_pool_zeroes_blocks_at_first_use_copies_and_compacts():
+    """Blocks are zeroed when first handed out (padding reads finite numbers), a block copies whole, and a compacted
+    pool keeps exactly the blocks asked for, renumbered 1, 2, ..."""
     from types import SimpleNamespace
 
-    from app.engine.kv_cache import SlotStore
+    from app.engine.blocks import BLOCK
+    from app.engine.kv_cache import KVPool
 
-    torch.manual_seed(0)
-    store = SlotStore()
-
-    def prompt(rows, length):
-        return [
-            SimpleNamespace(keys=torch.randn(rows, 2, length, 4), values=torch.randn(rows, 2, length, 4))
-            for _ in range(3)
-        ]
-
-    a, b = prompt(1, 5), prompt(2, 7)
-    slots_a = store.allocate(1)
-    store.write(slots_a, a)
-    slots_b = store.allocate(2)
-    store.write(slots_b, b)
-    assert slots_a == [0] and slots_b == [1, 2]
-    layer = store.layers[1]
-    buffer = layer.keys.data_ptr()
-    kept = layer.keys[1:3, :, :7].clone()
-    store.release(slots_a)
-    c = prompt(1, 3)
-    slots_c = store.allocate(1)
-    store.write(slots_c, c)
-    assert slots_c == [0]  # the freed slot, lowest first
-    assert layer.keys.data_ptr() == buffer  # no reallocation, nothing moved
-    assert torch.equal(layer.keys[1:3, :, :7], kept)  # the other rows' keys untouched
-    assert torch.equal(layer.keys[0, :, :3], c[1].keys[0])
-    assert torch.equal(layer.values[1:3, :, :7], b[1].values)
-    assert store.high == 3
-    store.ensure(store.capacity + 1)  # a longer row: storage grows, contents stay
-    assert layer.keys.data_ptr() != buffer
-    assert torch.equal(layer.keys[1:3, :, :7], kept)
-    one = prompt(1, 4)  # one prompt row written into several slots
-    slots = store.allocate(9)
-    store.write(slots, one)
-    assert slots[0] == 3 and store.slots >= 12
-    assert all(torch.equal(layer.keys[s, :, :4], one[1].keys[0]) for s in slots)
-    assert torch.equal(layer.keys[1:3, :, :7], kept)
+    like = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 2, 1, 4), values=torch.zeros(1, 2, 1, 3))] * 2)
+    pool = KVPool(like, num_blocks=10)
+    assert pool.keys[0].shape == (10 * BLOCK, 2, 4) and pool.values[1].shape == (10 * BLOCK, 2, 3)
+    assert pool.touched == 1 and not pool.keys[0][:BLOCK].any()  # the null block
+    for tensor in (*pool.keys, *pool.values):
+        tensor[BLOCK:].fill_(float("nan"))  # what torch.empty may hold
+    pool.touch(4)
+    assert pool.touched == 4 and not pool.keys[1][: 4 * BLOCK].any() and pool.keys[1][4 * BLOCK :].isnan().all()
+    pool.keys[0][2 * BLOCK : 3 * BLOCK] = torch.arange(BLOCK * 8.0).view(BLOCK, 2, 4)
+    pool.copy_block(2, 3)
+    assert torch.equal(pool.keys[0][3 * BLOCK : 4 * BLOCK], pool.keys[0][2 * BLOCK : 3 * BLOCK])
+    small = pool.compacted([3])
+    assert small.touched == 2 and torch.equal(small.keys[0][BLOCK : 2 * BLOCK], pool.keys[0][3 * BLOCK : 4 * BLOCK])
 
 
-def test_slot_store_stays_within_its_budget_while_rows_join():
-    """A long row, then short rows joining one by one (admission keeps rows x reach within the budget): the
-    store's slots x capacity never passes the budget, although it hands out slots 8 at a time and gives rows
-    room to grow; the long row's keys survive every resize."""
-    from types import SimpleNamespace
-
-    from app.engine.kv_cache import SlotStore
-
-    torch.manual_seed(0)
-    budget = 4096
-    store = SlotStore(budget=budget)
-
-    def prompt(length):
-        return [
-            SimpleNamespace(keys=torch.randn(1, 2, length, 4), values=torch.randn(1, 2, length, 4)) for _ in range(2)
-        ]
-
-    long = prompt(1000)
-    store.write(store.allocate(1), long)
-    assert store.slots * store.capacity <= budget
-    live = 1001
-    for joined in range(1, 4):  # 4 rows x 1001 positions fit 4096; the long row is the longest
-        store.write(store.allocate(1), prompt(20), live=live)
-        assert store.slots * store.capacity <= budget, (joined, store.slots, store.capacity)
-        assert store.capacity >= live and store.slots >= store.high
-        assert torch.equal(store.layers[1].keys[0, :, :1000], long[1].keys[0])
-
-
-def test_an_idle_batch_gives_its_storage_back(gpt2_worker):
-    """After a long request and then a wide one, the slot store holds nothing once the batch is idle (it would
-    otherwise keep slots x the longest row ever seen: memory above the KV budget that never came back)."""
+def test_an_idle_batch_gives_its_memory_back(gpt2_worker):
+    """After a wide request of long rows, the pool keeps only the prompt blocks the prefix cache holds once the
+    batch is idle (it would otherwise keep every block the rows ever touched: memory that never came back)."""
+    from app.engine.blocks import BLOCK
     from app.engine.params import SamplingParams
 
     worker = gpt2_worker
-    worker.complete([worker.encode("Hello world " * 30)], SamplingParams(max_tokens=20, temperature=0.0), 256)
-    worker.complete(
-        [worker.encode("Hello")], SamplingParams(n=16, best_of=16, max_tokens=4, temperature=1.0, seed=1), 256
-    )
-    store = worker.scheduler.batch.store
-    assert store.layers == [] and store.slots == 0 and store.capacity == 0 and not store.used
+    batch = worker.scheduler.batch
+    prompt = worker.encode("Hello world " * 30)
+    worker.complete([prompt], SamplingParams(n=16, best_of=16, max_tokens=100, temperature=1.0, seed=1, ignore_eos=True), 256)
+    assert batch.blocks.held_blocks == 0
+    cached = batch.blocks.cached_tokens // BLOCK
+    assert cached >= len(prompt) // BLOCK - 1  # the prompt's full blocks stay cached
+    assert batch.pool is not None and batch.pool.touched == cached + 1  # and nothing else (and the null block)
+    # the prompt again: its blocks are found in the compacted pool
+    reused = worker.prefix_cache.reused_tokens
+    worker.complete([prompt], SamplingParams(max_tokens=2, temperature=0.0), 256)
+    assert worker.prefix_cache.reused_tokens - reused == (len(prompt) - 1) // BLOCK * BLOCK
 
 
 def test_top_k_beyond_the_vocabulary_is_all_of_it(gpt2_client):

@@ -184,7 +184,6 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
 def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
     """A prompt kept under one adapter is not reused for another (their keys and values differ), and is
     reused for the same one; both agree with peft's own forward."""
-    from app.engine.generate import SoloRun, TokenEvent
     from app.engine.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
@@ -192,19 +191,18 @@ def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
     worker = Worker.from_loaded(("base",), load_model(settings), prefix_cache_tokens=4096)
-    cache = worker.runner.prefix_cache
-    prompt = [1] + list(range(40, 60))
+    cache = worker.prefix_cache
+    prompt = [1] + list(range(40, 60))  # one full block of 16 can be reused
     for name, adapter_dir, reused in (("alpha", a, False), ("beta", b, False), ("beta", b, True), (None, None, False)):
         ids = prompt + [70 + len(name or "")]
         params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True, adapter=name)
         hits = cache.hits
-        with worker.runner.adapter(name):
-            events = list(SoloRun(worker.runner, ids, params, max_length=128))
+        [output], _ = worker.complete([ids], params, 128)
         assert cache.hits == hits + reused, name
-        tokens = [e for e in events if isinstance(e, TokenEvent)]
-        lp = peft_reference_logprobs(llama_dir, adapter_dir, ids + [e.token_id for e in tokens])
-        assert [e.logprob for e in tokens] == pytest.approx(
-            expected(lp, ids + [e.token_id for e in tokens])[len(ids) - 1 :], abs=TOL
+        choice = output.choices[0]
+        lp = peft_reference_logprobs(llama_dir, adapter_dir, ids + choice.token_ids)
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            expected(lp, ids + choice.token_ids)[len(ids) - 1 :], abs=TOL
         )
 
 
@@ -300,8 +298,8 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
 @gpu
 @pytest.mark.gpu
 def test_compiled_decoding_matches_eager(llama_dir, reference):
-    """SAKER_COMPILE on CUDA: the slot step replayed as CUDA graphs gives the eager server's greedy text and
-    logprobs (fp32), alone and with n > 1 (several slots of one bucket)."""
+    """SAKER_COMPILE on CUDA: the decode-only step replayed as CUDA graphs gives the eager server's greedy text and
+    logprobs (fp32), alone and with n > 1 (several rows of one bucket)."""
     from app.engine.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.worker import Worker
@@ -313,7 +311,7 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
     compiled = Worker.from_settings(settings)
     compiled.load()
     assert compiled.runner.compiled_step is not None
-    # every bucket is replayed as a CUDA graph: none skipped (the KV store's in-place writes are allowed because
+    # every bucket is replayed as a CUDA graph: none skipped (the KV pool's in-place writes are allowed because
     # its tensors are static addresses)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     eager = Worker.from_loaded(("m",), load_model(make_settings(model=str(llama_dir), dtype="float32")))

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from app.engine.blocks import BLOCK
 from app.engine.params import SamplingParams
 from conftest import make_settings, make_worker
 
@@ -75,7 +76,7 @@ def assert_matches(got, reference):
 
 
 def fresh(worker, chunk: int):
-    worker.runner.prefix_cache.clear()
+    worker.prefix_cache.clear_cached()
     worker.scheduler.prefill_chunk_tokens = chunk
 
 
@@ -86,10 +87,10 @@ def test_whole_chunked_and_cached_prefills_answer_as_the_plain_forward(worker, p
         for chunk in (0, 7, 16, 32):
             fresh(worker, chunk)
             assert_matches(answer(worker, prompt), reference)
-        # the same prompt again: all but its last token come from the prefix cache
-        before = worker.runner.prefix_cache.lookup("", prompt, touch=False)[1]
-        assert before >= len(prompt) - 1
+        # the same prompt again: its full blocks but the one with its last token come from the prefix cache
+        reused = worker.prefix_cache.reused_tokens
         assert_matches(answer(worker, prompt), reference)
+        assert worker.prefix_cache.reused_tokens - reused == (len(prompt) - 1) // BLOCK * BLOCK > 0
     finally:
         worker.scheduler.prefill_chunk_tokens = chunk_before
 
@@ -102,9 +103,9 @@ def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, refe
     mixed = []
     real = worker.runner.flat_step
 
-    def flat_step(tokens, flat, logits_at):
+    def flat_step(tokens, positions, flat, logits_at):
         mixed.append(flat.rows > 0 and bool(flat.chunks))
-        return real(tokens, flat, logits_at)
+        return real(tokens, positions, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", flat_step)
     tokenizer = worker.tokenizer

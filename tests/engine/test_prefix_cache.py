@@ -6,65 +6,73 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.generate import SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
-from app.engine.prefix_cache import MIN_REUSE, PrefixCache
+from app.engine.blocks import BLOCK, BlockManager, NoFreeBlocks
 from references import ref_greedy, ref_logprobs
 
 TOL = 1e-4
 
 
-class FakeLayer:
-    def __init__(self, length: int, fill: float = 0.0):
-        self.keys = torch.full((2, 3, length + 4, 5), fill)  # rows and spare columns beyond the prompt
-        self.values = torch.full((2, 3, length + 4, 7), fill)
+def test_lookup_shares_the_longest_leading_run_of_full_blocks():
+    blocks = BlockManager(num_blocks=64, cached_limit=32)
+    a = list(range(3 * BLOCK + 5))
+    keys_a = blocks.keys(a)
+    assert len(keys_a) == 3  # full blocks only
+    table = blocks.allocate(4)
+    for block, key in zip(table, keys_a):
+        blocks.register(block, key)
+    # a prompt sharing a's first two blocks and then differing takes those two, held by both now
+    b = a[: 2 * BLOCK] + [999] * BLOCK
+    found = blocks.lookup(blocks.keys(b), len(b))
+    assert found == table[:2] and blocks.refs[table[0]] == 2 and blocks.refs[table[2]] == 1
+    # the chain: an equal block after a different one is not a hit
+    c = [7] * BLOCK + a[BLOCK : 2 * BLOCK]
+    assert blocks.lookup(blocks.keys(c), len(c)) == []
+    # keys are per salt (the PEFT adapter)
+    assert blocks.lookup(blocks.keys(a, salt="other-adapter"), len(a)) == []
+    assert blocks.hits == 1 and blocks.reused_tokens == 2 * BLOCK and blocks.queried_tokens == len(a) + len(b) + len(c)
 
 
-def layers(length, fill=0.0):
-    return [FakeLayer(length, fill), FakeLayer(length, fill)]
+def test_released_blocks_stay_cached_until_needed_or_over_the_limit():
+    blocks = BlockManager(num_blocks=8, cached_limit=2)  # 7 blocks to hand out (block 0 is the null block)
+    prompts = [[i] * BLOCK for i in range(3)]
+    tables = []
+    for prompt in prompts:
+        [block] = blocks.allocate(1)
+        blocks.register(block, blocks.keys(prompt)[0])
+        tables.append(block)
+    assert 0 not in tables and blocks.cached_tokens == 3 * BLOCK
+    blocks.release(tables)  # three cached blocks with no holder, two kept: the least recently released goes
+    assert blocks.cached_tokens == 2 * BLOCK and blocks.held_blocks == 0
+    assert blocks.lookup(blocks.keys(prompts[0]), BLOCK) == []
+    assert blocks.lookup(blocks.keys(prompts[2]), BLOCK) == [tables[2]]
+    blocks.release([tables[2]])
+    # handing out prefers free blocks, then never used ones, then cached ones (least recently released first)
+    assert blocks.free_blocks == 7
+    got = blocks.allocate(5)
+    assert tables[1] not in got and tables[2] not in got and blocks.cached_tokens == 2 * BLOCK
+    assert blocks.allocate(1) == [tables[1]] and blocks.cached_tokens == BLOCK
+    with pytest.raises(NoFreeBlocks):
+        blocks.allocate(2)
 
 
-def test_lookup_takes_the_longest_common_prefix_and_keeps_one_token_to_compute():
-    cache = PrefixCache(max_tokens=1000)
-    a, b = list(range(40)), list(range(20)) + [99] * 20
-    cache.store("", a, layers(40, 1.0))
-    cache.store("", b, layers(40, 2.0))
-    entry, n = cache.lookup("", list(range(30)) + [7])
-    assert n == 30 and entry.tokens == tuple(a)
-    assert entry.keys[0].shape == (1, 3, 40, 5) and entry.values[1].shape == (1, 3, 40, 7)
-    assert float(entry.keys[0][0, 0, 0, 0]) == 1.0
-    assert cache.lookup("", a)[1] == 39  # the same prompt: its last token is computed
-    assert cache.lookup("", list(range(MIN_REUSE - 1)) + [5, 5])[1] == 0  # too short a match
-    assert cache.lookup("other-adapter", a) == (None, 0)  # keys are per adapter
-    assert cache.hits == 2 and cache.reused_tokens == 69
-
-
-def test_stored_copies_do_not_follow_the_layers():
-    cache = PrefixCache(max_tokens=1000)
-    source = layers(20, 1.0)
-    cache.store("", list(range(20)), source)
-    source[0].keys.fill_(5.0)
-    entry, _ = cache.lookup("", list(range(21)))
-    assert float(entry.keys[0].max()) == 1.0
-
-
-def test_budget_drops_least_recently_used_and_extensions_replace():
-    cache = PrefixCache(max_tokens=60)
-    first, second = list(range(100, 120)), list(range(200, 220))
-    cache.store("", first, layers(20))
-    cache.store("", second, layers(20))
-    cache.lookup("", first + [1])  # first is used: second is now the oldest
-    cache.store("", list(range(300, 330)), layers(30))
-    assert cache.tokens == 50 and len(cache) == 2
-    assert cache.lookup("", second + [1]) == (None, 0)
-    cache.store("", first + list(range(10)), layers(30))  # extends first: replaces it
-    assert len(cache) == 2 and cache.tokens == 60
-    assert cache.lookup("", first + list(range(10)) + [1])[1] == 30
-    cache.store("", list(range(70)), layers(70))  # longer than the whole budget: not kept
-    assert cache.tokens == 60 and len(cache) == 2
-    cache.store("", list(range(MIN_REUSE - 1)), layers(MIN_REUSE - 1))  # too short to be worth keeping
-    assert len(cache) == 2
+def test_shared_blocks_free_with_their_last_holder_and_compact_renumbers_the_cached_ones():
+    blocks = BlockManager(num_blocks=16, cached_limit=8)
+    table = blocks.allocate(3)
+    blocks.share(table[:2])  # a second candidate shares two full blocks
+    keys = blocks.keys(list(range(2 * BLOCK)))
+    for block, key in zip(table, keys):
+        blocks.register(block, key)
+    blocks.release(table)
+    assert blocks.held_blocks == 2
+    blocks.release(table[:2])
+    assert blocks.held_blocks == 0 and blocks.cached_tokens == 2 * BLOCK
+    kept = blocks.compact()
+    assert sorted(kept) == sorted(table[:2]) and blocks.fresh == 3
+    assert blocks.lookup(keys, 2 * BLOCK + 1) == [1, 2]
+    blocks.clear_cached()
+    assert blocks.cached_tokens == 0 and blocks.held_blocks == 2
 
 
 # -- with a model --------------------------------------------------------------------------------------
@@ -95,7 +103,7 @@ def long_prompt(tok):
         "Passage: The bedroom is north of the garden. The bathroom is west of the garden. Question: How "
         "do you go from the bathroom to the office? Answer:"
     ).input_ids
-    assert len(ids) >= MIN_REUSE + 4
+    assert len(ids) >= 2 * BLOCK + 1
     return ids
 
 
@@ -105,11 +113,11 @@ def test_a_prompt_extending_a_kept_one_prefills_only_the_rest(workers, reference
     base = long_prompt(tok)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
     run(on, base, params)
-    cache = on.runner.prefix_cache
+    cache = on.prefix_cache
     hits, reused = cache.hits, cache.reused_tokens
     extended = base + tok(" east and then north", add_special_tokens=False).input_ids
     got = run(on, extended, params)
-    assert cache.hits == hits + 1 and cache.reused_tokens - reused >= len(base)
+    assert cache.hits == hits + 1 and cache.reused_tokens - reused == len(base) // BLOCK * BLOCK
     plain = run(off, extended, params)
     assert got.choices[0].text == plain.choices[0].text
     assert got.choices[0].logprobs.token_logprobs == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=TOL)
@@ -126,9 +134,9 @@ def test_the_same_prompt_again_and_seeded_sampling(workers):
     ids = long_prompt(tok)
     params = SamplingParams(max_tokens=10, temperature=0.9, seed=7, n=2, logprobs=1, ignore_eos=True)
     first = run(on, ids, params)
-    hits = on.runner.prefix_cache.hits
+    hits = on.prefix_cache.hits
     again = run(on, ids, params)
-    assert on.runner.prefix_cache.hits == hits + 1  # all but the last prompt token reused
+    assert on.prefix_cache.hits == hits + 1  # every full block but the one with the last prompt token reused
     plain = run(off, ids, params)
     for a, b, c in zip(first.choices, again.choices, plain.choices):
         assert a.text == b.text == c.text
@@ -141,43 +149,31 @@ def test_echo_scoring_prefills_in_full(workers, reference):
     model, tok = reference(path)
     ids = long_prompt(tok)
     run(on, ids, SamplingParams(max_tokens=2, temperature=0.0))
-    hits = on.runner.prefix_cache.hits
+    hits = on.prefix_cache.hits
     scored = run(on, ids + ids[1:5], SamplingParams(max_tokens=0, echo=True, logprobs=1))
-    assert on.runner.prefix_cache.hits == hits
+    assert on.prefix_cache.hits == hits
     lp = ref_logprobs(model, ids + ids[1:5])
     want = [None] + [lp[i - 1, t].item() for i, t in enumerate(ids + ids[1:5]) if i]
     got = scored.choices[0].logprobs.token_logprobs
     assert got[0] is None and got[1:] == pytest.approx(want[1:], abs=TOL)
 
 
-def test_alone_runs_use_it_too(workers):
-    """The in-process SoloRun (warm-up, tools) goes through the same prefill."""
-    on, off, _ = workers
-    ids = long_prompt(on.runner.tokenizer)
-    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)
-    run(on, ids, params)
-    hits = on.runner.prefix_cache.hits
-    got = collect(iter(SoloRun(on.runner, ids + ids[:3], params, max_length=256)), params)
-    assert on.runner.prefix_cache.hits == hits + 1
-    want = collect(iter(SoloRun(off.runner, ids + ids[:3], params, max_length=256)), params)
-    assert got.choices[0].text == want.choices[0].text
-
-
 def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
-    """The second identical request reuses all but the last prompt token and says so in ``timing`` and a header;
-    its answer and usage are the first one's."""
+    """The second identical request reuses the prompt's full blocks (all but the one holding its last token) and
+    says so in ``timing`` and a header; its answer and usage are the first one's."""
     _, tok = reference(gpt2_dir)
     prompt = (
         "Passage: The office is north of the hallway. The bathroom is east of the bedroom. Question: How do "
         "you go from the hallway to the bathroom? Answer:"
     )
     n = len(tok(prompt).input_ids)
+    cached = (n - 1) // BLOCK * BLOCK
     body = {"model": "tiny-gpt2", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     first = gpt2_client.post("/v1/completions", json=body)
     second = gpt2_client.post("/v1/completions", json=body)
-    assert second.get_json()["timing"]["cached_prompt_tokens"] == n - 1
-    assert second.headers["X-Saker-Cached-Prompt-Tokens"] == str(n - 1)
-    assert first.get_json()["timing"]["cached_prompt_tokens"] in (0, n - 1)  # 0 unless an earlier test sent it
+    assert second.get_json()["timing"]["cached_prompt_tokens"] == cached > 0
+    assert second.headers["X-Saker-Cached-Prompt-Tokens"] == str(cached)
+    assert first.get_json()["timing"]["cached_prompt_tokens"] in (0, cached)  # 0 unless an earlier test sent it
     a, b = first.get_json(), second.get_json()
     assert a["usage"] == b["usage"] and a["usage"]["prompt_tokens"] == n
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
@@ -186,36 +182,29 @@ def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
     )
     metrics = gpt2_client.get("/metrics").get_data(as_text=True)
     samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("saker_prefix_cache"))
-    cache = gpt2_client.application.extensions["saker.service"].worker.runner.prefix_cache
+    cache = gpt2_client.application.extensions["saker.service"].worker.prefix_cache
     assert cache.hits >= 1
     assert float(samples["saker_prefix_cache_hits_total"]) == cache.hits
     assert float(samples["saker_prefix_cache_reused_tokens_total"]) == cache.reused_tokens
-    assert float(samples["saker_prefix_cache_tokens"]) == cache.tokens > 0
+    assert float(samples["saker_prefix_cache_tokens"]) == cache.cached_tokens > 0
 
 
 def test_out_of_memory_empties_the_prefix_cache(workers, monkeypatch):
-    """Kept prompts are the first memory given back: an OOM while keeping one, or in a request, clears them."""
+    """Kept prompts are the first memory given back: an OOM in a request forgets them."""
     on, _, _ = workers
-    cache = on.runner.prefix_cache
+    cache = on.prefix_cache
     ids = long_prompt(on.runner.tokenizer)
     params = SamplingParams(max_tokens=3, temperature=0.0)
     run(on, ids, params)
-    assert len(cache)
-    real_decode = on.runner.slot_step
+    assert cache.cached_tokens
 
     def failing(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(on.runner, "slot_step", failing)
+    monkeypatch.setattr(on.runner, "rows_step", failing)
     with pytest.raises(torch.OutOfMemoryError):
         run(on, ids + [5], params)
-    assert len(cache) == 0 and cache.tokens == 0
-    monkeypatch.setattr(on.runner, "slot_step", real_decode)
-
-    def no_room(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-
-    run(on, ids, params)
-    monkeypatch.setattr(cache, "store", no_room)
-    got = run(on, ids[:-1] + [7, 8], params)  # served; the prompt is just not kept
-    assert got.choices[0].finish_reason == "length" and len(cache) == 0
+    assert cache.cached_tokens == 0
+    monkeypatch.undo()
+    got = run(on, ids, params)  # served again, and kept again
+    assert got.choices[0].finish_reason == "length" and cache.cached_tokens
