@@ -7,7 +7,7 @@ import time
 
 from app.engine import runner
 
-_decode = runner.ModelRunner.slot_step
+_decode = runner.ModelRunner.rows_step
 
 
 def _gated_decode(self, *args, **kwargs):
@@ -21,6 +21,6 @@ def _gated_decode(self, *args, **kwargs):
     return _decode(self, *args, **kwargs)
 
 
-runner.ModelRunner.slot_step = _gated_decode
+runner.ModelRunner.rows_step = _gated_decode
 
 from wsgi import app  # noqa: E402,F401 - after the patch

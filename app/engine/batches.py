@@ -81,7 +81,8 @@ class BlockBatch(BatchBase):
     def __init__(self, runner: ModelRunner, kv_cache_tokens: int | None = None, prefix_cache_tokens: int = 0):
         self.runner = runner
         self.groups: list[RequestGroup] = []
-        self.kv_cache_tokens = kv_cache_tokens  # the pool's size in positions (None: the default budget)
+        self.kv_cache_tokens = kv_cache_tokens  # the KV budget in positions (None: the default, at the first use)
+        self.budget = 0  # the budget in use (set with the pool)
         self.blocks = BlockManager(0, prefix_cache_tokens // BLOCK)
         self.pool: KVPool | None = None
         self.static = False  # compiled on CUDA: the pool never moves (set by ``warm_up``)
@@ -101,8 +102,8 @@ class BlockBatch(BatchBase):
     # -- blocks ---------------------------------------------------------------------------------------------------
     def _pool(self) -> KVPool:
         if self.pool is None:
-            tokens = self.kv_cache_tokens or self.runner.default_kv_budget()
-            self.blocks.num_blocks = max(2, -(-tokens // BLOCK) + 1)  # and the null block
+            self.budget = self.kv_cache_tokens or self.runner.default_kv_budget()
+            self.blocks.num_blocks = -(-self.budget // BLOCK) + 1 + SLACK  # and the null block
             self.pool = KVPool(self.runner.probe_cache(), self.blocks.num_blocks, self.static)
         return self.pool
 
@@ -117,7 +118,10 @@ class BlockBatch(BatchBase):
         have_rows, have_columns = self.tables.shape
         if rows <= have_rows and columns <= have_columns:
             return
-        rows, columns = max(rows, 2 * have_rows, 8), max(columns, have_columns if columns <= have_columns else 2 * have_columns, 16)
+        rows, columns = (
+            max(rows, 2 * have_rows, 8),
+            max(columns, have_columns if columns <= have_columns else 2 * have_columns, 16),
+        )
         tables = np.zeros((rows, columns), dtype=np.int64)
         tables[:have_rows, :have_columns] = self.tables
         counts, lengths = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
@@ -154,9 +158,7 @@ class BlockBatch(BatchBase):
     def accepts(self, group: RequestGroup) -> bool:
         return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
 
-    def add_reserved(
-        self, group: RequestGroup, table: list[int], tokens: torch.Tensor, sampling: SamplingRows
-    ) -> None:
+    def add_reserved(self, group: RequestGroup, table: list[int], tokens: torch.Tensor, sampling: SamplingRows) -> None:
         """Join a group whose prompt was computed into ``table``: its first row keeps those blocks, each other
         candidate shares the full ones and gets a copy of the last, partial one."""
         length = len(group.prompt_ids)
@@ -233,8 +235,10 @@ class BlockBatch(BatchBase):
 
     @property
     def kv_usage(self) -> float:
-        """Blocks held by rows and prompts, as a share of the pool (0-1)."""
-        return self.blocks.held_blocks / max(1, self.blocks.num_blocks - 1) if self.pool is not None else 0.0
+        """The positions of the blocks held by rows and prompts, as a share of the KV budget (0-1)."""
+        if self.pool is None:
+            return 0.0
+        return min(1.0, self.blocks.held_blocks * BLOCK / self.budget)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def _rows_inputs(self, rows: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -368,6 +372,10 @@ class BlockBatch(BatchBase):
 
 
 _IN_BLOCK = np.arange(BLOCK, dtype=np.int64)
+# blocks the pool holds beyond the KV budget: admission counts whole blocks for every candidate, but a request is
+# refused (400) only when its candidates' positions pass the budget, and the first group is always admitted: one
+# partly filled block per candidate of the widest request (SAKER_MAX_N's default) must fit beside the budget
+SLACK = 128
 
 
 def _on(array: np.ndarray, device) -> torch.Tensor:

@@ -37,7 +37,9 @@ class BlockManager:
         self.fresh = 1  # blocks below this have been handed out at least once (the pool's touched part)
         self._cached: dict[Key, int] = {}  # key -> block
         self._key_of: dict[int, Key] = {}  # block -> key, for cached blocks
-        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with no holder, least recently released first
+        self._idle: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached blocks with no holder, least recently released first
         # counters (prefix caching): prompts that reused blocks, tokens reused, tokens looked up
         self.hits = 0
         self.reused_tokens = 0

@@ -162,9 +162,7 @@ class ModelRunner:
         )
         return out.logits[:, -1, :].float()
 
-    def flat_step(
-        self, tokens: torch.Tensor, positions: torch.Tensor, flat, logits_at: torch.Tensor
-    ) -> torch.Tensor:
+    def flat_step(self, tokens: torch.Tensor, positions: torch.Tensor, flat, logits_at: torch.Tensor) -> torch.Tensor:
         """One forward of a step's tokens as one flat sequence (``attention.FlatStep``: decode rows and prompts'
         chunks, each token written into and attending over its own sequence's blocks); float32 logits of the tokens
         at ``logits_at`` only (T_out, V), so a chunk whose positions need no logits costs no LM head."""

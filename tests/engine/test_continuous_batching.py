@@ -517,7 +517,9 @@ def chunked(batch_worker, monkeypatch):
     calls = []
     real_flat, real_decode = worker.runner.flat_step, worker.runner.rows_step
 
-    def flat_step(tokens, positions, flat, logits_at):  # a chunk, and the running rows' decode tokens when they ride along
+    def flat_step(
+        tokens, positions, flat, logits_at
+    ):  # a chunk, and the running rows' decode tokens when they ride along
         if flat.rows:
             calls.append(("decode", flat.rows))
         calls.extend(("chunk", count) for _, count in flat.chunks)

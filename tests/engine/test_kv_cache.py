@@ -63,8 +63,11 @@ def test_an_idle_batch_gives_its_memory_back(gpt2_worker):
 
     worker = gpt2_worker
     batch = worker.scheduler.batch
+    worker.prefix_cache.clear_cached()  # what earlier tests left
     prompt = worker.encode("Hello world " * 30)
-    worker.complete([prompt], SamplingParams(n=16, best_of=16, max_tokens=100, temperature=1.0, seed=1, ignore_eos=True), 256)
+    worker.complete(
+        [prompt], SamplingParams(n=16, best_of=16, max_tokens=100, temperature=1.0, seed=1, ignore_eos=True), 256
+    )
     assert batch.blocks.held_blocks == 0
     cached = batch.blocks.cached_tokens // BLOCK
     assert cached >= len(prompt) // BLOCK - 1  # the prompt's full blocks stay cached

@@ -40,7 +40,7 @@ def test_real_cuda_out_of_memory_is_503_and_memory_comes_back(cuda_app, monkeypa
     expected = client.post(URL, json=body).get_json()["choices"]
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    step = "compiled_step" if runner.compiled_step is not None else "slot_step"  # the decode step in use
+    step = "compiled_step" if runner.compiled_step is not None else "rows_step"  # the decode step in use
     real = getattr(runner, step)
     calls = {"n": 0}
 

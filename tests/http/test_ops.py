@@ -118,7 +118,7 @@ def test_out_of_memory_is_503_and_the_server_goes_on(llama_app, monkeypatch, cud
     worker = llama_app.extensions["saker.service"].worker
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     expected = client.post(URL, json=body).get_json()["choices"][0]["text"]
-    calls = inject_oom(monkeypatch, worker.runner, "slot_step", on_call=1)
+    calls = inject_oom(monkeypatch, worker.runner, "rows_step", on_call=1)
     resp = client.post(URL, json=body)
     err = error_of(resp, 503, "out_of_memory", "service_unavailable")
     assert "memory" in err["message"] and "20.00 GiB" not in err["message"]
@@ -134,7 +134,7 @@ def test_out_of_memory_mid_stream_is_an_error_frame_then_done(llama_app, monkeyp
     client = llama_app.test_client()
     worker = llama_app.extensions["saker.service"].worker
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    inject_oom(monkeypatch, worker.runner, "slot_step", on_call=3)
+    inject_oom(monkeypatch, worker.runner, "rows_step", on_call=3)
     frames = sse(client.post(URL, json={**body, "stream": True}))
     assert frames[-1] == {"error": frames[-1]["error"]}
     assert frames[-1]["error"]["code"] == "out_of_memory" and frames[-1]["error"]["type"] == "service_unavailable"
@@ -331,10 +331,10 @@ def test_metrics_count_requests_tokens_and_timings(gpt2_worker):
         assert value(after, name) == 2, name
     assert value(after, "saker_request_duration_seconds_count", route="/v1/completions") == 3
     assert value(after, "saker_requests_in_flight") == 1  # this scrape
-    cache = gpt2_worker.runner.prefix_cache
+    cache = gpt2_worker.prefix_cache
     assert value(after, "saker_prefix_cache_hits_total") == cache.hits
     assert value(after, "saker_prefix_cache_reused_tokens_total") == cache.reused_tokens
-    assert value(after, "saker_prefix_cache_tokens") == cache.tokens
+    assert value(after, "saker_prefix_cache_tokens") == cache.cached_tokens
     assert value(after, "process_resident_memory_bytes") > 0
     assert value(after, "saker_kv_cache_budget_tokens") == gpt2_worker.kv_cache_tokens > 0
     assert value(after, "saker_kv_cache_usage") == 0.0  # nothing running
@@ -441,7 +441,7 @@ def test_access_log_with_prompts(gpt2_worker, tmp_path):
 def test_access_log_records_a_stream_error_code(llama_worker, tmp_path, monkeypatch):
     log_file = tmp_path / "access.log"
     client = make_app(llama_worker, access_log=str(log_file), served_model_name="tiny-llama").test_client()
-    inject_oom(monkeypatch, llama_worker.runner, "slot_step", on_call=3)
+    inject_oom(monkeypatch, llama_worker.runner, "rows_step", on_call=3)
     sse(
         client.post(
             URL,

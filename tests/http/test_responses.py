@@ -894,7 +894,8 @@ def test_openai_client_previous_response_id_reuses_the_prefix_cache(client):
     )
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1 > 0
+    # the prefix cache shares whole blocks of 16 tokens: every full one of the first request's prompt is reused
+    assert second.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens - 1) // 16 * 16 > 0
 
 
 @pytest.mark.slow

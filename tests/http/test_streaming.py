@@ -177,7 +177,7 @@ def test_continuous_usage_stats_without_include_usage_sends_no_usage(llama_clien
 def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkeypatch):
     runner = llama_app.extensions["saker.service"].worker.runner
     calls = {"n": 0}
-    real = runner.slot_step
+    real = runner.rows_step
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -185,7 +185,7 @@ def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkey
             raise RuntimeError("injected fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "slot_step", failing)
+    monkeypatch.setattr(runner, "rows_step", failing)
     body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     data = frames(llama_client.post("/v1/completions", json={**body, "stream": True}))
     assert data[-1] == "[DONE]"
@@ -193,7 +193,7 @@ def test_error_after_the_stream_began_is_a_frame(llama_client, llama_app, monkey
     assert set(error) == {"error"} and error["error"]["type"] == "server_error"
     assert "request id" in error["error"]["message"] and "injected" not in error["error"]["message"]
     assert any(json.loads(d).get("choices") for d in data[:-2])  # text was streamed before the fault
-    monkeypatch.setattr(runner, "slot_step", real)
+    monkeypatch.setattr(runner, "rows_step", real)
     # the worker is free and serving
     assert llama_client.post("/v1/completions", json=body).status_code == 200
 
