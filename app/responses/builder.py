@@ -3,6 +3,7 @@ then its status and usage, or its error."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -16,6 +17,17 @@ def _echoed_tool(tool: Any) -> Any:
     if isinstance(tool, dict) and tool.get("type") == "function":
         return {"strict": None, "parameters": None, **tool}
     return tool
+
+
+def call_status(item: dict, finish_reason: str | None) -> str:
+    """A function_call item's status once the answer is done: ``incomplete`` when the answer was cut
+    (max_output_tokens) inside the call, so that its arguments never became whole JSON."""
+    if finish_reason == "length":
+        try:
+            json.loads(item["arguments"])
+        except ValueError:
+            return "incomplete"
+    return "completed"
 
 
 def new_id(prefix: str) -> str:
@@ -100,6 +112,8 @@ class ResponseBuilder:
             for item in response["output"]:
                 if item["type"] in ("message", "reasoning"):
                     item["status"] = "incomplete"
+                elif item["type"] == "function_call":
+                    item["status"] = call_status(item, finish_reason)
         response["usage"] = {
             "input_tokens": input_tokens,
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},

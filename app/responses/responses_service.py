@@ -88,7 +88,7 @@ class ResponsesService:
         after the start is a ``response.failed`` event."""
         prepared, builder = state.prepared, state.builder
         chunks = self.completions.stream(prepared, alive=alive)
-        finish, usage, text, calls = None, None, [], []
+        finish, usage, text = None, None, []
         with contextlib.closing(chunks):
             first = next(chunks, None)  # a full queue or an error before the first token: an HTTP error
             yield state.event("response.created", response=builder.snapshot("in_progress"))
@@ -106,16 +106,16 @@ class ResponsesService:
                             logprobs = (choice.get("logprobs") or {}).get("content") or []
                             yield from state.text_delta(delta["content"], logprobs)
                             text.append(delta["content"])
-                        for call in delta.get("tool_calls") or []:
-                            yield from state.close_message()
-                            yield from state.call(call)
-                            calls.append(call)
+                        for entry in delta.get("tool_calls") or []:
+                            yield from state.call_delta(entry)
                         if choice.get("finish_reason"):
                             finish = state.finish = choice["finish_reason"]
+                calls = state.calls
                 if not calls and not state.message_open and not text:
                     yield from state.text_delta("", [])  # an empty answer is still a message
                 yield from state.close_reasoning()
                 yield from state.close_message()
+                yield from state.close_call()
                 prompt_tokens = (usage or {}).get("prompt_tokens", sum(len(ids) for ids in prepared.prompts))
                 output_tokens = (usage or {}).get("completion_tokens", prepared.timings.generated_tokens)
                 thoughts = state.reasoning["content"][0]["text"] if state.reasoning else None
@@ -124,7 +124,7 @@ class ResponsesService:
                 )
                 said = {"role": "assistant", "content": "".join(text) or None}
                 if calls:
-                    said["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+                    said["tool_calls"] = calls
                 if state.request.store is not False:
                     self.store.put(response, state.conversation + [said])
                 kind = "response.completed" if response["status"] == "completed" else "response.incomplete"

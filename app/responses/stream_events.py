@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from app.responses.builder import ResponseBuilder
+from app.responses.builder import ResponseBuilder, call_status
 from app.responses.request import ResponsesRequest
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ class StreamState:
         self.sequence = 0
         self.message: dict | None = None  # the message item being written
         self.reasoning: dict | None = None  # the reasoning item (a reasoning parser's thoughts)
+        self.call: dict | None = None  # the function_call item whose arguments are being written
         self.finish: str | None = None  # the answer's finish_reason, once known
         self.logprobs: list = []
 
@@ -66,6 +67,7 @@ class StreamState:
 
     def text_delta(self, text: str, logprobs: list) -> Iterator[dict]:
         yield from self.close_reasoning()
+        yield from self.close_call()
         if self.message is None:
             self.message = self.builder.add_message("", [] if self.request.wants_logprobs else None)
             self.message["status"] = "in_progress"
@@ -112,22 +114,53 @@ class StreamState:
         item["status"] = "incomplete" if self.finish == "length" else "completed"
         yield self.event("response.output_item.done", output_index=index, item=item)
 
-    def call(self, call: dict) -> Iterator[dict]:
-        yield from self.close_reasoning()
-        item = self.builder.add_call(call)
-        index = len(self.builder.output) - 1
-        arguments = item["arguments"]
-        yield self.event(
-            "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
-        )
-        yield self.event(
-            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments
-        )
+    def call_delta(self, entry: dict) -> Iterator[dict]:
+        """A chat ``tool_calls`` delta entry: a call's first (with its ``id``) adds a ``function_call`` item (what
+        was open before it is done first), the later ones are ``response.function_call_arguments.delta``."""
+        if entry.get("id"):
+            yield from self.close_reasoning()
+            yield from self.close_message()
+            yield from self.close_call()
+            function = entry.get("function") or {}
+            item = self.builder.add_call({"id": entry["id"], "function": {"name": function["name"], "arguments": ""}})
+            item["status"] = "in_progress"
+            self.call = item
+            index = len(self.builder.output) - 1
+            yield self.event("response.output_item.added", output_index=index, item=dict(item))
+        arguments = (entry.get("function") or {}).get("arguments") or ""
+        if arguments and self.call is not None:
+            self.call["arguments"] += arguments
+            yield self.event(
+                "response.function_call_arguments.delta",
+                item_id=self.call["id"],
+                output_index=self.builder.output.index(self.call),
+                delta=arguments,
+            )
+
+    def close_call(self) -> Iterator[dict]:
+        if self.call is None:
+            return
+        item, self.call = self.call, None
+        index = self.builder.output.index(item)
         yield self.event(
             "response.function_call_arguments.done",
             item_id=item["id"],
             output_index=index,
             name=item["name"],
-            arguments=arguments,
+            arguments=item["arguments"],
         )
+        item["status"] = call_status(item, self.finish)
         yield self.event("response.output_item.done", output_index=index, item=item)
+
+    @property
+    def calls(self) -> list[dict]:
+        """The calls of the answer so far, as chat's ``tool_calls`` (what the store keeps)."""
+        return [
+            {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            for item in self.builder.output
+            if item["type"] == "function_call"
+        ]

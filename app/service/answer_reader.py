@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.reasoning import ThinkStream
-from app.tool_calls import ToolCallStream
+from app.tool_calls import CallDelta, ToolCall, ToolCallStream
 
 if TYPE_CHECKING:
     from app.service.prepared import PreparedRequest
@@ -20,21 +20,23 @@ class AnswerReader:
         self.think, self.tools = think, tools
 
     @property
-    def calls(self) -> int:
-        return self.tools.calls if self.tools is not None else 0
+    def calls(self) -> list[ToolCall]:
+        """The calls read so far (the last one's arguments as far as they are read)."""
+        return self.tools.calls if self.tools is not None else []
 
-    def feed(self, text: str, final: bool) -> tuple[str, str, list]:
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
+        """(thoughts, content, call deltas) released by this piece of text; ``final``: it is the answer's last."""
         thoughts, content = self.think.feed(text) if self.think is not None else ("", text)
         if final and self.think is not None:
             more_thoughts, more_content = self.think.finish()
             thoughts, content = thoughts + more_thoughts, content + more_content
-        calls: list = []
+        deltas: list[CallDelta] = []
         if self.tools is not None:
-            content, calls = self.tools.feed(content)
+            content, deltas = self.tools.feed(content)
             if final:
                 tail, more = self.tools.finish()
-                content, calls = content + tail, calls + more
-        return thoughts, content, calls
+                content, deltas = content + tail, deltas + more
+        return thoughts, content, deltas
 
 
 def reader_for(prepared: PreparedRequest, tool_format) -> AnswerReader | None:

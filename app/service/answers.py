@@ -89,7 +89,8 @@ def chat_choice(prepared: PreparedRequest, index: int, choice, tool_format) -> C
     message = ChatResponseMessage(content=choice.text)
     reader = reader_for(prepared, tool_format)
     if reader is not None:
-        thoughts, content, calls = reader.feed(choice.text, final=True)
+        thoughts, content, _ = reader.feed(choice.text, final=True)
+        calls = reader.calls
         message = ChatResponseMessage(
             content=content or (None if calls or prepared.tools else content),
             tool_calls=[call.as_openai() for call in calls] or None,

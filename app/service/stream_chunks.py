@@ -100,8 +100,7 @@ class StreamChunks:
                 else readers.setdefault(index, reader_for(prepared, self.service.tool_format))
             )
             if reader is not None:
-                chunk = self._read_chunk(index, reader, release)
-                if chunk is not None:
+                for chunk in self._read_chunks(index, reader, release):
                     yield chunk, generated
                 continue
             if prepared.chat:
@@ -125,33 +124,46 @@ class StreamChunks:
                     choice["prompt_logprobs"] = release.prompt_logprobs
             yield self._chunk([choice]), generated
 
-    def _read_chunk(self, index: int, reader: AnswerReader, release) -> dict | None:
-        """A chat chunk of an answer read for thoughts and tool calls: thoughts as ``reasoning`` (and
-        ``reasoning_content``) deltas, content outside calls as it comes, each call as one ``tool_calls`` delta
-        (id, name and whole arguments) once its closing tag is in."""
+    def _read_chunks(self, index: int, reader: AnswerReader, release) -> list[dict]:
+        """The chat chunks of one release of an answer read for thoughts and tool calls: thoughts as
+        ``reasoning`` (and ``reasoning_content``) deltas, content outside calls as it comes, and ``tool_calls``
+        deltas as calls are read (a call's first delta with its id, type and name and ``arguments: ""``, then
+        pieces of its arguments). A delta names each call once: a call that starts and goes on in the same
+        release takes two chunks. The release's logprobs ride on the first chunk, its finish_reason on the last;
+        none at all while a call or a tag is still undecided."""
         prepared = self.prepared
-        thoughts, content, calls = reader.feed(release.text, final=bool(release.finish_reason))
+        thoughts, content, deltas = reader.feed(release.text, final=bool(release.finish_reason))
         delta: dict = {}
         if thoughts:
             delta["reasoning"] = delta["reasoning_content"] = thoughts
         if content:
             delta["content"] = content
-        if calls:
-            first = reader.calls - len(calls)
-            delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(calls)]
+        groups: list[list[dict]] = []
+        for call in deltas:
+            if not groups or any(entry["index"] == call.index for entry in groups[-1]):
+                groups.append([])
+            groups[-1].append(call.as_openai())
         logprobs = chat_logprobs(release.logprobs, prepared.params.logprobs or 0)
-        if not delta and not release.finish_reason and logprobs is None:
-            return None  # inside a call or a tag: nothing to say yet
-        return self._chunk(
-            [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs.model_dump() if logprobs else None,
-                    "finish_reason": finish_reason(release.finish_reason, reader.calls > 0),
-                }
-            ],
-        )
+        if not delta and not groups and not release.finish_reason and logprobs is None:
+            return []  # inside a call or a tag: nothing to say yet
+        deltas_out = [{**delta, "tool_calls": groups[0]} if groups else delta]
+        deltas_out += [{"tool_calls": group} for group in groups[1:]]
+        last = len(deltas_out) - 1
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": d,
+                        "logprobs": logprobs.model_dump() if logprobs and i == 0 else None,
+                        "finish_reason": finish_reason(release.finish_reason, bool(reader.calls))
+                        if i == last
+                        else None,
+                    }
+                ],
+            )
+            for i, d in enumerate(deltas_out)
+        ]
 
     def _chunk(self, choices: list[dict]) -> dict:
         prepared = self.prepared
