@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.blocks import BLOCK
+
 NAME = "saker"
 TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head is 16 MB
 
@@ -33,15 +35,17 @@ TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **_) -> tuple:
     """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype, computed in
     float64. ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the last query sees every
-    key (or no mask at all with ``is_causal`` False)."""
+    key (or no mask at all with ``is_causal`` False).
+
+    One kv head at a time: its keys and values as (B, Lk, D) matrices of any row stride (those the block pool gives
+    are rows of (B, Lk, Hkv, D), read without another copy when the pool is float64, as it is for the models that
+    take this path), and its group of query heads as the rows of one product (grouped-query attention without
+    copying keys)."""
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
-    # grouped-query attention without copying keys: a kv head's queries as the rows of one product
     q = query.double().view(batch, kv_heads, group, length, dim)
-    k = key.double().transpose(-1, -2)  # (B, Hkv, D, Lk)
-    v = value.double()  # (B, Hkv, Lk, Dv)
     mask = None
     if attention_mask is not None:  # (B|1, 1|Hq, Lq, Lk) -> (B|1, 1|Hkv, 1|group, Lq, Lk)
         mask = attention_mask
@@ -52,26 +56,29 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = attention_mask is None and is_causal and length > 1
-    out = torch.empty(batch, kv_heads, group, length, v.shape[-1], dtype=torch.float64, device=query.device)
-    for start in range(0, length, TILE):
-        end = min(start + TILE, length)
-        rows = end - start
-        # causal without a mask: keys past the tile's last query are never seen (float64 sums do not depend on
-        # the trailing zeros they would add, to float32 rounding)
-        seen = keys - length + end if causal else keys
-        tile = q[:, :, :, start:end].reshape(batch, kv_heads, group * rows, dim)
-        scores = torch.matmul(tile, k[..., :seen]).mul_(scale).view(batch, kv_heads, group, rows, seen)
-        if mask is not None:
-            block = mask[..., start:end, :]
-            if block.dtype == torch.bool:
-                scores = scores.masked_fill(~block, float("-inf"))
-            else:
-                scores = scores + block.double()
-        elif causal:  # query i sits at key position Lk - Lq + i
-            at = torch.arange(start, end, device=query.device).view(-1, 1) + (keys - length)
-            scores = scores.masked_fill(torch.arange(seen, device=query.device).view(1, -1) > at, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * rows, seen)
-        out[:, :, :, start:end] = torch.matmul(probs, v[..., :seen, :]).view(batch, kv_heads, group, rows, -1)
+    out = torch.empty(batch, kv_heads, group, length, value.shape[-1], dtype=torch.float64, device=query.device)
+    for head in range(kv_heads):
+        k, v = key[:, head].double(), value[:, head].double()  # (B, Lk, D): no copy when already float64
+        head_mask = None if mask is None else mask[:, head if mask.shape[1] > 1 else 0]  # (B|1, 1|group, Lq, Lk)
+        for start in range(0, length, TILE):
+            end = min(start + TILE, length)
+            rows = end - start
+            # causal without a mask: keys past the tile's last query are never seen (float64 sums do not depend
+            # on the trailing zeros they would add, to float32 rounding)
+            seen = keys - length + end if causal else keys
+            tile = q[:, head, :, start:end].reshape(batch, group * rows, dim)
+            scores = torch.bmm(tile, k[:, :seen].transpose(1, 2)).mul_(scale).view(batch, group, rows, seen)
+            if head_mask is not None:
+                block = head_mask[..., start:end, :]
+                if block.dtype == torch.bool:
+                    scores = scores.masked_fill(~block, float("-inf"))
+                else:
+                    scores = scores + block.double()
+            elif causal:  # query i sits at key position Lk - Lq + i
+                at = torch.arange(start, end, device=query.device).view(-1, 1) + (keys - length)
+                scores = scores.masked_fill(torch.arange(seen, device=query.device).view(1, -1) > at, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).view(batch, group * rows, seen)
+            out[:, head, :, start:end] = torch.bmm(probs, v[:, :seen]).view(batch, group, rows, -1)
     # a row with every key masked (padding) gives NaN from softmax: zeros instead
     out = out.nan_to_num_(0.0).view(batch, heads, length, -1)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
@@ -110,9 +117,10 @@ def attention(
 class FlatStep:
     """One step's tokens over the block pool (``kv_cache.KVPool``): first ``rows`` decode tokens, one per running
     sequence, then the chunks of prompts being prefilled. Every token's key and value are written at its pool slot
-    (``write``); decode row ``i`` attends over the slots ``gather[i]`` (its positions, in order, padded with the
-    null block) where ``row_mask[i]`` is set; a chunk ``(slots, count)`` is the last ``count`` of its sequence's
-    positions, attending causally over ``slots`` (the sequence's first ``start + count`` positions).
+    (``write``); decode row ``i`` attends over the blocks ``gather[i]`` (its blocks in order, padded with the null
+    block) where ``row_mask[i]`` is set; a chunk ``(blocks, start, count)`` is its sequence's positions
+    ``start .. start + count - 1``, attending causally over the sequence's first ``start + count`` positions, which
+    live in ``blocks``. Blocks are read whole (``index_select`` of ``BLOCK`` positions at a time).
 
     ``batched``: a decode-only step feeds its rows as the forward's batch (one token each: query (rows, H, 1, D),
     what peft's per-row adapters and a compiled step want); otherwise the step is one flat sequence (batch 1)."""
@@ -121,10 +129,45 @@ class FlatStep:
     values: list
     write: torch.Tensor  # (T,) long
     rows: int
-    gather: torch.Tensor | None = None  # (rows, W) long
-    row_mask: torch.Tensor | None = None  # (rows, 1, 1, W) bool
-    chunks: tuple[tuple[torch.Tensor, int], ...] = ()
+    gather: torch.Tensor | None = None  # (rows, blocks) long
+    row_mask: torch.Tensor | None = None  # (rows, 1, 1, blocks x BLOCK) bool
+    chunks: tuple[tuple[torch.Tensor, int, int], ...] = ()
     batched: bool = False
+    scratch: "Scratch | None" = None  # where blocks are read into (None: fresh tensors; a compiled step)
+
+
+class Scratch:
+    """Reusable buffers for the blocks a step reads: every layer of a step reads the same amount, and a fresh
+    tensor of tens of MB per read costs more in page faults than the copy itself (glibc hands large allocations
+    back to the kernel: 5 ms instead of 1.5 ms to read 25 MB on the CPU)."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        size = 1
+        for n in shape:
+            size *= n
+        key = (name, like.dtype, like.device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[key] = torch.empty(
+                max(size, 2 * (0 if buffer is None else buffer.numel())), dtype=like.dtype, device=like.device
+            )
+        return buffer[:size].view(shape)
+
+
+def _read(pool: torch.Tensor, blocks: torch.Tensor, scratch: Scratch | None = None, name: str = "") -> torch.Tensor:
+    """The positions of ``blocks`` (any shape S) of one layer's pool: (S..., blocks x BLOCK positions, H, D) ->
+    transposed to (S..., H, positions, D); read into ``scratch``'s buffer ``name`` when given."""
+    heads, dim = pool.shape[1], pool.shape[2]
+    index = blocks.reshape(-1)
+    source = pool.view(-1, BLOCK, heads, dim)
+    if scratch is None:
+        out = source.index_select(0, index)
+    else:
+        out = torch.index_select(source, 0, index, out=scratch.get(name, (index.numel(), BLOCK, heads, dim), pool))
+    return out.view(*blocks.shape[:-1], blocks.shape[-1] * BLOCK, heads, dim).transpose(-3, -2)
 
 
 def flat_attention(module, query, key, value, flat: FlatStep, scaling):
@@ -135,24 +178,25 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling):
         new_keys, new_values = key[:, :, 0], value[:, :, 0]
     else:
         new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    keys[flat.write] = new_keys.to(keys.dtype)
-    values[flat.write] = new_values.to(values.dtype)
+    keys.index_copy_(0, flat.write, new_keys.to(keys.dtype))
+    values.index_copy_(0, flat.write, new_values.to(values.dtype))
     inner = exact_attention if getattr(module, "_saker_exact", False) else _sdpa
     parts = []
     rows = flat.rows
     if rows:
         q = query if flat.batched else query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
-        k = keys[flat.gather].transpose(1, 2)  # (rows, W, Hkv, D) -> (rows, Hkv, W, D)
-        v = values[flat.gather].transpose(1, 2)
+        k = _read(keys, flat.gather, flat.scratch, "rows keys")  # (rows, Hkv, W, D)
+        v = _read(values, flat.gather, flat.scratch, "rows values")
         out = inner(module, q, k, v, flat.row_mask, scaling=scaling)[0]  # (rows, 1, Hq, D)
         if flat.batched:
             return out, None
         parts.append(out.view(1, rows, query.shape[1], -1))
     offset = rows
-    for slots, count in flat.chunks:  # a few per step: the prompts being prefilled
+    for blocks, start, count in flat.chunks:  # a few per step: the prompts being prefilled
         q = query[:, :, offset : offset + count]
-        k = keys[slots].transpose(0, 1).unsqueeze(0)  # (L, Hkv, D) -> (1, Hkv, L, D)
-        v = values[slots].transpose(0, 1).unsqueeze(0)
+        end = start + count
+        k = _read(keys, blocks.view(1, -1), flat.scratch, "chunk keys")[:, :, :end]  # (1, Hkv, end, D)
+        v = _read(values, blocks.view(1, -1), flat.scratch, "chunk values")[:, :, :end]
         parts.append(inner(module, q, k, v, None, scaling=scaling)[0])
         offset += count
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None

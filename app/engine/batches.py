@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from app.engine.attention import Scratch
 from app.engine.blocks import BLOCK, BlockManager
 from app.engine.kv_cache import KVPool, mergeable
 from app.engine.runner import MIXED, ModelRunner
@@ -94,6 +95,7 @@ class BlockBatch(BatchBase):
         self.next_tokens: torch.Tensor | None = None  # per row: the token fed next
         self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
         self.prompts = 0  # prompts holding blocks while they are prefilled
+        self.scratch = Scratch()  # the buffers steps read blocks into (given back with the pool)
 
     @property
     def lengths_host(self) -> list[int]:
@@ -104,7 +106,7 @@ class BlockBatch(BatchBase):
         if self.pool is None:
             self.budget = self.kv_cache_tokens or self.runner.default_kv_budget()
             self.blocks.num_blocks = -(-self.budget // BLOCK) + 1 + SLACK  # and the null block
-            self.pool = KVPool(self.runner.probe_cache(), self.blocks.num_blocks, self.static)
+            self.pool = KVPool(self.runner.probe_cache(), self.blocks.num_blocks, self.static, self.runner.kv_dtype)
         return self.pool
 
     def _allocate(self, count: int) -> list[int]:
@@ -219,6 +221,7 @@ class BlockBatch(BatchBase):
         if self.n or self.prompts or self.pool is None or self.runner.compiled_step is not None:
             return
         cached = self.blocks.cached_tokens // BLOCK
+        self.scratch = Scratch()
         if not cached:
             self.pool = None
             self.blocks.reset()
@@ -230,7 +233,7 @@ class BlockBatch(BatchBase):
         self.groups, self.n, self.prompts = [], 0, 0
         self.tables[:], self.counts[:], self.lengths[:] = 0, 0, 0
         self.next_tokens = self.sampling = None
-        self.pool = None
+        self.pool, self.scratch = None, Scratch()
         self.blocks.reset()
 
     @property
@@ -242,8 +245,9 @@ class BlockBatch(BatchBase):
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def _rows_inputs(self, rows: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The decode rows' pool slots to write (rows,) and to attend over (rows, width), for ``rows`` rows (those
-        past ``self.n`` are padding: the null block), after giving a block to each row that crosses into one."""
+        """The decode rows' pool slots to write (rows,), the blocks each attends over (rows, width / BLOCK) and their
+        positions, for ``rows`` rows (those past ``self.n`` are padding: the null block), after giving a block to each
+        row that crosses into one."""
         self._room(rows, width // BLOCK)
         n = self.n
         lengths = self.lengths[:n]
@@ -254,8 +258,7 @@ class BlockBatch(BatchBase):
             self.counts[row] += 1
         write = np.zeros(rows, dtype=np.int64)
         write[:n] = self.tables[np.arange(n), column] * BLOCK + lengths % BLOCK
-        gather = (self.tables[:rows, : width // BLOCK, None] * BLOCK + _IN_BLOCK).reshape(rows, width)
-        return write, gather, self.lengths[:rows]
+        return write, self.tables[:rows, : width // BLOCK], self.lengths[:rows]
 
     def forward(self) -> torch.Tensor:
         """One decode step for every row; float32 logits (B, V) in row order. A forward that runs out of memory
@@ -280,7 +283,7 @@ class BlockBatch(BatchBase):
         tokens = self.next_tokens
         if rows > n:
             tokens = torch.cat([tokens, tokens.new_zeros(rows - n)])
-        extra = {}
+        extra = {} if compiled is not None else {"scratch": self.scratch}
         if mixed:
             extra["adapter_names"] = [g.params.adapter or "__base__" for g in self.groups for _ in range(g.rows)]
         pool = self.pool
@@ -315,27 +318,34 @@ class BlockBatch(BatchBase):
             write, gather, positions = self._rows_inputs(rows, -(-longest // BLOCK) * BLOCK)
             ids, at, writes = [self.next_tokens], [positions], [write]
             gather = _on(gather, device)
-            width = gather.shape[1]
+            width = gather.shape[1] * BLOCK
             mask = (torch.arange(width, device=device).view(1, -1) <= _on(positions, device).view(-1, 1)).view(
                 rows, 1, 1, width
             )
         offset, spans_of = rows, []
         for table, chunk, start, logits in chunks:
             count, end = len(chunk), start + len(chunk)
-            blocks = np.asarray(table, dtype=np.int64)
-            slots = (blocks[:, None] * BLOCK + _IN_BLOCK).reshape(-1)[:end]
+            blocks = np.asarray(table[: -(-end // BLOCK)], dtype=np.int64)
+            positions = np.arange(start, end, dtype=np.int64)
             ids.append(torch.tensor(chunk, dtype=torch.long, device=device))
-            at.append(np.arange(start, end, dtype=np.int64))
-            writes.append(slots[start:end])
-            spans_of.append((_on(slots, device), count))
+            at.append(positions)
+            writes.append(blocks[positions // BLOCK] * BLOCK + positions % BLOCK)
+            spans_of.append((_on(blocks, device), start, count))
             keep = {"all": range(offset, offset + count), "last": range(offset + count - 1, offset + count)}
-            positions = keep.get(logits, range(0))
-            spans.append((len(wanted) + rows, len(wanted) + rows + len(positions)))
-            wanted += positions
+            kept = keep.get(logits, range(0))
+            spans.append((len(wanted) + rows, len(wanted) + rows + len(kept)))
+            wanted += kept
             offset += count
         logits_at = torch.tensor([*range(rows), *wanted], dtype=torch.long, device=device)
         flat = FlatStep(
-            pool.keys, pool.values, _on(np.concatenate(writes), device), rows, gather, mask, tuple(spans_of)
+            pool.keys,
+            pool.values,
+            _on(np.concatenate(writes), device),
+            rows,
+            gather,
+            mask,
+            tuple(spans_of),
+            scratch=self.scratch,
         )
         try:
             logits = self.runner.flat_step(torch.cat(ids), _on(np.concatenate(at), device), flat, logits_at)
@@ -367,11 +377,10 @@ class BlockBatch(BatchBase):
                 break
             zeros = torch.zeros(rows, dtype=torch.long, device=device)
             for width in (self.capacity,) if self.static else windows(self.capacity):
-                gather = torch.zeros(rows, width, dtype=torch.long, device=device)
+                gather = torch.zeros(rows, width // BLOCK, dtype=torch.long, device=device)
                 self.runner.compiled_step(zeros, zeros.clone(), zeros.clone(), gather, pool.keys, pool.values)
 
 
-_IN_BLOCK = np.arange(BLOCK, dtype=np.int64)
 # blocks the pool holds beyond the KV budget: admission counts whole blocks for every candidate, but a request is
 # refused (400) only when its candidates' positions pass the budget, and the first group is always admitted: one
 # partly filled block per candidate of the widest request (SAKER_MAX_N's default) must fit beside the budget

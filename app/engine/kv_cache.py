@@ -86,11 +86,12 @@ def use_growing_layers(cache) -> None:
         cache.layers = [GrowingLayer() for _ in layers]
 
 
-def kv_bytes_per_token(cache) -> int:
-    """Bytes one token position takes in a prefilled cache (all layers, keys and values)."""
+def kv_bytes_per_token(cache, dtype: torch.dtype | None = None) -> int:
+    """Bytes one token position takes in a prefilled cache (all layers, keys and values), stored in ``dtype`` (None:
+    the cache's own)."""
+    size = (lambda t: t.element_size()) if dtype is None else (lambda t: dtype.itemsize)
     return sum(
-        layer.keys[0, :, 0].numel() * layer.keys.element_size()
-        + layer.values[0, :, 0].numel() * layer.values.element_size()
+        layer.keys[0, :, 0].numel() * size(layer.keys) + layer.values[0, :, 0].numel() * size(layer.values)
         for layer in cache.layers
     )
 
@@ -119,7 +120,7 @@ class KVPool:
     is zeroed when first handed out (``touch``), so that padding positions a step reads are finite; block 0, the null
     block that padding points at, is zeroed at once."""
 
-    def __init__(self, like, num_blocks: int, static: bool = False):
+    def __init__(self, like, num_blocks: int, static: bool = False, dtype: torch.dtype | None = None):
         self.num_blocks = num_blocks
         self.static = static  # a compiled step on CUDA: the storage never moves (its graphs hold the addresses)
         self.keys: list[torch.Tensor] = []
@@ -127,7 +128,8 @@ class KVPool:
         for layer in like.layers:
             for name, out in (("keys", self.keys), ("values", self.values)):
                 one = getattr(layer, name)  # (1, heads, 1, dim)
-                tensor = torch.empty(num_blocks * BLOCK, one.shape[1], one.shape[3], dtype=one.dtype, device=one.device)
+                shape = (num_blocks * BLOCK, one.shape[1], one.shape[3])
+                tensor = torch.empty(shape, dtype=dtype or one.dtype, device=one.device)
                 if static:
                     torch._dynamo.mark_static_address(tensor)
                 out.append(tensor)

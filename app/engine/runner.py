@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.engine.attention import use_engine_attention
+from app.engine.blocks import BLOCK
 from app.engine.kv_cache import default_kv_budget, kv_bytes_per_token, mergeable, use_growing_layers
 from app.engine.logprobs import is_byte_level
 
@@ -24,6 +25,7 @@ class ModelRunner:
     byte_level: bool = False
     compiled_step: object = None  # SAKER_COMPILE: the decode-only step compiled (CUDA graphs on CUDA), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
+    kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
     _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
     _plain_cache: bool | None = field(default=None, repr=False)
 
@@ -31,6 +33,8 @@ class ModelRunner:
         if self.input_device is None:
             self.input_device = self.model.get_input_embeddings().weight.device
         use_engine_attention(self.model)  # path-independent numbers on the CPU (app/engine/attention.py)
+        if getattr(self.model, "_saker_exact", False):  # float64 attention: the pool holds float64 keys and values
+            self.kv_dtype = torch.float64
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(
@@ -127,10 +131,14 @@ class ModelRunner:
             )
         return cache
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one position takes in the block pool (all layers, keys and values, in the pool's dtype)."""
+        return kv_bytes_per_token(self.probe_cache(), self.kv_dtype)
+
     def default_kv_budget(self) -> int:
-        """The decode batch's KV budget in token positions when none is set (see ``kv_cache.default_kv_budget``),
-        from the bytes one position of this model's cache takes."""
-        return default_kv_budget(kv_bytes_per_token(self.probe_cache()), self.input_device)
+        """The KV budget in token positions when none is set (see ``kv_cache.default_kv_budget``), from the bytes
+        one position takes in the block pool."""
+        return default_kv_budget(self.kv_bytes_per_token(), self.input_device)
 
     def rows_step(
         self,
@@ -141,21 +149,25 @@ class ModelRunner:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         adapter_names: list[str] | None = None,
+        scratch=None,
     ) -> torch.Tensor:
         """A decode-only step: ``tokens`` (n,) of n sequences at ``positions`` (n,), written at pool slots ``write``
-        (n,), each attending over its slots ``gather`` (n, W) up to its own position. A function of tensors only, so
+        (n,), each attending over its blocks ``gather`` (n, W / BLOCK) up to its own position. A function of tensors
+        only, so
         that it compiles as one graph (no break, no recompile while rows join and leave) and, on CUDA, replays as a
         CUDA graph per batch bucket. Float32 logits (n, V). ``adapter_names`` (eager only, under
-        ``adapter(MIXED)``): each row's LoRA adapter, ``"__base__"`` for the base model."""
+        ``adapter(MIXED)``): each row's LoRA adapter, ``"__base__"`` for the base model. ``scratch`` (eager only):
+        ``attention.Scratch`` buffers to read the rows' blocks into."""
         from app.engine.attention import FlatStep
 
-        n, width = gather.shape
+        n, width = gather.shape[0], gather.shape[1] * BLOCK
         mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)
-        flat = FlatStep(keys, values, write, n, gather, mask, batched=True)
+        flat = FlatStep(keys, values, write, n, gather, mask, batched=True, scratch=scratch)
         extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
         out = self.model(
             input_ids=tokens.view(n, 1),
             position_ids=positions.view(n, 1),
+            attention_mask=mask,  # 4D: transformers passes it on as it is, and builds no mask of its own
             use_cache=False,
             flat=flat,
             **extra,
@@ -169,6 +181,8 @@ class ModelRunner:
         out = self.model(
             input_ids=tokens.view(1, -1).to(self.input_device),
             position_ids=positions.view(1, -1).to(self.input_device),
+            # a 4D placeholder: transformers builds no (T, T) mask (the attention function masks by ``flat``)
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.input_device),
             use_cache=False,
             logits_to_keep=logits_at,
             flat=flat,

@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 
+from app.engine.blocks import BLOCK
 from app.engine.generate import RequestGroup, bucket
 from app.engine.output import collect
 from app.engine.params import SamplingParams
@@ -62,7 +63,7 @@ def count_calls(worker, monkeypatch) -> dict:
 
     def counted(tokens, positions, write, gather, *args, **kwargs):
         calls[tokens.shape[0]] = calls.get(tokens.shape[0], 0) + 1
-        views.append((gather.shape[1], worker.scheduler.batch.capacity))
+        views.append((gather.shape[1] * BLOCK, worker.scheduler.batch.capacity))
         return step(tokens, positions, write, gather, *args, **kwargs)
 
     views: list[tuple[int, int]] = []
