@@ -23,14 +23,17 @@ Sections (``--only load,bad,slow,memory,close``; all by default):
 - memory  the gunicorn worker's RSS (VmRSS of the worker and its children, every 50 ms) before, during and after
           the worst legal request (a prompt filling the context minus 92 tokens, n = best_of = 20, logprobs 20,
           echo, max_tokens null: it may be refused 400 because its candidates cannot fit the KV budget, which is a
-          correct answer) and a variant that fits (n = best_of = 2, max_tokens 16). Bound: the RSS at ready + the
+          correct answer), a variant that fits (n = best_of = 2, max_tokens 16) and prompt scoring (full mode: a
+          3,500-token prompt, n = best_of = 8, logprobs 20, echo, max_tokens 16; goal: the worker grows by at most
+          1 GiB, its peak over the RSS just before it). Bound: the RSS at ready + the
           KV budget in bytes (``saker_kv_cache_budget_tokens`` x 2 x layers x KV heads x head size x dtype bytes)
           + a transient allowance of two prefill chunks of float32 logits (chunk x vocabulary x 4 bytes x 2).
           Full mode also runs a sequence on a second server with a small budget (``--memory-budget-tokens``, 4096):
           a long prompt (half the budget), then a request of 2 x SAKER_MAX_BATCH_ROWS one-word rows.
 - close   how long the server works on after its client leaves: a long stream (max_tokens 4000, ignore_eos) and
           a long plain request (also one with a ``stop`` string), closed by the client after ~1 s of decoding, and
-          (full mode) a stream and a plain request closed while a long prompt is still being prefilled. Measured
+          (full mode) a stream and a plain request closed while a long prompt is still being prefilled, and a
+          stream closed 1 s into the prefill of a 6,000-token prompt (``stream-long-prefill``). Measured
           from the close to ``saker_requests_running`` back to 0 (/metrics polled every 20 ms) and to the server's
           "ended early" log line, compared with one decode step and one prefill chunk (timed on the same server
           from ``X-Saker-*`` headers). Goal: <= one step (or chunk).

@@ -19,6 +19,9 @@ from app.reliability.wire import build, complete, hard_close, metrics, post_json
 from app.settings import Settings
 
 
+LONG_PROMPT = 6000  # the "-long-prefill" cases' prompt: many chunks, many steps
+
+
 class CloseSection(RunBase):
     """``section_close``: step times first, then each close case on an idle server."""
 
@@ -105,7 +108,9 @@ class CloseSection(RunBase):
         decode_ms = steps["decode_step_ms"] or 10.0
         chunk_ms = steps["prefill_chunk_ms"] or 100.0
         if name.endswith("prefill"):
-            prompt_len = max(16, min(self.context - 64, 8 * steps["prefill_chunk_tokens"]))
+            # "-long-": a 6,000-token prompt (the context allowing), closed 1 s into its prefill
+            long = LONG_PROMPT if "-long-" in name else 8 * steps["prefill_chunk_tokens"]
+            prompt_len = max(16, min(self.context - 64, long))
             max_tokens = 16
             estimated = prompt_len / steps["prefill_chunk_tokens"] * chunk_ms / 1000
         else:

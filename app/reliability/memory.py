@@ -16,6 +16,10 @@ from app.reliability.wire import metrics, post_json, sample
 from app.settings import Settings
 
 
+SCORED_PROMPT = 3500  # the "scoring" variant's prompt tokens (the context allowing)
+SCORING_GROWTH = 2**30  # its bound: prompt scoring's memory follows a chunk's logits, not the prompt's
+
+
 class MemorySection(RunBase):
     """``section_memory``: the variants on the run's server (and in full mode a small-budget one)."""
 
@@ -34,15 +38,21 @@ class MemorySection(RunBase):
                 if torch.cuda.is_available():
                     dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
         size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
+        quantize = self.server_env.get("SAKER_QUANTIZE") or os.environ.get("SAKER_QUANTIZE")
+        if dtype == "float32" and (quantize in ("int4", "int8") or (quantize is None and not self.args.model)):
+            size = 8  # int4/int8 kernels on the CPU: float64 attention, whose block pool holds float64
         return 2 * layers * kv_heads * head_dim * size, size
 
     def section_memory(self) -> dict:
         assert self.server is not None
         words = self.hello_words(self.context - 92)
         prompt = "hello " * words
+        scored = "hello " * self.hello_words(min(SCORED_PROMPT, self.context - 92))
         variants = {
             "worst": {"prompt": prompt, "n": 20, "best_of": 20, "logprobs": 20, "echo": True, "max_tokens": None},
             "fits": {"prompt": prompt, "n": 2, "best_of": 2, "logprobs": 20, "echo": True, "max_tokens": 16},
+            # prompt scoring: every prompt position's top 20, and 8 candidates that share the prompt's blocks
+            "scoring": {"prompt": scored, "n": 8, "best_of": 8, "logprobs": 20, "echo": True, "max_tokens": 16},
         }
         out = self.memory_on(
             self.server, self.rss_at_ready, [(n, variants[n]) for n in self.plan.memory_variants], f"'hello ' x {words}"
@@ -173,6 +183,14 @@ class MemorySection(RunBase):
                 f"{answer.status}",
                 True,
             )
+            if name == "scoring":
+                self.goal(
+                    "memory",
+                    f"{name}{label}: the worker grows by at most {SCORING_GROWTH / 2**30:.0f} GiB (peak - baseline)",
+                    peak - baseline <= SCORING_GROWTH,
+                    f"{(peak - baseline) / 2**20:.0f} MiB",
+                    False,
+                )
             self.goal(
                 "memory",
                 f"{name}{label}: peak RSS <= RSS at ready + KV budget + prefix-cache budget + transient",

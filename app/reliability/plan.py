@@ -32,13 +32,14 @@ class Plan:
     slow_clients: int = 200
     slow_seconds: float = 60.0
     slow_interval: float = 2.0
-    memory_variants: tuple[str, ...] = ("worst", "fits")
+    memory_variants: tuple[str, ...] = ("worst", "fits", "scoring")
     close_cases: tuple[str, ...] = (
         "stream-decode",
         "plain-decode",
         "plain-stop-decode",
         "stream-prefill",
         "plain-prefill",
+        "stream-long-prefill",
     )
     close_after: float = 1.0
 
