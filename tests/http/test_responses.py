@@ -242,6 +242,23 @@ def calls_of(response: dict) -> list[dict]:
     return [item for item in response["output"] if item["type"] == "function_call"]
 
 
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def argument_deltas(events: list[dict]) -> dict[int, list[str]]:
+    """The ``response.function_call_arguments.delta`` pieces of a stream, by output index."""
+    out: dict[int, list[str]] = {}
+    for event in events:
+        if event["type"] == "response.function_call_arguments.delta":
+            out.setdefault(event["output_index"], []).append(event["delta"])
+    return out
+
+
 def check_events(events: list[dict]) -> dict:
     """The order and consistency of a stream's events; returns the final response. Sequence numbers count from
     0 by 1; created and in_progress come first, completed or incomplete last; each output item is added, filled
@@ -302,8 +319,12 @@ def check_events(events: list[dict]) -> dict:
             assert not part_open, "output_item.done before content_part.done"
             done = event["item"]
             assert done["id"] == open_item["id"] and done["type"] == open_item["type"]
-            # an answer cut by max_output_tokens leaves its message (or thoughts) incomplete, as OpenAI's do
-            cut = final["status"] == "incomplete" and done["type"] in ("message", "reasoning")
+            # an answer cut by max_output_tokens leaves its message (or thoughts) incomplete, as OpenAI's do, and
+            # a call it cut inside its arguments (no whole JSON)
+            cut = final["status"] == "incomplete" and (
+                done["type"] in ("message", "reasoning")
+                or (done["type"] == "function_call" and not is_json(done["arguments"]))
+            )
             assert done["status"] == ("incomplete" if cut else "completed")
             assert done == final["output"][event["output_index"]]
             if done["type"] == "message":
@@ -538,10 +559,39 @@ def test_tool_call_stream_events_in_order(tool_client, choice):
     [call] = calls_of(final)
     [plain_call] = calls_of(plain)
     assert (call["name"], call["arguments"]) == (plain_call["name"], plain_call["arguments"])
+    # the arguments come in pieces as they are written, and the pieces join to the plain answer's arguments
+    added = events[2]["item"]
+    assert (added["type"], added["name"], added["arguments"]) == ("function_call", plain_call["name"], "")
+    assert added["call_id"] == call["call_id"]
+    [pieces] = argument_deltas(events).values()
+    assert len(pieces) > 1 and "".join(pieces) == plain_call["arguments"]
     if isinstance(choice, dict):
         assert call["name"] == "get_weather"
     jsonschema.validate(json.loads(call["arguments"]), ARGUMENT_SCHEMAS[call["name"]])
     assert call["call_id"] and call["id"] != call["call_id"] and final["status"] == "completed"
+
+
+def test_parallel_calls_stream_as_items_of_their_own(tool_client):
+    """Several calls in one (seeded) answer: each is a function_call item of its own (added, its argument deltas,
+    done, before the next is added), equal to the plain answer's; a call cut by max_output_tokens is incomplete."""
+    body = dict(input=QUESTION, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, max_output_tokens=150)
+    plain = create(tool_client, **body)
+    events = stream(tool_client, **body)
+    final = check_events(events)
+    want = [(c["name"], c["arguments"], c["status"]) for c in calls_of(plain)]
+    assert len(want) > 1, "the seeded tiny model writes several calls"
+    assert [(c["name"], c["arguments"], c["status"]) for c in calls_of(final)] == want
+    pieces = argument_deltas(events)
+    assert sorted(pieces) == list(range(len(want)))
+    for index, (_, arguments, _) in enumerate(want):
+        assert len(pieces[index]) > 1 and "".join(pieces[index]) == arguments
+    for call in calls_of(final):
+        complete = call["status"] == "completed"
+        assert complete == is_json(call["arguments"]) or final["status"] == "completed"
+        if complete:
+            jsonschema.validate(json.loads(call["arguments"]), ARGUMENT_SCHEMAS[call["name"]])
+    stored = tool_client.get(f"/v1/responses/{final['id']}").get_json()
+    assert stored == final
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])

@@ -95,14 +95,13 @@ def test_reader(text, content, calls):
 def test_reader_fed_in_pieces_gives_the_same(text, content, calls):
     for size in (1, 2, 3, 7):
         stream = ToolCallStream(HermesFormat())
-        parts, got = [], []
+        parts = []
         for at in range(0, len(text), size):
-            piece, more = stream.feed(text[at : at + size])
+            piece, _ = stream.feed(text[at : at + size])
             parts.append(piece)
-            got += more
-        tail, more = stream.finish()
+        tail, _ = stream.finish()
         assert ("".join(parts) + tail or None) == content
-        assert [(c.name, json.loads(c.arguments)) for c in got + more] == calls
+        assert [(c.name, json.loads(c.arguments)) for c in stream.calls] == calls
 
 
 # -- served ------------------------------------------------------------------------------------------------------
@@ -177,13 +176,28 @@ def test_required_answers_with_valid_calls(tool_client):
         assert_valid_calls(choice["message"]["tool_calls"])
 
 
+def whole_calls(choice: dict) -> list[dict]:
+    """The calls of a choice but one cut by max_tokens: an answer cut inside a call keeps that call with the
+    arguments written so far (as OpenAI's do), which are no whole JSON."""
+    calls = choice["message"]["tool_calls"]
+    if choice["finish_reason"] == "length" and calls:
+        try:
+            json.loads(calls[-1]["function"]["arguments"])
+        except ValueError:
+            return calls[:-1]
+    return calls
+
+
+PARALLEL = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, max_tokens=150)
+
+
 def test_parallel_calls_are_each_valid(tool_client):
     """parallel_tool_calls (the default) lets the model add calls: the random tiny model adds them until
     max_tokens, so the answer may end in a cut call; every whole call is valid."""
-    body = chat(tool_client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, n=3, max_tokens=150)
+    body = chat(tool_client, n=3, **PARALLEL)
     for choice in body["choices"]:
         assert choice["finish_reason"] in ("tool_calls", "length"), choice
-        assert_valid_calls(choice["message"]["tool_calls"])
+        assert_valid_calls(whole_calls(choice))
 
 
 def test_named_function_is_the_one_called(tool_client):
@@ -218,6 +232,71 @@ def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
     assert strip == [{**c, "id": None} for c in plain["message"]["tool_calls"]]
 
 
+def call_entries(frames: bytes) -> list[dict]:
+    """The ``tool_calls`` delta entries of a stream's chunks, in order (one choice), checking that a chunk names
+    each call at most once."""
+    entries = []
+    for chunk in iter_json(frames):
+        for choice in chunk["choices"]:
+            mine = choice["delta"].get("tool_calls") or []
+            assert len({e["index"] for e in mine}) == len(mine), chunk
+            entries += mine
+    return entries
+
+
+def check_streamed_arguments(entries: list[dict], plain_calls: list[dict]) -> None:
+    """Each call's first entry has index, id, type and name with ``arguments: ""``; the later ones only index and
+    a piece of the arguments (more than one piece per call); the pieces join to the plain answer's arguments."""
+    assert plain_calls
+    for index, want in enumerate(plain_calls):
+        mine = [e for e in entries if e["index"] == index]
+        first, rest = mine[0], mine[1:]
+        assert first["id"].startswith("call_") and first["type"] == "function"
+        assert first["function"] == {"name": want["function"]["name"], "arguments": ""}
+        assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in rest), rest
+        assert len(rest) > 1, f"the arguments of call {index} came in one piece"
+        assert "".join(e["function"]["arguments"] for e in rest) == want["function"]["arguments"]
+    assert {e["index"] for e in entries} == set(range(len(plain_calls)))
+    first_of = [next(i for i, e in enumerate(entries) if e["index"] == k) for k in range(len(plain_calls))]
+    assert first_of == sorted(first_of), "calls start in order"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_streams_its_arguments_in_pieces(tool_client, choice):
+    fields = dict(tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+    plain = chat(tool_client, **fields)["choices"][0]
+    assert plain["finish_reason"] == "tool_calls"
+    json.loads(plain["message"]["tool_calls"][0]["function"]["arguments"])  # the reference is whole JSON
+    frames = tool_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-gpt2",
+            "messages": MESSAGES,
+            "temperature": 0,
+            "max_tokens": 120,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **fields,
+        },
+    ).get_data()
+    check_streamed_arguments(call_entries(frames), plain["message"]["tool_calls"])
+    chunks = list(iter_json(frames))
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chat(tool_client, **fields)["usage"]
+
+
+def test_parallel_calls_stream_each_under_its_own_index(tool_client):
+    """Several calls in one (seeded) answer: each streams under its own index, its arguments in pieces that join to
+    the plain answer's; a call cut by max_tokens is cut alike in both."""
+    plain = chat(tool_client, **PARALLEL)["choices"][0]
+    assert len(plain["message"]["tool_calls"]) > 1, "the seeded tiny model writes several calls"
+    frames = tool_client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny-gpt2", "messages": MESSAGES, "stream": True, **PARALLEL},
+    ).get_data()
+    check_streamed_arguments(call_entries(frames), plain["message"]["tool_calls"])
+
+
 AUTO_CALL = (
     r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "f"\}\}\n</tool_call>'
 )
@@ -234,6 +313,27 @@ def test_auto_reads_calls_out_of_the_answer_plain_and_streamed(tool_client):
     content, calls, reasons = streamed(tool_client, **fields)
     assert content == "Sure." and reasons == ["tool_calls"]
     assert [c["function"] for c in calls] == [call["function"]]
+    # the text before the call goes out as content, before the call's first delta
+    frames = tool_client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-gpt2",
+            "messages": MESSAGES,
+            "temperature": 0,
+            "max_tokens": 120,
+            "stream": True,
+            **fields,
+        },
+    ).get_data()
+    kinds = [
+        kind
+        for chunk in iter_json(frames)
+        for choice in chunk["choices"]
+        for kind in ("content", "tool_calls")
+        if choice["delta"].get(kind)
+    ]
+    assert kinds[0] == "content" and "content" not in kinds[kinds.index("tool_calls") :]
+    check_streamed_arguments(call_entries(frames), [call])
 
 
 def test_auto_without_a_call_is_plain_content(tool_client):
@@ -337,6 +437,119 @@ def test_bad_tool_requests_are_400_and_the_server_keeps_serving(tool_client, nam
     error = resp.get_json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     assert chat(tool_client, max_tokens=1)["choices"][0]["finish_reason"] == "length"
+
+
+def in_process_openai(client):
+    """The official client talking to the Flask app in this process (httpx's WSGI transport), no server."""
+    import httpx
+    import openai
+
+    transport = httpx.WSGITransport(app=client.application)
+    return openai.OpenAI(
+        base_url="http://saker.test/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport, base_url="http://saker.test"),
+    )
+
+
+def test_openai_client_stream_helper_sees_the_arguments_grow(tool_client):
+    """The official client's ``chat.completions.stream``: ``tool_calls.function.arguments.delta`` events come one
+    per piece, each with the arguments so far, and (the tool being ``strict``) partial ``parsed_arguments`` that
+    grow into the plain answer's arguments."""
+    client = in_process_openai(tool_client)
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]
+    fields = dict(
+        model="tiny-gpt2",
+        messages=MESSAGES,
+        tools=strict,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=120,
+    )
+    plain = client.chat.completions.create(**fields).choices[0].message.tool_calls[0]
+    want = json.loads(plain.function.arguments)
+    with client.chat.completions.stream(**fields) as stream:
+        events = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    assert len(events) > 1
+    assert "".join(e.arguments_delta for e in events) == plain.function.arguments
+    assert all(e.name == "get_weather" and e.index == 0 for e in events)
+    assert all(b.arguments.startswith(a.arguments) for a, b in zip(events, events[1:]))
+    partials = [e.parsed_arguments for e in events if e.parsed_arguments]
+    assert len({json.dumps(p, sort_keys=True) for p in partials}) > 1, "the parsed arguments grow"
+    assert partials[-1] == want
+    [call] = final.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", plain.function.arguments)
+    assert call.function.parsed_arguments == want
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_openai_client_chunks_accumulate_to_the_plain_calls(tool_client):
+    """Raw ``ChatCompletionChunk``s from ``create(stream=True)``, accumulated as OpenAI's cookbook does (first
+    delta: id and name; later: arguments by index), equal the plain answer's calls, several of them."""
+    client = in_process_openai(tool_client)
+    fields = dict(model="tiny-gpt2", messages=MESSAGES, **PARALLEL)
+    plain = client.chat.completions.create(**fields).choices[0]
+    calls: dict[int, dict] = {}
+    pieces = 0
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta_call.id:
+                calls[delta_call.index] = {"id": delta_call.id, "name": delta_call.function.name, "arguments": ""}
+            else:
+                pieces += 1
+            calls[delta_call.index]["arguments"] += delta_call.function.arguments or ""
+    want = [(c.function.name, c.function.arguments) for c in plain.message.tool_calls]
+    assert len(want) > 1 and pieces > len(want)
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == want
+
+
+def test_instructor_create_partial_yields_growing_partials(tool_client):
+    """instructor's ``create_partial`` in TOOLS mode (its default) on a forced call: more than one partial, the
+    last equal to the plain answer's arguments."""
+    instructor = pytest.importorskip("instructor")
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str | None = None
+        unit: str | None = None
+
+    client = instructor.from_openai(in_process_openai(tool_client), mode=instructor.Mode.TOOLS)
+    partials = [
+        p.model_dump()
+        for p in client.chat.completions.create_partial(
+            model="tiny-gpt2", messages=MESSAGES, response_model=Weather, temperature=0, max_tokens=120
+        )
+    ]
+    assert len({json.dumps(p, sort_keys=True) for p in partials}) > 1
+
+
+def test_langchain_tool_call_chunks_are_incremental(tool_client):
+    """LangChain's ``bind_tools`` with a forced tool: the streamed ``tool_call_chunks`` come in several pieces and
+    add up to the plain answer's call."""
+    pytest.importorskip("langchain_openai")
+    import httpx
+    from langchain_openai import ChatOpenAI
+
+    transport = httpx.WSGITransport(app=tool_client.application)
+    model = ChatOpenAI(
+        model="tiny-gpt2",
+        base_url="http://saker.test/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=120,
+        max_retries=0,
+        http_client=httpx.Client(transport=transport, base_url="http://saker.test"),
+    ).bind_tools([WEATHER], tool_choice="get_weather")
+    plain = model.invoke("What is the weather in Paris?")
+    chunks = list(model.stream("What is the weather in Paris?"))
+    with_args = [c for c in chunks if any(t.get("args") for t in c.tool_call_chunks)]
+    assert len(with_args) > 1
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert [(t["name"], t["args"]) for t in total.tool_calls] == [(t["name"], t["args"]) for t in plain.tool_calls]
 
 
 @pytest.mark.slow
