@@ -586,12 +586,34 @@ def test_parallel_calls_stream_as_items_of_their_own(tool_client):
     for index, (_, arguments, _) in enumerate(want):
         assert len(pieces[index]) > 1 and "".join(pieces[index]) == arguments
     for call in calls_of(final):
-        complete = call["status"] == "completed"
-        assert complete == is_json(call["arguments"]) or final["status"] == "completed"
-        if complete:
+        cut = final["status"] == "incomplete" and not is_json(call["arguments"])
+        assert call["status"] == ("incomplete" if cut else "completed")
+        if not cut:
             jsonschema.validate(json.loads(call["arguments"]), ARGUMENT_SCHEMAS[call["name"]])
     stored = tool_client.get(f"/v1/responses/{final['id']}").get_json()
     assert stored == final
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item(tool_client):
+    """max_output_tokens inside a call's arguments: the function_call item is incomplete, with the arguments written
+    so far (a prefix of the whole answer's), plain and streamed alike. (The cut is found from chat's tokens of the
+    same prompt: the template renders only the tools' names.)"""
+    from test_tools import tokens_into_the_arguments
+
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+    cut = tokens_into_the_arguments(
+        tool_client, tools=chat_tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    body = dict(input=QUESTION, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
+    [whole] = calls_of(create(tool_client, **body))
+    plain = create(tool_client, max_output_tokens=cut, **body)
+    final = check_events(stream(tool_client, max_output_tokens=cut, **body))
+    for response in (plain, final):
+        assert response["status"] == "incomplete"
+        [call] = calls_of(response)
+        assert call["status"] == "incomplete" and call["name"] == "get_weather"
+        assert whole["arguments"].startswith(call["arguments"]) and not is_json(call["arguments"])
+    assert calls_of(plain)[0]["arguments"] == calls_of(final)[0]["arguments"]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])

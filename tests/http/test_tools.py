@@ -439,6 +439,34 @@ def test_bad_tool_requests_are_400_and_the_server_keeps_serving(tool_client, nam
     assert chat(tool_client, max_tokens=1)["choices"][0]["finish_reason"] == "length"
 
 
+def tokens_into_the_arguments(client, **fields) -> int:
+    """A max_tokens that cuts the greedy answer a token or two into its call's arguments (found from the whole
+    answer's tokens)."""
+    full = chat(client, logprobs=True, **fields)["choices"][0]
+    text = ""
+    for k, entry in enumerate(full["logprobs"]["content"]):
+        text += entry["token"]
+        if '"arguments": {"' in text:
+            return k + 2
+    raise AssertionError(f"no arguments in {text!r}")
+
+
+def test_a_call_cut_by_max_tokens_is_cut_alike_plain_and_streamed(tool_client):
+    """max_tokens inside a call's arguments: the call stays, with the arguments written so far (a prefix of the
+    whole answer's), finish_reason length; the stream sends the same pieces."""
+    fields = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = chat(tool_client, **fields)["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    cut = tokens_into_the_arguments(tool_client, **fields)
+    plain = chat(tool_client, max_tokens=cut, **fields)["choices"][0]
+    assert plain["finish_reason"] == "length" and plain["message"]["content"] is None
+    [call] = plain["message"]["tool_calls"]
+    arguments = call["function"]["arguments"]
+    assert arguments and whole.startswith(arguments) and arguments != whole
+    content, calls, reasons = streamed(tool_client, max_tokens=cut, **fields)
+    assert reasons == ["length"] and content == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_weather", arguments)]
+
+
 def in_process_openai(client):
     """The official client talking to the Flask app in this process (httpx's WSGI transport), no server."""
     import httpx
