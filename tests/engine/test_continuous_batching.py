@@ -340,7 +340,7 @@ def shared_prefill(batch_worker, monkeypatch):
     real = worker.runner.flat_step
 
     def recording(tokens, positions, flat, logits_at):
-        calls.append([count for _, count in flat.chunks])
+        calls.append([count for *_, count in flat.chunks])
         return real(tokens, positions, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", recording)
@@ -407,7 +407,7 @@ def test_failed_shared_prefill_falls_back_to_one_at_a_time(shared_prefill, refer
 
     def out_of_memory(tokens, positions, flat, logits_at):  # the fixture's recorder records the forwards that run
         if len(flat.chunks) > 1:
-            calls.append([count for _, count in flat.chunks])
+            calls.append([count for *_, count in flat.chunks])
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
         return real(tokens, positions, flat, logits_at)
 
@@ -522,7 +522,7 @@ def chunked(batch_worker, monkeypatch):
     ):  # a chunk, and the running rows' decode tokens when they ride along
         if flat.rows:
             calls.append(("decode", flat.rows))
-        calls.extend(("chunk", count) for _, count in flat.chunks)
+        calls.extend(("chunk", count) for *_, count in flat.chunks)
         return real_flat(tokens, positions, flat, logits_at)
 
     def decode(*args, **kwargs):
@@ -612,7 +612,7 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
 
     def gated(tokens, positions, flat, logits_at):  # hold the scheduler after the doomed prompt's first chunk
         out = logged_flat(tokens, positions, flat, logits_at)
-        if any(count == 5 for _, count in flat.chunks) and not started.is_set():
+        if any(count == 5 for *_, count in flat.chunks) and not started.is_set():
             started.set()
             go.wait(10)
         return out
