@@ -92,6 +92,7 @@ class BlockBatch(BatchBase):
         self.tables = np.zeros((0, 0), dtype=np.int64)  # per row: its blocks in order, 0 (the null block) after
         self.counts = np.zeros(0, dtype=np.int64)  # per row: blocks in its table
         self.lengths = np.zeros(0, dtype=np.int64)  # per row: positions it holds (= the position fed next)
+        self.chains = np.zeros(0, dtype=np.int64)  # per row: the hash of its last full block's prefix-cache key
         self.next_tokens: torch.Tensor | None = None  # per row: the token fed next
         self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
         self.prompts = 0  # prompts holding blocks while they are prefilled
@@ -126,9 +127,10 @@ class BlockBatch(BatchBase):
         )
         tables = np.zeros((rows, columns), dtype=np.int64)
         tables[:have_rows, :have_columns] = self.tables
-        counts, lengths = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        counts, lengths, chains = (np.zeros(rows, dtype=np.int64) for _ in range(3))
         counts[: self.counts.shape[0]], lengths[: self.lengths.shape[0]] = self.counts, self.lengths
-        self.tables, self.counts, self.lengths = tables, counts, lengths
+        chains[: self.chains.shape[0]] = self.chains
+        self.tables, self.counts, self.lengths, self.chains = tables, counts, lengths, chains
 
     def reserve(self, prompt: list[int], salt: object, reuse: bool) -> tuple[list[int], list, int]:
         """Blocks for a prompt computed by the batch's steps: ``(table, keys, cached)``, its block table (the
@@ -160,9 +162,12 @@ class BlockBatch(BatchBase):
     def accepts(self, group: RequestGroup) -> bool:
         return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
 
-    def add_reserved(self, group: RequestGroup, table: list[int], tokens: torch.Tensor, sampling: SamplingRows) -> None:
+    def add_reserved(
+        self, group: RequestGroup, table: list[int], tokens: torch.Tensor, sampling: SamplingRows, chain: int = 0
+    ) -> None:
         """Join a group whose prompt was computed into ``table``: its first row keeps those blocks, each other
-        candidate shares the full ones and gets a copy of the last, partial one."""
+        candidate shares the full ones and gets a copy of the last, partial one. ``chain``: the hash of the prompt's
+        last full block's key, which the blocks its rows fill next are chained to (``_register_filled``)."""
         length = len(group.prompt_ids)
         full, partial = length // BLOCK, length % BLOCK
         tables = [table]
@@ -180,6 +185,7 @@ class BlockBatch(BatchBase):
             self.tables[self.n + i, : len(t)] = t
             self.counts[self.n + i] = len(t)
         self.lengths[self.n : self.n + rows] = length
+        self.chains[self.n : self.n + rows] = chain
         self.n += rows
         self.groups.append(group)
         self.next_tokens = tokens if self.next_tokens is None else torch.cat([self.next_tokens, tokens])
@@ -200,12 +206,9 @@ class BlockBatch(BatchBase):
                 self.blocks.release(self.tables[row, : self.counts[row]].tolist())
         index = np.asarray(keep_rows, dtype=np.int64)
         count = len(keep_rows)
-        self.tables[:count], self.counts[:count], self.lengths[:count] = (
-            self.tables[index],
-            self.counts[index],
-            self.lengths[index],
-        )
-        self.tables[count:n], self.counts[count:n], self.lengths[count:n] = 0, 0, 0
+        for array in (self.tables, self.counts, self.lengths, self.chains):
+            array[:count] = array[index]
+            array[count:n] = 0
         self.n = count
         if count:
             self.next_tokens = self.next_tokens.index_select(0, torch.from_numpy(index).to(self.next_tokens.device))
@@ -215,23 +218,20 @@ class BlockBatch(BatchBase):
             self._when_idle()
 
     def _when_idle(self) -> None:
-        """No rows and no prompt being prefilled: the pool's memory goes back, all of it when no prompt is cached,
-        or all but the cached blocks once they are a small part of what the pool touched (a compiled step keeps its
-        pool: its graphs hold the addresses)."""
+        """No rows and no prompt being prefilled: once the blocks the pool has touched are well beyond those the
+        prefix cache keeps, the pool's memory goes back (the cached blocks are copied to the front of a fresh pool).
+        A small pool is kept as it is, with its read buffers (one request after another must not pay for a new one);
+        a compiled step keeps its pool (its graphs hold the addresses)."""
         if self.n or self.prompts or self.pool is None or self.runner.compiled_step is not None:
             return
-        cached = self.blocks.cached_tokens // BLOCK
-        self.scratch = Scratch()
-        if not cached:
-            self.pool = None
-            self.blocks.reset()
-        elif self.pool.touched > 2 * cached + 64:
+        if self.pool.touched > 2 * (self.blocks.cached_tokens // BLOCK) + IDLE_KEEP:
+            self.scratch = Scratch()
             self.pool = self.pool.compacted(self.blocks.compact())
 
     def reset(self) -> None:
         """Drop every row, prompt and block (after a failed step); the prefix cache's counters stay."""
         self.groups, self.n, self.prompts = [], 0, 0
-        self.tables[:], self.counts[:], self.lengths[:] = 0, 0, 0
+        self.tables[:], self.counts[:], self.lengths[:], self.chains[:] = 0, 0, 0, 0
         self.next_tokens = self.sampling = None
         self.pool, self.scratch = None, Scratch()
         self.blocks.reset()
@@ -296,6 +296,7 @@ class BlockBatch(BatchBase):
                 raise
             raise BatchOutOfMemory(exc) from None
         self.lengths[:n] += 1
+        self._register_filled(n)
         return logits[:n] if rows > n else logits
 
     def forward_with_chunks(
@@ -357,7 +358,33 @@ class BlockBatch(BatchBase):
         if not rows:
             return None, per_chunk
         self.lengths[:rows] += 1
+        self._register_filled(rows)
         return logits[:rows], per_chunk
+
+    def _register_filled(self, n: int) -> None:
+        """Rows whose last step filled a block (prompt tail and generated tokens) keep it in the prefix cache, chained
+        to the row's previous full block: a conversation that sends an answer back in its next prompt finds the
+        answer's blocks too."""
+        if not self.blocks.cached_limit:
+            return
+        filled = np.nonzero(self.lengths[:n] % BLOCK == 0)[0].tolist()
+        if not filled:
+            return
+        row, wanted = 0, iter(filled)
+        target = next(wanted)
+        for group in self.groups:
+            salt = self.runner.prefix_salt(group.params.adapter)
+            prompt = group.prompt_ids
+            for seq in group.seqs:
+                while target == row:
+                    end = int(self.lengths[row])  # the block's positions: [end - BLOCK, end)
+                    fed = prompt[end - BLOCK :] + seq.tokens[: end - len(prompt)] if end > len(prompt) else None
+                    if fed is not None:  # a block of the prompt's own was registered when it was computed
+                        key = (int(self.chains[row]), salt, tuple(fed[-BLOCK:]))
+                        self.blocks.register(int(self.tables[row, end // BLOCK - 1]), key)
+                        self.chains[row] = hash(key)
+                    target = next(wanted, -1)
+                row += 1
 
     def warm_up(self, max_rows: int, capacity: int) -> None:
         """Compiled steps: the pool allocated, then one step per batch bucket up to ``max_rows`` (on the CPU, per
@@ -385,6 +412,7 @@ class BlockBatch(BatchBase):
 # refused (400) only when its candidates' positions pass the budget, and the first group is always admitted: one
 # partly filled block per candidate of the widest request (SAKER_MAX_N's default) must fit beside the budget
 SLACK = 128
+IDLE_KEEP = 64  # blocks an idle pool may have touched beyond twice its cached ones and keep its memory
 
 
 def _on(array: np.ndarray, device) -> torch.Tensor:

@@ -8,7 +8,7 @@ that picked the token; echo logprobs from the prefill's logits. Finished sequenc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -33,10 +33,12 @@ from app.engine.batches import (  # noqa: F401 - BUCKETS, bucket and PaddedBatch
 
 @dataclass
 class Candidate:
-    """One row of a group on the engine side: which candidate it is and how many tokens it has."""
+    """One row of a group on the engine side: which candidate it is and the tokens it has made (the prefix cache
+    keeps the blocks they fill)."""
 
     index: int
     generated: int = 0
+    tokens: list[int] = field(default_factory=list)
 
 
 class RequestGroup:
@@ -195,6 +197,7 @@ class RequestGroup:
             at = offset + row
             token_id = tokens[at]
             seq.generated += 1
+            seq.tokens.append(token_id)
             done = at in complete
             ends = done or stopping.ends(token_id, seq.generated, prompt_len + seq.generated)
             events.append(
@@ -308,7 +311,9 @@ class ChunkedPrefill:
 
     def finish(self, batch: BlockBatch) -> list[Event]:
         table, self.table = self.table, None
-        return _join(batch, self.group, self.last, None, time.perf_counter() - self.spent, table=table)
+        full = len(self.group.prompt_ids) // BLOCK
+        chain = hash(self.keys[full - 1]) if full and len(self.keys) >= full else 0
+        return _join(batch, self.group, self.last, None, time.perf_counter() - self.spent, table=table, chain=chain)
 
     def abandon(self, batch: BlockBatch) -> None:
         """The request left or failed before its prompt was in: its blocks are let go."""
@@ -324,9 +329,11 @@ def _join(
     cache,
     start: float,
     table: list[int] | None = None,
+    chain: int = 0,
 ) -> list[Event]:
-    """After a group's prefill (logits (1, L or 1, V); its cache, or the blocks ``table`` it was computed into):
-    the prompt's numbers, the first tokens, and the group in the batch if it goes on."""
+    """After a group's prefill (logits (1, L or 1, V); its cache, or the blocks ``table`` it was computed into, with
+    ``chain``, the hash of its last full block's prefix-cache key): the prompt's numbers, the first tokens, and the
+    group in the batch if it goes on."""
     if group.needs_prompt_logits and logits.shape[1] > 1 and table is None:
         group.score_prompt(logits[0], 0)
     events: list[Event] = [group.prompt_numbers()]
@@ -348,7 +355,7 @@ def _join(
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
         if table is not None:
-            batch.add_reserved(group, table, tokens, sampling)
+            batch.add_reserved(group, table, tokens, sampling, chain)
         else:
             batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
     elif table is not None:

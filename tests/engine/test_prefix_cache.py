@@ -128,6 +128,28 @@ def test_a_prompt_extending_a_kept_one_prefills_only_the_rest(workers, reference
     assert got.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=TOL)
 
 
+def test_an_answer_sent_back_in_the_next_prompt_is_found_in_the_cache(workers, reference):
+    """The blocks a request's answer fills are kept too: a conversation whose next prompt carries the answer reuses
+    every full block of prompt and answer (the last answer token is never fed, so it is not among them), and the
+    next answer is the plain forward's."""
+    on, _, path = workers
+    model, tok = reference(path)
+    base = long_prompt(tok)
+    first = run(on, base, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    answer = first.choices[0].token_ids
+    follow = base + answer + tok(" and then", add_special_tokens=False).input_ids
+    reused = on.prefix_cache.reused_tokens
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    got = run(on, follow, params)
+    fed = len(base) + len(answer) - 1
+    assert on.prefix_cache.reused_tokens - reused == fed // BLOCK * BLOCK > len(base) // BLOCK * BLOCK
+    ref_ids = ref_greedy(model, tok, follow, 6)
+    lp = ref_logprobs(model, ref_ids)
+    assert got.choices[0].token_ids == ref_ids[len(follow) :]
+    want = [lp[len(follow) + i - 1, t].item() for i, t in enumerate(ref_ids[len(follow) :])]
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=TOL)
+
+
 def test_the_same_prompt_again_and_seeded_sampling(workers):
     on, off, path = workers
     tok = on.runner.tokenizer
