@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--close-cases",
         metavar="A,B",
         help="client-close cases to run (default stream-decode,"
-        "plain-decode,plain-stop-decode,stream-prefill,plain-prefill; quick: the first two)",
+        "plain-decode,plain-stop-decode,stream-prefill,plain-prefill,stream-long-prefill; quick: the first two)",
     )
     parser.add_argument(
         "--memory-budget-tokens",

@@ -39,8 +39,10 @@ class MemorySection(RunBase):
                     dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
         size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
         quantize = self.server_env.get("SAKER_QUANTIZE") or os.environ.get("SAKER_QUANTIZE")
-        if dtype == "float32" and (quantize in ("int4", "int8") or (quantize is None and not self.args.model)):
-            size = 8  # int4/int8 kernels on the CPU: float64 attention, whose block pool holds float64
+        if dtype == "float32" and quantize in ("int4", "int8"):
+            # int4/int8 kernels on the CPU: float64 attention, whose block pool holds float64 (the server is given
+            # the model's folder, which is served as loaded, float32, unless SAKER_QUANTIZE says otherwise)
+            size = 8
         return 2 * layers * kv_heads * head_dim * size, size
 
     def section_memory(self) -> dict:
