@@ -205,12 +205,9 @@ class ChatCompletionRequest(TemplateFields, SamplingRequest):
             )
         if choice == "required" and not names:
             raise InvalidRequestError("tool_choice required needs tools", param="tool_choice")
-        if self.calls_tools and self.constraint()[0] is not None:
-            raise InvalidRequestError(
-                "tool_choice required or a named function cannot be combined with "
-                "response_format or structured_outputs",
-                param="tool_choice",
-            )
+        # a forced call with response_format or structured_outputs: this turn's answer is the call, whose arguments
+        # follow its function's schema; the format is for a final message, which a forced turn does not have (a
+        # later turn with tool_choice auto or none answers in it), as OpenAI takes the pair
 
     @property
     def tool_mode(self) -> str:

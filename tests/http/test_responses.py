@@ -571,6 +571,18 @@ def test_tool_call_stream_events_in_order(tool_client, choice):
     assert call["call_id"] and call["id"] != call["call_id"] and final["status"] == "completed"
 
 
+def test_a_named_call_with_a_text_format_is_the_call(tool_client):
+    """instructor's RESPONSES_TOOLS mode: a named tool_choice with a json_schema text.format. The answer is the
+    call, its arguments valid against the function's schema (the format, an array here, is for a final message)."""
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "array"}}}
+    body = dict(input=QUESTION, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}, text=fmt)
+    answer = create(tool_client, parallel_tool_calls=False, max_output_tokens=120, **body)
+    [call] = calls_of(answer)
+    assert call["name"] == "get_weather" and answer["status"] == "completed"
+    assert [item["type"] for item in answer["output"]] == ["function_call"]
+    jsonschema.validate(json.loads(call["arguments"]), ARGUMENT_SCHEMAS["get_weather"])
+
+
 def test_parallel_calls_stream_as_items_of_their_own(tool_client):
     """Several calls in one (seeded) answer: each is a function_call item of its own (added, its argument deltas,
     done, before the next is added), equal to the plain answer's; a call cut by max_output_tokens is incomplete."""

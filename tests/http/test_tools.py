@@ -210,6 +210,28 @@ def test_named_function_is_the_one_called(tool_client):
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "list", "schema": {"type": "array"}}}},
+        {"structured_outputs": {"regex": "[0-9]+"}},
+    ],
+    ids=["json_object", "json_schema", "structured_outputs"],
+)
+def test_a_forced_call_with_a_response_format_is_the_call(tool_client, choice, fmt):
+    """A forced call with a format for the final message (instructor's RESPONSES_TOOLS mode sends a named call with
+    a schema): the answer is the call, its arguments valid against the function's schema, not the format (here an
+    array or digits, which no call could be)."""
+    body = chat(tool_client, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, **fmt)
+    answer = body["choices"][0]
+    assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None, answer
+    names = ["get_weather"] if isinstance(choice, dict) else None
+    assert len(answer["message"]["tool_calls"]) == 1
+    assert_valid_calls(answer["message"]["tool_calls"], names)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
     plain = chat(tool_client, tools=TOOLS, tool_choice=choice)["choices"][0]
     content, calls, reasons = streamed(tool_client, tools=TOOLS, tool_choice=choice)
@@ -417,11 +439,6 @@ BAD = [
     ),
     ("choice-unknown-string", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ("required-without-tools", {"tool_choice": "required"}, "tool_choice"),
-    (
-        "required-with-response_format",
-        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "tool_choice",
-    ),
     (
         "call-without-function",
         {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]},
