@@ -88,6 +88,43 @@ class HermesFormat:
             f"body: %json {json.dumps(schema)}\n"
         )
 
+    def prompt(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        """The conversation for a chat template that does not render tools: the tools in the system message (each
+        function's signature as JSON, and how to call one: this format's tags, which the reader and the forced-call
+        grammar use), the assistant's earlier calls as its text, and tool results as user messages within
+        ``<tool_response>`` tags, so that any template renders them."""
+        signatures = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        block = (
+            "You can call functions. Their signatures, as JSON, are within <tools></tools>:\n"
+            f"<tools>\n{signatures}\n</tools>\n"
+            f"To call a function, answer with a JSON object within {self.start}{self.end} tags (one pair per call):\n"
+            f'{self.start}\n{{"name": <function-name>, "arguments": <arguments-json-object>}}\n{self.end}'
+        )
+        out: list[dict] = []
+        if messages and messages[0]["role"] == "system":
+            first, rest = messages[0], messages[1:]
+            out.append({**first, "content": f"{first['content']}\n\n{block}" if first["content"] else block})
+        else:
+            out.append({"role": "system", "content": block})
+            rest = messages
+        for message in rest:
+            if message["role"] == "assistant" and message.get("tool_calls"):
+                calls = "\n".join(
+                    f"{self.start}\n"
+                    + json.dumps(
+                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False
+                    )
+                    + f"\n{self.end}"
+                    for c in message["tool_calls"]
+                )
+                text = message.get("content") or ""
+                out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
+            elif message["role"] == "tool":
+                out.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+            else:
+                out.append(message)
+        return out
+
 
 def tool_format(name: str) -> HermesFormat:
     if name != "hermes":

@@ -14,8 +14,11 @@ if TYPE_CHECKING:  # the worker (and torch) stay out of this module's imports
 
 class ChatTemplate:
     def __init__(self, settings: Settings, worker: Worker):
+        from app.tool_calls import tool_format
+
         self.settings = settings
         self.worker = worker
+        self.tool_format = tool_format(settings.tool_call_parser)  # how tools are put into a template without them
         self._text: str | None = None
         self._takes_tools: bool | None = None
 
@@ -64,14 +67,11 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         options: dict | None = None,
     ) -> list[int]:
-        """Token ids of the rendered conversation; the template carries BOS, none is added a second time."""
+        """Token ids of the rendered conversation; the template carries BOS, none is added a second time. With tools
+        and a template that does not render them, the tools go into the system message in the tool-call format's own
+        words (``tool_format.prompt``), and the conversation's calls and tool results as text."""
         if tools and not self.takes_tools():
-            raise InvalidRequestError(
-                "This model's chat template does not render tools, so the model would never "
-                "see them. Use a template that does (SAKER_CHAT_TEMPLATE), or leave tools "
-                "out",
-                param="tools",
-            )
+            messages, tools = self.tool_format.prompt(messages, tools), None
         ids = self.apply(messages, add_generation_prompt, tokenize=True, tools=tools, options=options)
         if ids and isinstance(ids[0], list):
             ids = ids[0]

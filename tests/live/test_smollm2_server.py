@@ -3,6 +3,7 @@ plain and streamed, against apply_chat_template + model.generate(); dropped stre
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -143,4 +144,46 @@ def test_langchain_with_structured_output(server):
         base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct", temperature=0, max_retries=0
     )
     answer = llm.with_structured_output(City).invoke("What is the capital of Italy?")
+    assert isinstance(answer, City) and answer.city
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_forced_tool_call_on_the_default_template(client):
+    """The embedded model's own template does not render tools, and nothing is configured: the tools go into the
+    system message in the call format's words and a forced call comes back, valid against its schema."""
+    import jsonschema
+
+    done = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_langchain_structured_output_by_function_calling(server):
+    """LangChain's with_structured_output(City, method="function_calling") (a forced call of a tool named City) on
+    the default template gets a City."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct", temperature=0, max_retries=0
+    )
+    answer = llm.with_structured_output(City, method="function_calling").invoke("What is the capital of Italy?")
     assert isinstance(answer, City) and answer.city
