@@ -30,6 +30,7 @@ from app.engine.blocks import BLOCK
 
 NAME = "saker"
 TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head is 16 MB
+HEADS_TOGETHER = 2**17  # keys (elements) up to which every head goes in one product (1 MiB in float64)
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **_) -> tuple:
@@ -37,10 +38,11 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
     float64. ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the last query sees every
     key (or no mask at all with ``is_causal`` False).
 
-    One kv head at a time: its keys and values as (B, Lk, D) matrices of any row stride (those the block pool gives
-    are rows of (B, Lk, Hkv, D), read without another copy when the pool is float64, as it is for the models that
-    take this path), and its group of query heads as the rows of one product (grouped-query attention without
-    copying keys)."""
+    Each kv head's group of query heads are the rows of one product (grouped-query attention without copying keys).
+    Keys and values may have any row stride: those the block pool gives are rows of (B, Lk, Hkv, D). Large ones go
+    one kv head at a time, so that each head's (B, Lk, D) matrices are read where they are (no copy when the pool is
+    float64, as it is for the models that take this path); small ones all heads in one product (fewer operations
+    per layer, the products' copy of strided keys being small)."""
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -57,19 +59,22 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
         is_causal = getattr(module, "is_causal", True)
     causal = attention_mask is None and is_causal and length > 1
     out = torch.empty(batch, kv_heads, group, length, value.shape[-1], dtype=torch.float64, device=query.device)
-    for head in range(kv_heads):
-        k, v = key[:, head].double(), value[:, head].double()  # (B, Lk, D): no copy when already float64
-        head_mask = None if mask is None else mask[:, head if mask.shape[1] > 1 else 0]  # (B|1, 1|group, Lq, Lk)
+    together = key.numel() <= HEADS_TOGETHER
+    for span in [slice(0, kv_heads)] if together else [slice(h, h + 1) for h in range(kv_heads)]:
+        count = span.stop - span.start
+        k, v = key[:, span].double(), value[:, span].double()  # (B, h, Lk, D): no copy when already float64
+        span_mask = None if mask is None else (mask[:, span] if mask.shape[1] > 1 else mask)
         for start in range(0, length, TILE):
             end = min(start + TILE, length)
             rows = end - start
             # causal without a mask: keys past the tile's last query are never seen (float64 sums do not depend
             # on the trailing zeros they would add, to float32 rounding)
             seen = keys - length + end if causal else keys
-            tile = q[:, head, :, start:end].reshape(batch, group * rows, dim)
-            scores = torch.bmm(tile, k[:, :seen].transpose(1, 2)).mul_(scale).view(batch, group, rows, seen)
-            if head_mask is not None:
-                block = head_mask[..., start:end, :]
+            tile = q[:, span, :, start:end].reshape(batch, count, group * rows, dim)
+            scores = torch.matmul(tile, k[:, :, :seen].transpose(-1, -2)).mul_(scale)
+            scores = scores.view(batch, count, group, rows, seen)
+            if span_mask is not None:
+                block = span_mask[..., start:end, :]
                 if block.dtype == torch.bool:
                     scores = scores.masked_fill(~block, float("-inf"))
                 else:
@@ -77,8 +82,8 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
             elif causal:  # query i sits at key position Lk - Lq + i
                 at = torch.arange(start, end, device=query.device).view(-1, 1) + (keys - length)
                 scores = scores.masked_fill(torch.arange(seen, device=query.device).view(1, -1) > at, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).view(batch, group * rows, seen)
-            out[:, head, :, start:end] = torch.bmm(probs, v[:, :seen]).view(batch, group, rows, -1)
+            probs = torch.softmax(scores, dim=-1).view(batch, count, group * rows, seen)
+            out[:, span, :, start:end] = torch.matmul(probs, v[:, :, :seen]).view(batch, count, group, rows, -1)
     # a row with every key masked (padding) gives NaN from softmax: zeros instead
     out = out.nan_to_num_(0.0).view(batch, heads, length, -1)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
