@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 from pathlib import Path
 
 from app.processes import GunicornServer, NginxServer, free_port, nginx_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "Gunicorn", "Nginx", "free_port", "nginx_binary", "read_response"]
+__all__ = ["LOGS", "ROOT", "Gunicorn", "Nginx", "free_port", "nginx_binary", "read_response"]
+
+
+# one folder of server logs per test process, in the system's temporary directory: under .cache/ they piled up, one
+# file per server started, run after run
+LOGS = Path(tempfile.mkdtemp(prefix="saker-test-servers-"))
 
 
 class Gunicorn(GunicornServer):
-    """The tests' gunicorn: ``env`` over the test process's environment, its log under ``.cache/``."""
+    """The tests' gunicorn: ``env`` over the test process's environment, its log in ``LOGS``."""
 
     def __init__(self, env: dict[str, str], args: tuple[str, ...] = (), app: str = "wsgi:app"):
-        super().__init__(env, log_dir=ROOT / ".cache", args=args, app=app)
+        super().__init__(env, log_dir=LOGS, args=args, app=app)
 
     def wait_ready(self, timeout: float = 120, path: str | None = None) -> float:
         return super().wait_ready(timeout, path)
