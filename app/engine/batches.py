@@ -98,10 +98,6 @@ class BlockBatch(BatchBase):
         self.prompts = 0  # prompts holding blocks while they are prefilled
         self.scratch = Scratch()  # the buffers steps read blocks into (given back with the pool)
 
-    @property
-    def lengths_host(self) -> list[int]:
-        return self.lengths[: self.n].tolist()
-
     # -- blocks ---------------------------------------------------------------------------------------------------
     def _pool(self) -> KVPool:
         if self.pool is None:
@@ -367,23 +363,22 @@ class BlockBatch(BatchBase):
         answer's blocks too."""
         if not self.blocks.cached_limit:
             return
-        filled = np.nonzero(self.lengths[:n] % BLOCK == 0)[0].tolist()
-        if not filled:
-            return
-        row, wanted = 0, iter(filled)
-        target = next(wanted)
+        filled = set(np.nonzero(self.lengths[:n] % BLOCK == 0)[0].tolist())
+        row = 0
         for group in self.groups:
-            salt = self.runner.prefix_salt(group.params.adapter)
+            if not filled:
+                break
             prompt = group.prompt_ids
             for seq in group.seqs:
-                while target == row:
+                if row in filled:
+                    filled.discard(row)
                     end = int(self.lengths[row])  # the block's positions: [end - BLOCK, end)
-                    fed = prompt[end - BLOCK :] + seq.tokens[: end - len(prompt)] if end > len(prompt) else None
-                    if fed is not None:  # a block of the prompt's own was registered when it was computed
-                        key = (int(self.chains[row]), salt, tuple(fed[-BLOCK:]))
+                    if end > len(prompt):  # a block of the prompt's own was registered when it was computed
+                        start = end - BLOCK
+                        fed = prompt[start:] + seq.tokens[max(0, start - len(prompt)) : end - len(prompt)]
+                        key = (int(self.chains[row]), self.runner.prefix_salt(group.params.adapter), tuple(fed))
                         self.blocks.register(int(self.tables[row, end // BLOCK - 1]), key)
                         self.chains[row] = hash(key)
-                    target = next(wanted, -1)
                 row += 1
 
     def warm_up(self, max_rows: int, capacity: int) -> None:

@@ -89,11 +89,11 @@ def use_growing_layers(cache) -> None:
 def kv_bytes_per_token(cache, dtype: torch.dtype | None = None) -> int:
     """Bytes one token position takes in a prefilled cache (all layers, keys and values), stored in ``dtype`` (None:
     the cache's own)."""
-    size = (lambda t: t.element_size()) if dtype is None else (lambda t: dtype.itemsize)
-    return sum(
-        layer.keys[0, :, 0].numel() * size(layer.keys) + layer.values[0, :, 0].numel() * size(layer.values)
-        for layer in cache.layers
-    )
+    total = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            total += tensor[0, :, 0].numel() * (dtype.itemsize if dtype is not None else tensor.element_size())
+    return total
 
 
 def default_kv_budget(bytes_per_token: int, device: torch.device) -> int:

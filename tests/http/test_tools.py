@@ -375,21 +375,17 @@ def test_tokenize_renders_tools_as_chat_does(tool_client):
     assert count(tools=TOOLS) > count()
 
 
-def test_history_with_calls_and_tool_answers_renders(tool_client):
-    messages = MESSAGES + [
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
-                }
-            ],
-        },
+def history(arguments: str) -> list[dict]:
+    """MESSAGES, then an assistant's call of get_weather with these arguments and the tool's answer."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
     ]
+
+
+def test_history_with_calls_and_tool_answers_renders(tool_client):
+    messages = history('{"city": "Paris", "unit": "c"}')
     short = chat(tool_client, tools=[TIME], max_tokens=1)["usage"]["prompt_tokens"]
     body = chat(tool_client, tools=[TIME], messages=messages, max_tokens=1)
     assert body["usage"]["prompt_tokens"] > short + 30
@@ -412,21 +408,8 @@ def test_tools_on_a_template_without_tool_support_go_into_the_system_message(gpt
         worker=gpt2_worker,
     )
     client = app.test_client()
-    history = MESSAGES + [
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
-    ]
-    resp = client.post("/tokenize", json={"model": "tiny-gpt2", "messages": history, "tools": TOOLS})
+    messages = history('{"city": "Oslo"}')
+    resp = client.post("/tokenize", json={"model": "tiny-gpt2", "messages": messages, "tools": TOOLS})
     assert resp.status_code == 200, resp.get_data(as_text=True)
     text = gpt2_worker.tokenizer.decode(resp.get_json()["tokens"])
     assert text.startswith("<|system|>You can call functions.")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Literal
 
 import openai
 import pytest
@@ -193,33 +192,20 @@ def test_langchain_structured_output_by_function_calling(server):
 def test_agents_sdk_function_tool_on_the_default_template(server):
     """The OpenAI Agents SDK (Responses API) with one function tool and tool_choice required, on the embedded model
     with nothing configured: the Python tool runs with arguments from its schema."""
-    pytest.importorskip("agents", reason="openai-agents is not installed: pip install -r requirements-dev.txt")
     import asyncio
 
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    pytest.importorskip("agents", reason="openai-agents is not installed: pip install -r requirements-dev.txt")
+    from agents import ModelSettings, Runner
 
-    set_tracing_disabled(True)
-    cities: list[str] = []
+    from weather_agent import weather_agent
 
-    @function_tool
-    def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
-        """The weather in a city."""
-        cities.append(city)
-        return f"18 degrees and sunny in {city}"
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    agent, cities, client = weather_agent(
+        server.url, "SmolLM2-135M-Instruct", tool_use_behavior="stop_on_first_tool", model_settings=settings
+    )
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         try:
-            agent = Agent(
-                name="weather",
-                instructions="Answer questions about the weather; use the tool.",
-                tools=[get_weather],
-                model=OpenAIResponsesModel(model="SmolLM2-135M-Instruct", openai_client=client),
-                tool_use_behavior="stop_on_first_tool",
-                model_settings=ModelSettings(
-                    tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80
-                ),
-            )
             return await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
         finally:
             await client.close()
