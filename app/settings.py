@@ -102,6 +102,15 @@ class Settings(BaseSettings):
         "2.5/3, SmolLM3 templates). It forces calls for `tool_choice` "
         "required/named and reads them out of answers.",
     )
+    json_whitespace: str | None = Field(
+        None,
+        description="The whitespace JSON grammars (response_format, "
+        "structured_outputs' json, forced tool calls) allow between JSON "
+        "tokens, as a regular expression. Unset: none, one space, or a line "
+        "break and up to 32 spaces or 8 tabs of indentation at each place "
+        "(compact, json.dumps and indented layouts; a run of whitespace is "
+        "bounded). Empty: json.dumps' separators and no other whitespace.",
+    )
     reasoning_parser: Literal["none", "think"] = Field(
         "none",
         description="Reasoning parser for models that "

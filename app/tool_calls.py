@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from app.engine.json_schemas import JSON_OPTIONS, closed_objects
+from app.engine.json_schemas import closed_objects, json_options
 
 PARSERS = ("hermes",)
 ARGUMENT_KEYS = ("arguments", "parameters")  # the key of a call's arguments (Hermes writes "arguments")
@@ -65,10 +65,10 @@ class CallDelta:
 class HermesFormat:
     start, end = "<tool_call>", "</tool_call>"
 
-    def grammar(self, tools: list[dict], name: str | None, parallel: bool) -> str:
+    def grammar(self, tools: list[dict], name: str | None, parallel: bool, whitespace: str | None = None) -> str:
         """A Lark grammar (llguidance's, with ``%json``) for one call, or several when ``parallel``: of the named
         function, or of any of ``tools``; each call's arguments follow that function's JSON schema (read as
-        structured outputs read schemas: ``json_schemas``)."""
+        structured outputs read schemas: ``json_schemas``, with ``whitespace`` as ``json_options`` takes it)."""
         chosen = [t for t in tools if name is None or t["name"] == name]
         branches = [
             {
@@ -80,7 +80,7 @@ class HermesFormat:
             for t in chosen
         ]
         schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
-        schema = {**closed_objects(schema), "x-guidance": JSON_OPTIONS}
+        schema = {**closed_objects(schema), "x-guidance": json_options(whitespace)}
         calls = 'call ("\\n" call)*' if parallel and name is None else "call"
         return (
             f"start: {calls}\n"

@@ -27,10 +27,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from app.engine.detokenize import tokenizer_memo
-from app.engine.json_schemas import JSON_OPTIONS, closed_objects
+from app.engine.json_schemas import closed_objects, json_options
 from app.engine.params import Constraint
 
 CACHE_SIZE = 256
+# The longest run of digits a constrained output may write while its grammar allows something else: JSON numbers
+# have no length bound, and a model that wants to go on where the grammar forbids it (another key of a closed
+# object) may keep writing digits until max_tokens (``25.5283231251111...``), a failure every constrained decoder
+# has met. Past 32 digits (a float64 holds 17 significant ones) tokens that begin with a digit are masked whenever
+# the grammar allows another token; a grammar that wants only digits (a pattern such as ``[0-9]{40}``) keeps them.
+DIGIT_RUN = 32
 _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saker-grammar")
 
 
@@ -47,7 +53,7 @@ def grammar_text(constraint: Constraint) -> str:
     try:
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                closed_objects(json.loads(source)), defaults=JSON_OPTIONS
+                closed_objects(json.loads(source)), defaults=json_options(constraint.whitespace)
             )
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(source)
@@ -72,6 +78,7 @@ class Grammars:
         self._lltok = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self._digits: DigitTokens | None = None
 
     @property
     def lltok(self):
@@ -114,7 +121,36 @@ class Grammars:
         return self.compile(constraint).deep_copy()
 
     def row(self, constraint: Constraint) -> "RowGrammar":
-        return RowGrammar(self.matcher(constraint), self.words)
+        return RowGrammar(self.matcher(constraint), self.words, self.digits)
+
+    @property
+    def digits(self) -> "DigitTokens":
+        """Which tokens begin with a digit and how many digits each ends with (made once, on first use)."""
+        if self._digits is None:
+            lltok = self.lltok
+            with self._lock:
+                if self._digits is None:
+                    self._digits = DigitTokens([lltok.decode_bytes([t]) for t in range(self.vocab_size)], self.words)
+        return self._digits
+
+
+class DigitTokens:
+    """Per token, from its bytes: whether it begins with an ASCII digit (a bitmask in the matcher's layout), how
+    many digits it ends with, and whether it is digits only (then it extends a run instead of ending one)."""
+
+    def __init__(self, pieces: list[bytes], words: int):
+        self.trailing = [len(p) - len(p.rstrip(b"0123456789")) for p in pieces]
+        self.only = [bool(p) and n == len(p) for p, n in zip(pieces, self.trailing)]
+        leading = torch.zeros(words * 32, dtype=torch.bool)
+        leading[[t for t, p in enumerate(pieces) if p[:1].isdigit()]] = True
+        weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int64)
+        self.leading = (leading.view(words, 32).long() * weights).sum(1).to(torch.int32)  # bit t % 32 of word t // 32
+
+    def run_after(self, run: int, token_id: int) -> int:
+        """The output's trailing run of digits once ``token_id`` follows a run of ``run``."""
+        if token_id >= len(self.only):
+            return 0
+        return run + self.trailing[token_id] if self.only[token_id] else self.trailing[token_id]
 
 
 def grammars_for(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammars:
@@ -125,15 +161,21 @@ def grammars_for(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> 
 class RowGrammar:
     """One row's matcher and the bitmask of the tokens it allows next (bit ``t % 32`` of word ``t // 32``)."""
 
-    def __init__(self, matcher, words: int):
+    def __init__(self, matcher, words: int, digits: DigitTokens | None = None):
         self.matcher = matcher
         self.mask = torch.empty(words, dtype=torch.int32)
+        self.digits = digits
+        self.run = 0  # digits the output ends with (``DIGIT_RUN``)
         self._next: Future | None = None  # the mask being computed on the grammar thread
         self._fresh = False  # ``mask`` is the current state's
         self.ended = False  # the output is complete (or the matcher failed)
 
     def _fill(self) -> None:
         self.matcher.unsafe_compute_mask_ptr(self.mask.data_ptr(), self.mask.numel() * 4)
+        if self.run >= DIGIT_RUN and self.digits is not None:
+            other = self.mask & ~self.digits.leading
+            if bool(other.any()):
+                self.mask = other
         self._fresh = True
 
     def current_mask(self) -> torch.Tensor:
@@ -149,6 +191,8 @@ class RowGrammar:
         """The row chose ``token_id``: whether its output is now complete (nothing but the end may follow), or
         the matcher refused the token (it cannot: the token came from its mask)."""
         self._fresh = False
+        if self.digits is not None:
+            self.run = self.digits.run_after(self.run, token_id)
         ok = self.matcher.consume_token(token_id)
         self.ended = not ok or self.matcher.is_stopped()
         return self.ended

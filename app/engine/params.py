@@ -11,6 +11,9 @@ class Constraint:
 
     kind: str  # "json_schema", "regex", "choice" or "grammar"
     source: str  # the schema as JSON text, the regex, the choices as a JSON list, the Lark/GBNF text
+    # json_schema: the whitespace allowed between JSON tokens, a regex ("": none beyond json.dumps' separators;
+    # None: the default, ``json_schemas.WHITESPACE``)
+    whitespace: str | None = None
 
 
 @dataclass(frozen=True)

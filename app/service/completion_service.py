@@ -50,6 +50,7 @@ class CompletionService:
         self.chat_template = ChatTemplate(settings, worker)
         self._fingerprint: str | None = None
         self.tool_format = tool_format(settings.tool_call_parser)
+        self.json_whitespace = settings.json_whitespace  # JSON grammars' whitespace (structured outputs, forced calls)
 
     @property
     def system_fingerprint(self) -> str:
@@ -236,7 +237,7 @@ class CompletionService:
             if request.calls_tools:
                 named = request.tool_choice.function.name if request.tool_mode == "named" else None
                 grammar = self.tool_format.grammar(
-                    [t["function"] for t in tools], named, bool(request.parallel_tool_calls)
+                    [t["function"] for t in tools], named, bool(request.parallel_tool_calls), self.json_whitespace
                 )
                 params = replace(params, constraint=Constraint("grammar", grammar))
         else:
@@ -246,6 +247,8 @@ class CompletionService:
         for ids in prompts:
             self._check_lengths(ids, params.max_tokens, param)
             self._check_kv_budget(ids, params)
+        if params.constraint is not None and params.constraint.kind == "json_schema":
+            params = replace(params, constraint=replace(params.constraint, whitespace=self.json_whitespace))
         if params.constraint is not None:
             asked_by = "tools" if tools and request.calls_tools else request.constraint()[1]
             try:

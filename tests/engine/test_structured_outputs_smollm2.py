@@ -5,6 +5,7 @@ patterned strings, anyOf, $defs): every answer, all requests sharing the batch, 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -198,3 +199,53 @@ def test_every_answer_validates_against_its_schema(service):
         text = choice["message"]["content"]
         assert choice["finish_reason"] == "stop", (name, text)
         jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+USER_DETAIL = {
+    "properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer"}},
+    "required": ["name", "age"],
+    "title": "UserDetail",
+    "type": "object",
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_json_mode_prompt_with_an_indented_schema_ends_in_valid_json(service, temperature):
+    """instructor's JSON mode: the schema printed with indent=2 in the system message and ``json_object``. The model
+    wants a line break after ``{``; a grammar without whitespace made it take ``'",'`` at -9.4 and write
+    ``{", ": 1000000000...`` until max_tokens. Now: a whole JSON object within 100 tokens whose keys are words (what
+    is in it is the 135M model's reading: at 0.7 it copies the schema). With json.dumps' layout forced (and the
+    digit bound) the sampled answer still starts ``{", ": 25.00000001``."""
+    from app.protocol import ChatCompletionRequest, parse_request
+
+    system = (
+        "As a genius expert, your task is to understand the content and provide the parsed objects in json that "
+        f"match the following json_schema:\n\n{json.dumps(USER_DETAIL, indent=2)}\n\n"
+        "Make sure to return an instance of the JSON, not the schema itself"
+    )
+    body = {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Extract Jason is 25 years old"},
+        ],
+        "response_format": {"type": "json_object"},
+        "temperature": temperature,
+        "seed": 3,
+        "max_tokens": 100,
+    }
+    answer = service.complete(parse_request(ChatCompletionRequest, body)).body
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop", choice["message"]["content"]
+    parsed = json.loads(choice["message"]["content"])
+    assert isinstance(parsed, dict) and answer["usage"]["completion_tokens"] <= 100
+
+    def keys(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield key
+                yield from keys(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from keys(value)
+
+    assert all(re.fullmatch(r"\w+", key) for key in keys(parsed)), parsed

@@ -191,7 +191,13 @@ def tool_app(gpt2_dir, gpt2_worker):
     from app import create_app
 
     app = create_app(
-        make_settings(model=str(gpt2_dir), served_model_name=MODEL, chat_template=TOOL_TEMPLATE), worker=gpt2_worker
+        make_settings(
+            model=str(gpt2_dir),
+            served_model_name=MODEL,
+            chat_template=TOOL_TEMPLATE,
+            json_whitespace="",  # a random tiny model writes whitespace wherever a grammar allows it
+        ),
+        worker=gpt2_worker,
     )
     app.config["TESTING"] = True
     return app
@@ -814,6 +820,7 @@ def gpt2_server(gpt2_dir):
             "SAKER_MODEL": str(gpt2_dir),
             "SAKER_SERVED_MODEL_NAME": MODEL,
             "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE,
+            "SAKER_JSON_WHITESPACE": "",  # compact JSON for the random tiny model (see tool_app)
             "SAKER_PREFIX_CACHE_TOKENS": "4096",
             "SAKER_THREADS": "8",
         }

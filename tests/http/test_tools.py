@@ -110,7 +110,12 @@ def tool_client(gpt2_dir, gpt2_worker):
     from app import create_app
 
     app = create_app(
-        make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", chat_template=TOOL_TEMPLATE),
+        make_settings(
+            model=str(gpt2_dir),
+            served_model_name="tiny-gpt2",
+            chat_template=TOOL_TEMPLATE,
+            json_whitespace="",  # a random tiny model writes whitespace wherever a grammar allows it
+        ),
         worker=gpt2_worker,
     )
     app.config["TESTING"] = True
@@ -624,7 +629,12 @@ def test_openai_client_tool_calls_under_gunicorn(gpt2_dir):
     from servers import Gunicorn
 
     srv = Gunicorn(
-        {"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2", "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE}
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE,
+            "SAKER_JSON_WHITESPACE": "",  # compact JSON for the random tiny model (see tool_client)
+        }
     )
     try:
         srv.wait_ready()
