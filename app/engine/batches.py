@@ -102,7 +102,7 @@ class BlockBatch(BatchBase):
     def _pool(self) -> KVPool:
         if self.pool is None:
             self.budget = self.kv_cache_tokens or self.runner.default_kv_budget()
-            self.blocks.num_blocks = -(-self.budget // BLOCK) + 1 + SLACK  # and the null block
+            self.blocks.num_blocks = -(-self.budget // BLOCK) + 1  # and the null block
             self.pool = KVPool(self.runner.probe_cache(), self.blocks.num_blocks, self.static, self.runner.kv_dtype)
         return self.pool
 
@@ -158,34 +158,83 @@ class BlockBatch(BatchBase):
     def accepts(self, group: RequestGroup) -> bool:
         return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
 
+    def spare_blocks(self, group: RequestGroup) -> list[int]:
+        """Blocks for the copies of a prompt's partial last block that its other candidates take when it joins,
+        reserved with the prompt (so that joining never waits for blocks)."""
+        count = (group.params.num_candidates - 1) * (len(group.prompt_ids) % BLOCK > 0)
+        return self._allocate(count) if count and group.generates else []
+
     def add_reserved(
-        self, group: RequestGroup, table: list[int], tokens: torch.Tensor, sampling: SamplingRows, chain: int = 0
+        self,
+        group: RequestGroup,
+        table: list[int],
+        tokens: torch.Tensor,
+        sampling: SamplingRows,
+        chain: int = 0,
+        spare: list[int] = (),
     ) -> None:
         """Join a group whose prompt was computed into ``table``: its first row keeps those blocks, each other
-        candidate shares the full ones and gets a copy of the last, partial one. ``chain``: the hash of the prompt's
-        last full block's key, which the blocks its rows fill next are chained to (``_register_filled``)."""
+        candidate shares the full ones and gets a copy of the last, partial one (into a ``spare`` block, or a new
+        one). ``chain``: the hash of the prompt's last full block's key, which the blocks its rows fill next are
+        chained to (``_register_filled``)."""
         length = len(group.prompt_ids)
         full, partial = length // BLOCK, length % BLOCK
+        spare = list(spare)
         tables = [table]
         for _ in range(group.rows - 1):
             self.blocks.share(table[:full])
             own = []
             if partial:
-                own = self._allocate(1)
+                own = [spare.pop()] if spare else self._allocate(1)
                 self.pool.copy_block(table[full], own[0])
             tables.append(table[:full] + own)
-        self.prompts -= 1
-        rows = group.rows
+        self.blocks.release(spare)  # candidates that ended on their first token
+        self.add_rows(group, tables, [length] * group.rows, [chain] * group.rows, tokens, sampling, prompts=1)
+
+    def add_rows(
+        self,
+        group: RequestGroup,
+        tables: list[list[int]],
+        lengths: list[int],
+        chains: list[int],
+        tokens: torch.Tensor,
+        sampling: SamplingRows,
+        prompts: int,
+    ) -> None:
+        """Join a group's rows, each on its own blocks (``tables``: the tables ``prompts`` reservations made), holding
+        ``lengths`` positions, with its next token and sampling state: after a prompt (``add_reserved``), or a
+        preempted group whose rows were computed again (``ChunkedPrefill``)."""
+        self.prompts -= prompts
+        rows = len(tables)
         self._room(self.n + rows, max(len(t) for t in tables))
         for i, t in enumerate(tables):
             self.tables[self.n + i, : len(t)] = t
             self.counts[self.n + i] = len(t)
-        self.lengths[self.n : self.n + rows] = length
-        self.chains[self.n : self.n + rows] = chain
+        self.lengths[self.n : self.n + rows] = lengths
+        self.chains[self.n : self.n + rows] = chains
         self.n += rows
         self.groups.append(group)
         self.next_tokens = tokens if self.next_tokens is None else torch.cat([self.next_tokens, tokens])
         self.sampling = sampling if self.sampling is None else SamplingRows.cat([self.sampling, sampling])
+
+    def free_blocks(self) -> int:
+        """Blocks the pool can hand out now (cached ones with no holder included)."""
+        self._pool()
+        return self.blocks.free_blocks
+
+    def blocks_wanted(self) -> int:
+        """Blocks the next decode step hands out: one to each row that crosses into a new block."""
+        n = self.n
+        return int(np.count_nonzero(self.lengths[:n] // BLOCK >= self.counts[:n]))
+
+    def rows_of(self, group: RequestGroup) -> list[int]:
+        """The batch rows of ``group``'s candidates, in order."""
+        start = 0
+        for g in self.groups:
+            if g is group:
+                return list(range(start, start + g.rows))
+            start += g.rows
+        return []
 
     def keep(self, keep_rows: list[int], tokens: torch.Tensor | None) -> None:
         """After a step: the rows' next tokens (row order), then only ``keep_rows`` stay; the others' blocks are
@@ -403,10 +452,6 @@ class BlockBatch(BatchBase):
                 self.runner.compiled_step(zeros, zeros.clone(), zeros.clone(), gather, pool.keys, pool.values)
 
 
-# blocks the pool holds beyond the KV budget: admission counts whole blocks for every candidate, but a request is
-# refused (400) only when its candidates' positions pass the budget, and the first group is always admitted: one
-# partly filled block per candidate of the widest request (SAKER_MAX_N's default) must fit beside the budget
-SLACK = 128
 IDLE_KEEP = 64  # blocks an idle pool may have touched beyond twice its cached ones and keep its memory
 
 

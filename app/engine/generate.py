@@ -83,6 +83,8 @@ class RequestGroup:
         self._prompt_top_values: list[list[float]] = []
         self._prompt_ranks: list[int] = []
         self.cancelled = False
+        self.preempted: Preempted | None = None  # its rows left the batch for older requests (``preempt``)
+        self.arrival = 0  # its place in the order groups were submitted (the scheduler's)
         self.tokens_made = 0  # tokens the engine sampled for this group (all rows)
         self._finish: list[int] = []  # candidates the output side ended (stop strings)
 
@@ -105,10 +107,13 @@ class RequestGroup:
         return len(self.prompt_ids) + max(self.max_new, 0)
 
     @property
-    def kv_blocks(self) -> int:
-        """KV blocks this group may hold at most: each candidate's up to its reach (the candidates share their
-        prompt's full blocks, so they hold fewer)."""
-        return self.params.num_candidates * -(-self.reach // BLOCK)
+    def blocks_now(self) -> int:
+        """Blocks admitting this group takes (or is sure to soon): its prompt's, a copy of the partial last block for
+        each other candidate, and one to grow into per row; for a preempted group, its rows' and one each."""
+        if self.preempted is not None:
+            return sum(-(-length // BLOCK) + 1 for length in self.preempted.lengths)
+        count, length = self.params.num_candidates, len(self.prompt_ids)
+        return -(-length // BLOCK) + (count - 1) * (length % BLOCK > 0) + count
 
     @property
     def budget_tokens(self) -> int:
@@ -255,6 +260,29 @@ def admit(batch: BlockBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
     return _join(batch, group, logits, cache, start)
 
 
+@dataclass
+class Preempted:
+    """A group whose rows left the batch to give their blocks to older requests (``preempt``), and what its rows
+    need to go on where they stopped once their positions are computed again (``ChunkedPrefill``)."""
+
+    tokens: torch.Tensor  # each row's next token
+    sampling: SamplingRows  # the rows' sampling state: seeds' step counters, penalty history, grammar matchers
+    lengths: list[int]  # the positions each row held: prompt + all its tokens but the next one
+
+
+def preempt(batch: BlockBatch, group: RequestGroup) -> None:
+    """Take a running group's rows out of the batch and let their blocks go (full blocks stay in the prefix cache,
+    where its recomputation may find them); what they need to go on is kept on the group (``Preempted``)."""
+    rows = batch.rows_of(group)
+    index = torch.tensor(rows, dtype=torch.long, device=batch.next_tokens.device)
+    lengths = [int(batch.lengths[r]) for r in rows]
+    group.preempted = Preempted(batch.next_tokens.index_select(0, index), batch.sampling.select(rows), lengths)
+    keep = [r for r in range(batch.n) if r not in set(rows)]
+    seqs, group.seqs = group.seqs, []  # the group leaves the batch's list; its candidates stay its own
+    batch.keep(keep, None)
+    group.seqs = seqs
+
+
 class ChunkedPrefill:
     """A prompt computed at most ``chunk`` tokens at a time into blocks the batch reserves for it (``start``; the
     leading blocks a kept prompt shares come from the prefix cache). Each chunk is computed inside one of the
@@ -262,64 +290,112 @@ class ChunkedPrefill:
     (``decode_step(batch, jobs)``), or alone when nothing runs or the rows use another adapter. The running rows
     never wait for a prefill forward of its own. Prompt logprobs are taken chunk by chunk, so no more than a chunk's
     logits are held. Once the whole prompt is in, ``finish`` samples the first tokens and the group joins the batch
-    on those blocks."""
+    on those blocks.
+
+    A preempted group (``group.preempted``) is computed the same way, one sequence per candidate (its prompt and
+    the tokens it made but the next one), one after another; then its rows join with their next tokens and
+    sampling state as they were, so that they go on as if they had never left."""
 
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
-        self.table: list[int] | None = None  # the prompt's blocks
-        self.keys: list = []  # the chained keys of its full blocks (prefix caching)
-        self.done = 0  # prompt tokens computed (or cached)
+        resumed = group.preempted
+        self.seqs = (
+            [group.prompt_ids]
+            if resumed is None
+            else [(group.prompt_ids + seq.tokens)[:length] for seq, length in zip(group.seqs, resumed.lengths)]
+        )
+        self.tables: list[list[int]] = []  # each sequence's blocks (reserved at ``start``)
+        self.spare: list[int] = []  # blocks for the other candidates' copies of the prompt's partial last block
+        self.keys_of: list[list] = []  # the chained keys of each one's full blocks (prefix caching)
+        self.cached: list[int] = []  # each one's positions from the prefix cache
+        self.row = 0  # the sequence being computed
+        self.done = 0  # its tokens computed (or cached)
         self.last: torch.Tensor | None = None  # the last prompt position's logits (1, 1, V)
         self.spent = 0.0  # seconds of steps that carried its chunks
 
+    @property
+    def ids(self) -> list[int]:
+        return self.seqs[self.row]
+
+    @property
+    def table(self) -> list[int]:
+        return self.tables[self.row]
+
     def start(self, batch: BlockBatch) -> None:
-        """Reserve the prompt's blocks, its leading ones from the prefix cache when a kept prompt shares them (not
-        when every position's logits are asked for: those of cached positions are not kept)."""
+        """Reserve the blocks of its sequences, their leading ones from the prefix cache when a kept prompt shares
+        them (not when every position's logits are asked for: those of cached positions are not kept)."""
         group = self.group
         salt = group.runner.prefix_salt(group.params.adapter)
-        self.table, self.keys, self.done = batch.reserve(group.prompt_ids, salt, reuse=not group.needs_prompt_logits)
-        group.timings.cached_tokens += self.done
+        reuse = group.preempted is not None or not group.needs_prompt_logits
+        for ids in self.seqs:
+            table, keys, cached = batch.reserve(ids, salt, reuse=reuse)
+            self.tables.append(table)
+            self.keys_of.append(keys)
+            self.cached.append(cached)
+        self.done = self.cached[0]
+        if group.preempted is None:
+            group.timings.cached_tokens += self.done
+            self.spare = batch.spare_blocks(group)
 
     @property
     def remaining(self) -> int:
-        return len(self.group.prompt_ids) - self.done
+        return len(self.ids) - self.done + sum(len(s) - c for s, c in zip(self.seqs[self.row + 1 :], self.cached))
 
     def next_chunk(self, budget: int) -> list[int]:
         """The next tokens to compute: at most a chunk, and no more than ``budget``."""
-        return self.group.prompt_ids[self.done : self.done + min(self.chunk, budget)]
+        return self.ids[self.done : self.done + min(self.chunk, budget)]
 
     def logits_wanted(self, count: int) -> str:
         """Which of the next chunk's logits a step computes: every position's (prompt scoring), the last one
-        when the chunk ends the prompt (the first tokens come from it), or none."""
+        when the chunk ends the prompt (the first tokens come from it), or none (a preempted group's rows have their
+        next tokens)."""
+        if self.group.preempted is not None:
+            return "none"
         if self.group.needs_prompt_logits:
             return "all"
-        return "last" if self.done + count == len(self.group.prompt_ids) else "none"
+        return "last" if self.done + count == len(self.ids) else "none"
 
     def took(self, batch: BlockBatch, logits: torch.Tensor, count: int, seconds: float) -> bool:
-        """A step computed the next ``count`` prompt tokens (``logits`` as ``logits_wanted`` asked): the full blocks
-        they completed go to the prefix cache. True once the whole prompt is in."""
+        """A step computed the next ``count`` tokens (``logits`` as ``logits_wanted`` asked): the full blocks they
+        completed go to the prefix cache. True once every sequence is in."""
         group = self.group
-        if group.needs_prompt_logits:
+        if group.needs_prompt_logits and group.preempted is None:
             group.score_prompt(logits, self.done)
-        batch.register(self.table, self.keys, self.done, self.done + count)
+        batch.register(self.table, self.keys_of[self.row], self.done, self.done + count)
         self.done += count
         self.spent += seconds
-        if self.done == len(group.prompt_ids):
+        if self.done < len(self.ids):
+            return False
+        if self.row + 1 < len(self.seqs):
+            self.row += 1
+            self.done = self.cached[self.row]
+            return False
+        if group.preempted is None:
             self.last = logits[-1:].unsqueeze(0)
-            return True
-        return False
+        return True
+
+    def _chain(self, row: int) -> int:
+        full, keys = len(self.seqs[row]) // BLOCK, self.keys_of[row]
+        return hash(keys[full - 1]) if full and len(keys) >= full else 0
 
     def finish(self, batch: BlockBatch) -> list[Event]:
-        table, self.table = self.table, None
-        full = len(self.group.prompt_ids) // BLOCK
-        chain = hash(self.keys[full - 1]) if full and len(self.keys) >= full else 0
-        return _join(batch, self.group, self.last, None, time.perf_counter() - self.spent, table=table, chain=chain)
+        tables, self.tables = self.tables, []
+        resumed, group = self.group.preempted, self.group
+        if resumed is None:
+            start, spare, self.spare = time.perf_counter() - self.spent, self.spare, []
+            return _join(batch, group, self.last, None, start, table=tables[0], chain=self._chain(0), spare=spare)
+        chains = [self._chain(row) for row in range(len(tables))]
+        group.preempted = None
+        batch.add_rows(group, tables, resumed.lengths, chains, resumed.tokens, resumed.sampling, prompts=len(tables))
+        group.timings.prefill_s += self.spent
+        return []
 
     def abandon(self, batch: BlockBatch) -> None:
         """The request left or failed before its prompt was in: its blocks are let go."""
-        if self.table is not None:
-            batch.unreserve(self.table)
-            self.table = None
+        for table in self.tables:
+            batch.unreserve(table)
+        batch.blocks.release(self.spare)
+        self.tables, self.spare = [], []
 
 
 def _join(
@@ -330,6 +406,7 @@ def _join(
     start: float,
     table: list[int] | None = None,
     chain: int = 0,
+    spare: list[int] = (),
 ) -> list[Event]:
     """After a group's prefill (logits (1, L or 1, V); its cache, or the blocks ``table`` it was computed into, with
     ``chain``, the hash of its last full block's prefix-cache key): the prompt's numbers, the first tokens, and the
@@ -341,6 +418,7 @@ def _join(
         group.timings.prefill_s += time.perf_counter() - start
         if table is not None:
             batch.unreserve(table)
+            batch.blocks.release(list(spare))
         return events
     last = logits[:, -1, :].float()
     count = group.params.num_candidates
@@ -355,11 +433,12 @@ def _join(
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
         if table is not None:
-            batch.add_reserved(group, table, tokens, sampling, chain)
+            batch.add_reserved(group, table, tokens, sampling, chain, spare)
         else:
             batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
     elif table is not None:
         batch.unreserve(table)
+        batch.blocks.release(list(spare))
     group.timings.prefill_s += time.perf_counter() - start
     return events
 

@@ -20,7 +20,6 @@ from typing import Iterator
 
 import torch
 
-from app.engine.blocks import BLOCK
 from app.engine.errors import ClientGone
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.generate import (
@@ -35,6 +34,7 @@ from app.engine.generate import (
     drop,
     drop_finished,
     new_batch,
+    preempt,
 )
 from app.engine.output import RequestDecoder
 from app.engine.runner import MIXED, ModelRunner
@@ -184,6 +184,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._arrivals = 0  # groups submitted so far: each group's ``arrival`` (the newest is preempted first)
+        self.preemptions = 0  # groups whose rows left the batch for older requests' blocks (``_make_room``)
         self.max_rows_seen = 0  # the largest batch a step has served (stats and tests)
         self.after_iteration = None  # called after each iteration (the engine process sends its events)
 
@@ -197,6 +199,8 @@ class Scheduler:
         with self._cond:
             for group in groups:
                 group.submitted = ticket.submitted
+                self._arrivals += 1
+                group.arrival = self._arrivals
                 self._pending.append((group, ticket))
             self._cond.notify()
         return ticket
@@ -230,6 +234,7 @@ class Scheduler:
             tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
             adapters = self.batch.adapters | {g.params.adapter for g in coming}
             busy = bool(self.batch.groups or coming)
+            blocks = self.batch.free_blocks() - self.batch.rows if self.runner.plain_cache else 0
             while self._pending:
                 group, ticket = self._pending[0]
                 if group.cancelled:
@@ -241,9 +246,13 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
-                    held = self.batch.groups + coming + [g for g, _ in taken] + [group]
-                    if self.kv_cache_tokens and self._kv_need(held) > self.kv_cache_tokens:
-                        break
+                    if self.runner.plain_cache:  # the blocks it takes now; running rows grow into free ones
+                        if group.blocks_now > blocks:
+                            break
+                    else:  # the padded batch: every row up to the longest reach
+                        held = self.batch.groups + coming + [g for g, _ in taken] + [group]
+                        if self.kv_cache_tokens and self._kv_need(held) > self.kv_cache_tokens:
+                            break
                     if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
                         break
                 self._pending.popleft()
@@ -252,6 +261,8 @@ class Scheduler:
                 adapters.add(group.params.adapter)
                 rows += self._counted(group)
                 tokens += group.budget_tokens
+                if self.runner.plain_cache:
+                    blocks -= group.blocks_now
             return taken
 
     def _counted(self, group: RequestGroup) -> int:
@@ -260,12 +271,35 @@ class Scheduler:
         return 0 if rows > self.max_batch_rows else rows
 
     def _kv_need(self, groups: list[RequestGroup]) -> int:
-        """KV positions ``groups`` may hold at their longest: their blocks (every candidate's, up to its reach); for
-        the padded batch, their rows x the longest reach."""
-        if self.runner.plain_cache:
-            return sum(g.kv_blocks for g in groups) * BLOCK
+        """KV positions ``groups`` of the padded batch may hold at their longest: their rows x the longest reach."""
         rows = sum(g.params.num_candidates for g in groups)
         return rows * max((g.reach for g in groups), default=0)
+
+    def _make_room(self) -> None:
+        """Before a step: when the blocks its rows cross into are more than the pool has free, the newest request
+        (the last to arrive) among those running and those being prefilled gives its blocks back and waits at the
+        head of the queue: its rows are computed again when it comes back (``ChunkedPrefill``), and go on as if
+        they had never left. Older requests never wait for newer ones, and no request fails for want of blocks."""
+        batch = self.batch
+        if not isinstance(batch, BlockBatch):
+            return
+        while batch.groups and batch.blocks_wanted() > batch.free_blocks():
+            candidates = [(g.arrival, 0, g) for g in batch.groups]
+            candidates += [(job.group.arrival, 1, job) for job in self._prefilling]
+            if len(candidates) < 2:
+                return  # one request alone always fits (the 400 check counts its blocks)
+            _, prefilling, newest = max(candidates, key=lambda c: c[0])
+            if prefilling:
+                self._prefilling.remove(newest)
+                newest.abandon(batch)
+                group = newest.group
+            else:
+                group = newest
+                preempt(batch, group)
+            self.preemptions += 1
+            with self._cond:
+                self._pending.appendleft((group, self._forget(group)))
+            log.info("KV blocks ran out: the newest request waits with its blocks given back (%d)", self.preemptions)
 
     @property
     def kv_usage(self) -> float:
@@ -298,6 +332,8 @@ class Scheduler:
             jobs, apart = self._plan()
             for alone in apart:  # nothing runs, or the rows use another adapter
                 self._chunks_alone(alone)
+            self._make_room()
+            jobs = [(job, chunk) for job, chunk in jobs if job in self._prefilling]
             if not self.batch.groups:
                 return
             start = time.perf_counter()
@@ -330,7 +366,8 @@ class Scheduler:
         now = time.perf_counter()
         for group, ticket in taken:
             self._tickets[id(group)] = ticket
-            group.timings.queue_s = now - group.submitted
+            if group.preempted is None:
+                group.timings.queue_s = now - group.submitted
 
     def _in_steps(self, group: RequestGroup) -> bool:
         """Whether this group's prompt is computed by the batch's steps (in chunks, beside the running rows): a

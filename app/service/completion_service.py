@@ -10,6 +10,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
+from app.engine.blocks import BLOCK
 from app.engine.params import Constraint
 from app.engine.errors import ConstraintError
 from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError, engine_errors_as_api
@@ -173,12 +174,13 @@ class CompletionService:
 
     def _check_kv_budget(self, ids: list[int], params) -> None:
         """A request whose candidates could never fit the KV budget together is a 400 now, not a wait forever or
-        an out-of-memory later: each candidate may grow to prompt + max_tokens positions."""
+        an out-of-memory later: each candidate may grow to prompt + max_tokens positions, in whole blocks of the KV
+        cache (a request that fits runs to its end: newer ones give their blocks back to it when blocks run out)."""
         budget = getattr(self.worker, "kv_cache_tokens", None)
         if not budget:
             return
         reach = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_total_tokens - len(ids))
-        need = params.num_candidates * reach
+        need = params.num_candidates * -(-reach // BLOCK) * BLOCK
         if need > budget:
             param = (
                 "best_of"
@@ -189,7 +191,7 @@ class CompletionService:
             )
             raise InvalidRequestError(
                 f"This request needs {need} KV-cache positions ({params.num_candidates} candidates x {reach} "
-                f"positions: prompt + max_tokens), more than the server's KV budget of {budget} "
+                f"positions: prompt + max_tokens, in blocks of {BLOCK}), more than the server's KV budget of {budget} "
                 f"(SAKER_KV_CACHE_TOKENS); ask for fewer candidates or tokens",
                 param=param,
             )

@@ -9,7 +9,7 @@ from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
-from references import ref_logprobs
+from references import continuation, ref_greedy, ref_logprobs
 
 TOL = 1e-4
 
@@ -227,32 +227,67 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
         same(result, alone(worker, ids, params))
 
 
-def test_kv_budget_holds_back_what_would_not_fit(gpt2_dir, reference):
-    """With a KV budget of 2 rows x 40 positions, two 30-position requests fit together and a third waits; a
-    request reaching 70 positions is served alone. Every answer equals its run alone."""
+def matches_generate(result, model, tok, ids, max_new):
+    """A greedy answer with logprobs equals ``generate()``'s tokens and a plain forward's log-softmax."""
+    want = ref_greedy(model, tok, ids, max_new)
+    [choice] = result.choices
+    assert choice.text == continuation(tok, ids, want)
+    lp = ref_logprobs(model, want)
+    expected = [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(want[len(ids) :])]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=TOL)
+
+
+def test_when_blocks_run_out_the_newest_request_gives_them_back_and_every_answer_is_unchanged(gpt2_dir, reference):
+    """A KV budget of 10 blocks and three requests that each grow to 4-5 blocks per row (one with n=2): they are
+    admitted for what they hold now, and when the rows cross into more blocks than are free the newest request gives
+    its blocks back, waits, and is computed again. Greedy answers equal ``generate()`` and a plain forward's
+    logprobs; the seeded sampled one equals its run alone; nothing is held afterwards."""
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+
+    worker = Worker.from_loaded(
+        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=160
+    )
+    model, tok = reference(gpt2_dir)
+    ids = tok("Once upon a time").input_ids
+    other = tok("The weather today").input_ids
+    greedy = SamplingParams(max_tokens=70 - len(ids), temperature=0.0, ignore_eos=True, logprobs=1)
+    sampled = SamplingParams(
+        max_tokens=70 - len(other), temperature=1.0, seed=11, n=2, ignore_eos=True, logprobs=1, presence_penalty=0.5
+    )
+    results = batched(worker, [(ids, greedy), (other, sampled), (ids, greedy)])
+    assert worker.scheduler.preemptions > 0
+    matches_generate(results[0], model, tok, ids, greedy.max_tokens)
+    matches_generate(results[2], model, tok, ids, greedy.max_tokens)
+    same(results[1], alone(worker, other, sampled))
+    assert worker.scheduler.kv_usage == 0.0
+
+
+def test_a_request_that_fits_the_budget_alone_is_never_held_back_by_newer_ones(gpt2_dir, reference):
+    """The oldest request keeps its blocks: a request as long as the whole budget (5 blocks) runs to its end beside
+    newer ones that are admitted for what they hold and give their blocks back when it needs them; every answer
+    equals ``generate()``. (Submitted together, so that the steps do not depend on thread timing.)"""
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
     worker = Worker.from_loaded(
         ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
     )
-    _, tok = reference(gpt2_dir)
+    model, tok = reference(gpt2_dir)
     ids = tok("Once upon a time").input_ids
-    short = SamplingParams(max_tokens=30 - len(ids), temperature=0.0, ignore_eos=True)
-    results = batched(worker, [(ids, short)] * 3)
-    assert worker.scheduler.max_rows_seen == 2
-    for result in results:
-        same(result, alone(worker, ids, short))
-    long = SamplingParams(max_tokens=70 - len(ids), temperature=0.0, ignore_eos=True)
-    worker.scheduler.max_rows_seen = 0
-    results = batched(worker, [(ids, long), (ids, short)])
-    assert worker.scheduler.max_rows_seen == 1
-    same(results[0], alone(worker, ids, long))
-    assert worker.scheduler.kv_usage == 0.0  # everything left: nothing held
+    long = SamplingParams(max_tokens=80 - len(ids), temperature=0.0, ignore_eos=True, logprobs=1)
+    short = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True, logprobs=1)
+    results = batched(worker, [(ids, long), (ids, short), (ids, short)])
+    matches_generate(results[0], model, tok, ids, long.max_tokens)
+    for result in results[1:]:
+        matches_generate(result, model, tok, ids, short.max_tokens)
+    assert worker.scheduler.preemptions > 0
+    assert worker.scheduler.kv_usage == 0.0
 
 
 def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
-    """n x (prompt + max_tokens) beyond the KV budget: a 400 naming n before anything runs; within it: served."""
+    """n x (prompt + max_tokens), in whole 16-position blocks, beyond the KV budget: a 400 naming n before anything
+    runs; within it: served."""
     from app import create_app
     from app.engine.loader import load_model
     from app.engine.worker import Worker
@@ -264,10 +299,10 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     too_many = client.post("/v1/completions", json={**body, "n": 4})
     assert too_many.status_code == 400
     error = too_many.get_json()["error"]
-    assert error["param"] == "n" and "KV" in error["message"] and "136" in error["message"]
+    assert error["param"] == "n" and "KV" in error["message"] and "192" in error["message"]  # 4 x 3 blocks
     long = client.post("/v1/completions", json={**body, "max_tokens": 120})
     assert long.status_code == 400 and long.get_json()["error"]["param"] == "max_tokens"
-    ok = client.post("/v1/completions", json={**body, "n": 2})  # 2 x 34 = 68 positions
+    ok = client.post("/v1/completions", json={**body, "n": 2})  # 2 x 34 positions: 2 x 3 blocks = 96 positions
     assert ok.status_code == 200 and len(ok.get_json()["choices"]) == 2
 
 
