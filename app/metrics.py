@@ -66,6 +66,11 @@ class _AdmissionCounters:
             "Requests that waited longer than the queue timeout (503)",
             value=admission.timed_out,
         )
+        yield CounterMetricFamily(
+            "saker_preemptions",
+            "Requests that gave their KV blocks back to older ones when blocks ran out, and were computed again",
+            value=getattr(getattr(self.metrics.worker, "scheduler", None), "preemptions", 0),
+        )
 
 
 class _PrefixCacheCounters:
@@ -119,6 +124,13 @@ class _VllmAliases:
         )
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (saker_kv_cache_usage)", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0-1 (vLLM's older name)", usage)
+        preempted = CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests that gave their KV blocks back to older ones and were computed again (saker_preemptions)",
+            labels=["model_name"],
+        )
+        preempted.add_metric(label, getattr(getattr(worker, "scheduler", None), "preemptions", 0))
+        yield preempted
         cache = getattr(worker, "prefix_cache", None)
         if cache is not None:
             for name, doc, value in (

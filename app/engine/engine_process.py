@@ -131,7 +131,7 @@ def engine_main(settings, conn) -> None:
 
     runner, scheduler = worker.runner, worker.scheduler
     outbox = _Outbox(send)
-    scheduler.after_iteration = lambda: outbox.flush((scheduler.kv_usage, scheduler.steps))
+    scheduler.after_iteration = lambda: outbox.flush((scheduler.kv_usage, scheduler.steps, scheduler.preemptions))
     send(
         (
             "ready",
@@ -197,6 +197,7 @@ class EngineClient:
         self._ids = itertools.count(1)
         self.kv_usage = 0.0
         self.steps = 0
+        self.preemptions = 0
         self.max_rows_seen = 0
         self.waiting = 0
         self.facts: EngineFacts | None = None
@@ -251,7 +252,7 @@ class EngineClient:
             if kind == "events":
                 _, items, stats = message
                 if stats is not None:
-                    self.kv_usage, self.steps = stats
+                    self.kv_usage, self.steps, self.preemptions = stats
                 for rid, tag, events in items:
                     ticket = self._tickets.get(rid)
                     if ticket is not None:

@@ -72,8 +72,10 @@ def test_vllm_metric_names(keyed):
         "vllm:num_requests_running",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",
+        "vllm:num_preemptions_total",
     ):
         assert (name, label) in values, name
+    assert values[("saker_preemptions_total", ())] == values[("vllm:num_preemptions_total", label)]
     assert values[("vllm:prefix_cache_queries_total", label)] > 0
     assert ("vllm:prefix_cache_hits_total", label) in values
     assert any(name == "vllm:lora_requests_info" for name, _ in values)

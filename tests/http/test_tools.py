@@ -574,26 +574,6 @@ def test_openai_client_chunks_accumulate_to_the_plain_calls(tool_client):
     assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == want
 
 
-def test_instructor_create_partial_yields_growing_partials(tool_client):
-    """instructor's ``create_partial`` in TOOLS mode (its default) on a forced call: more than one partial, the
-    last equal to the plain answer's arguments."""
-    instructor = pytest.importorskip("instructor")
-    from pydantic import BaseModel
-
-    class Weather(BaseModel):
-        city: str | None = None
-        unit: str | None = None
-
-    client = instructor.from_openai(in_process_openai(tool_client), mode=instructor.Mode.TOOLS)
-    partials = [
-        p.model_dump()
-        for p in client.chat.completions.create_partial(
-            model="tiny-gpt2", messages=MESSAGES, response_model=Weather, temperature=0, max_tokens=120
-        )
-    ]
-    assert len({json.dumps(p, sort_keys=True) for p in partials}) > 1
-
-
 def test_langchain_tool_call_chunks_are_incremental(tool_client):
     """LangChain's ``bind_tools`` with a forced tool: the streamed ``tool_call_chunks`` come in several pieces and
     add up to the plain answer's call."""
