@@ -105,7 +105,7 @@ def attention(
     its activations, SDPA for the others. Models whose attention needs more than a mask (soft-capping, attention
     sinks, dropout) keep SDPA's path."""
     if flat is not None:
-        return flat_attention(module, query, key, value, flat, scaling)
+        return flat_attention(module, query, key, value, flat, scaling, kwargs.get("sliding_window"))
     if (
         getattr(module, "_saker_exact", False)
         and not dropout
@@ -128,7 +128,11 @@ class FlatStep:
     live in ``blocks``. Blocks are read whole (``index_select`` of ``BLOCK`` positions at a time).
 
     ``batched``: a decode-only step feeds its rows as the forward's batch (one token each: query (rows, H, 1, D),
-    what peft's per-row adapters and a compiled step want); otherwise the step is one flat sequence (batch 1)."""
+    what peft's per-row adapters and a compiled step want); otherwise the step is one flat sequence (batch 1).
+
+    A layer with a sliding window (transformers passes its ``sliding_window``) sees only the last ``window``
+    positions up to each query's own (``kv > q - window``, transformers' rule): a decode row's mask also hides the
+    positions before ``row_positions - window + 1``, a chunk's mask is causal within the window."""
 
     keys: list  # the pool's, per layer (slots, kv heads, head dim)
     values: list
@@ -136,6 +140,7 @@ class FlatStep:
     rows: int
     gather: torch.Tensor | None = None  # (rows, blocks) long
     row_mask: torch.Tensor | None = None  # (rows, 1, 1, blocks x BLOCK) bool
+    row_positions: torch.Tensor | None = None  # (rows,) long: each decode row's position
     chunks: tuple[tuple[torch.Tensor, int, int], ...] = ()
     batched: bool = False
     scratch: "Scratch | None" = None  # where blocks are read into (None: fresh tensors; a compiled step)
@@ -175,9 +180,9 @@ def _read(pool: torch.Tensor, blocks: torch.Tensor, scratch: Scratch | None = No
     return out.view(*blocks.shape[:-1], blocks.shape[-1] * BLOCK, heads, dim).transpose(-3, -2)
 
 
-def flat_attention(module, query, key, value, flat: FlatStep, scaling):
+def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: int | None = None):
     """query (1, Hq, T, D), key and value (1, Hkv, T, D) of a flat step (batched: (rows, H, 1, D)) -> (1, T, Hq, D)
-    (batched: (rows, 1, Hq, D))."""
+    (batched: (rows, 1, Hq, D)). ``window``: this layer's sliding window (None: it sees every earlier position)."""
     keys, values = flat.keys[module.layer_idx], flat.values[module.layer_idx]
     if flat.batched:
         new_keys, new_values = key[:, :, 0], value[:, :, 0]
@@ -192,7 +197,12 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling):
         q = query if flat.batched else query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
         k = _read(keys, flat.gather, flat.scratch, "rows keys")  # (rows, Hkv, W, D)
         v = _read(values, flat.gather, flat.scratch, "rows values")
-        out = inner(module, q, k, v, flat.row_mask, scaling=scaling)[0]  # (rows, 1, Hq, D)
+        mask = flat.row_mask
+        if window:
+            width = mask.shape[-1]
+            seen = torch.arange(width, device=mask.device).view(1, -1) > flat.row_positions.view(-1, 1) - window
+            mask = mask & seen.view(rows, 1, 1, width)
+        out = inner(module, q, k, v, mask, scaling=scaling)[0]  # (rows, 1, Hq, D)
         if flat.batched:
             return out, None
         parts.append(out.view(1, rows, query.shape[1], -1))
@@ -202,7 +212,12 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling):
         end = start + count
         k = _read(keys, blocks.view(1, -1), flat.scratch, "chunk keys")[:, :, :end]  # (1, Hkv, end, D)
         v = _read(values, blocks.view(1, -1), flat.scratch, "chunk values")[:, :, :end]
-        parts.append(inner(module, q, k, v, None, scaling=scaling)[0])
+        mask = None  # causal, the chunk's queries at its last positions
+        if window:
+            at = torch.arange(start, end, device=q.device).view(-1, 1)
+            kv = torch.arange(end, device=q.device).view(1, -1)
+            mask = ((kv <= at) & (kv > at - window)).view(1, 1, count, end)
+        parts.append(inner(module, q, k, v, mask, scaling=scaling)[0])
         offset += count
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
 

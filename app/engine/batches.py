@@ -3,9 +3,7 @@
 ``BlockBatch`` keeps every candidate row as a sequence of blocks of the KV pool (``kv_cache.KVPool``, bookkept by
 ``blocks.BlockManager``, which also keeps the prefix cache): joining and leaving move no other row's data, and a
 step attends over each row's own blocks, as many as its length needs (eager) or a window bucket (``bucket``,
-``window``; the compiled step). ``PaddedBatch`` is the fallback for models whose cache cannot be kept in blocks
-(sliding windows, ...): rows left-padded to the longest. ``new_batch`` picks one for a model. What happens at each
-step (admission, sampling, stopping) is in ``generate``.
+``window``; the compiled step). What happens at each step (admission, sampling, stopping) is in ``generate``.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 
 from app.engine.attention import Scratch
 from app.engine.blocks import BLOCK, BlockManager
-from app.engine.kv_cache import KVPool, mergeable
+from app.engine.kv_cache import KVPool
 from app.engine.runner import MIXED, ModelRunner
 from app.engine.sampler import SamplingRows
 
@@ -25,29 +23,25 @@ if TYPE_CHECKING:  # a type only: generate imports this module
     from app.engine.generate import RequestGroup
 
 
-def new_batch(
-    runner: ModelRunner, kv_cache_tokens: int | None = None, prefix_cache_tokens: int = 0
-) -> "BlockBatch | PaddedBatch":
-    """A block batch where the model's cache layers are plain (their keys and values can live in blocks), else a
-    left-padded one."""
-    return BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens) if runner.plain_cache else PaddedBatch(runner)
-
-
 class BatchOutOfMemory(Exception):
-    """A decode forward of a batch of several groups ran out of memory. The batch was rewound to how it was
-    before the step (each layer's cache back to its length, the mask without the new column), so the step can
-    be retried once a group has left. ``error`` is the original ``torch.OutOfMemoryError``."""
+    """A decode forward of a batch of several groups ran out of memory. Nothing moved (lengths advance only after a
+    step), so the step can be retried once a group has left. ``error`` is the original ``torch.OutOfMemoryError``."""
 
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
 
 
-class BatchBase:
-    """What both kinds of running batch share: their groups (rows in group order) and the adapters in use."""
+class BlockBatch:
+    """The running batch over the block pool (``kv_cache.KVPool``, bookkept by ``blocks.BlockManager``): each
+    candidate row is a sequence with its own block table; rows are kept in row order (tables, lengths and next
+    tokens in preallocated arrays), so joining and leaving move no KV.
 
-    runner: ModelRunner
-    groups: list[RequestGroup]
+    A prompt is computed by the batch's steps into blocks reserved for it (``reserve``: the leading full blocks a
+    cached prompt shares come from the prefix cache, no KV is copied), then its group joins (``add_reserved``): the
+    first candidate keeps the prompt's blocks, each other one shares its full blocks and copies only the last,
+    partial one. A step (``forward``, ``forward_with_chunks``) feeds every row its next token at its own position;
+    a row gets a new block when it crosses into one."""
 
     @property
     def rows(self) -> int:
@@ -64,20 +58,6 @@ class BatchBase:
             return None
         adapters = self.adapters
         return (adapters.pop() if adapters else None) if len(adapters) <= 1 else MIXED
-
-
-class BlockBatch(BatchBase):
-    """The running batch over the block pool (``kv_cache.KVPool``, bookkept by ``blocks.BlockManager``): each
-    candidate row is a sequence with its own block table; rows are kept in row order (tables, lengths and next
-    tokens in preallocated arrays), so joining and leaving move no KV.
-
-    A prompt is computed by the batch's steps into blocks reserved for it (``reserve``: the leading full blocks a
-    cached prompt shares come from the prefix cache, no KV is copied), then its group joins (``add_reserved``): the
-    first candidate keeps the prompt's blocks, each other one shares its full blocks and copies only the last,
-    partial one. A step (``forward``, ``forward_with_chunks``) feeds every row its next token at its own position;
-    a row gets a new block when it crosses into one."""
-
-    joinable = True
 
     def __init__(self, runner: ModelRunner, kv_cache_tokens: int | None = None, prefix_cache_tokens: int = 0):
         self.runner = runner
@@ -154,9 +134,6 @@ class BlockBatch(BatchBase):
         self.blocks.release(table)
         self.prompts -= 1
         self._when_idle()
-
-    def accepts(self, group: RequestGroup) -> bool:
-        return not self.groups or self.runner.can_join(self.adapters, group.params.adapter)
 
     def spare_blocks(self, group: RequestGroup) -> list[int]:
         """Blocks for the copies of a prompt's partial last block that its other candidates take when it joins,
@@ -358,16 +335,14 @@ class BlockBatch(BatchBase):
         pool = self._pool()
         device = pool.keys[0].device
         rows = self.n if with_rows else 0
-        ids, at, writes, wanted, spans, gather, mask = [], [], [], [], [], None, None
+        ids, at, writes, wanted, spans, gather, mask, row_positions = [], [], [], [], [], None, None, None
         if rows:
             longest = int(self.lengths[:rows].max()) + 1
             write, gather, positions = self._rows_inputs(rows, -(-longest // BLOCK) * BLOCK)
             ids, at, writes = [self.next_tokens], [positions], [write]
-            gather = _on(gather, device)
+            gather, row_positions = _on(gather, device), _on(positions, device)
             width = gather.shape[1] * BLOCK
-            mask = (torch.arange(width, device=device).view(1, -1) <= _on(positions, device).view(-1, 1)).view(
-                rows, 1, 1, width
-            )
+            mask = (torch.arange(width, device=device).view(1, -1) <= row_positions.view(-1, 1)).view(rows, 1, 1, width)
         offset, spans_of = rows, []
         for table, chunk, start, logits in chunks:
             count, end = len(chunk), start + len(chunk)
@@ -390,6 +365,7 @@ class BlockBatch(BatchBase):
             rows,
             gather,
             mask,
+            row_positions,
             tuple(spans_of),
             scratch=self.scratch,
         )
@@ -490,140 +466,3 @@ def bucket(rows: int) -> int:
         if rows <= size:
             return size
     return -(-rows // 8) * 8
-
-
-class PaddedBatch(BatchBase):
-    """The running batch for models whose cache layers cannot be kept in blocks (sliding windows, static
-    caches): one KV cache for the rows of several groups, left-padded to a common length.
-
-    Each row keeps its own positions; an attention mask hides the padding. A group joins after its prefill
-    and leaves when its last candidate finishes; one forward per step serves every row."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.groups: list[RequestGroup] = []
-        self.cache = None
-        self.mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = padding; None: no padding
-        self.positions: torch.Tensor | None = None  # (B,) position of the token fed next
-        self.tokens: torch.Tensor | None = None  # (B,) token fed next
-        self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
-        self.length = 0  # cached columns
-
-    @property
-    def joinable(self) -> bool:
-        return mergeable(self.cache)
-
-    def accepts(self, group: RequestGroup) -> bool:
-        if not self.groups:
-            return True
-        return self.runner.can_join(self.adapters, group.params.adapter) and mergeable(self.cache)
-
-    def add(self, group: RequestGroup, cache, tokens: torch.Tensor, sampling: SamplingRows) -> None:
-        """Join a prefilled group: its cache (rows, prompt length), its first chosen tokens, its rows'
-        sampling state."""
-        if group.rows > 1 and cache.layers[0].keys.shape[0] == 1:
-            cache.batch_repeat_interleave(group.rows)
-        length = len(group.prompt_ids)
-        device = tokens.device
-        positions = torch.full((group.rows,), length, dtype=torch.long, device=device)
-        if not self.groups:
-            self.groups, self.cache, self.mask = [group], cache, None
-            self.positions, self.tokens, self.length = positions, tokens, length
-            self.sampling = sampling
-            return
-        self.sampling = SamplingRows.cat([self.sampling, sampling])
-        new_len = max(self.length, length)
-        old_mask = (
-            self.mask if self.mask is not None else torch.ones(self.rows, self.length, dtype=torch.long, device=device)
-        )
-        grp_mask = torch.ones(group.rows, length, dtype=torch.long, device=device)
-        for layer, new_layer in zip(self.cache.layers, cache.layers):
-            layer.keys = torch.cat([_left_pad(layer.keys, new_len), _left_pad(new_layer.keys, new_len)])
-            layer.values = torch.cat([_left_pad(layer.values, new_len), _left_pad(new_layer.values, new_len)])
-        self.mask = torch.cat([_left_pad(old_mask, new_len, dim=1), _left_pad(grp_mask, new_len, dim=1)])
-        self.positions = torch.cat([self.positions, positions])
-        self.tokens = torch.cat([self.tokens, tokens])
-        self.length = new_len
-        self.groups.append(group)
-
-    def keep(self, keep_rows: list[int], tokens: torch.Tensor | None) -> None:
-        """After a step: keep these batch rows (their next tokens are ``tokens`` rows; None: as they are) and
-        drop the rest."""
-        if tokens is None:
-            tokens = self.tokens
-        self.groups = [g for g in self.groups if g.rows]
-        if not keep_rows:
-            self.groups, self.cache, self.mask, self.positions, self.tokens, self.length = [], None, None, None, None, 0
-            self.sampling = None
-            return
-        if len(keep_rows) == tokens.shape[0]:
-            self.tokens = tokens
-            return
-        self.sampling = self.sampling.select(keep_rows)
-        index = torch.tensor(keep_rows, device=tokens.device)
-        self.tokens = tokens.index_select(0, index)
-        self.positions = self.positions.index_select(0, index)
-        self.cache.batch_select_indices(index)
-        if self.mask is not None:
-            self.mask = self.mask.index_select(0, index)
-            self._trim()
-
-    def reset(self) -> None:
-        """Drop every row (after a failed step)."""
-        self.keep([], None)
-
-    def _trim(self) -> None:
-        """Drop leading columns that are padding in every row (a long prompt left the batch)."""
-        leading = int((self.mask.cumsum(1) == 0).sum(1).min())
-        if leading:
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, leading:]
-                layer.values = layer.values[:, :, leading:]
-            self.mask = self.mask[:, leading:]
-            self.length -= leading
-        if bool(self.mask.all()):
-            self.mask = None
-
-    def forward(self) -> torch.Tensor:
-        """One decode step for every row; float32 logits (B, V). Raises ``BatchOutOfMemory`` (the batch as
-        before the step) when the forward of a batch of several mergeable groups runs out of memory."""
-        length_before, mask_before = self.length, self.mask
-        mask = None
-        if self.mask is not None:
-            self.mask = torch.cat(
-                [self.mask, torch.ones(self.rows, 1, dtype=self.mask.dtype, device=self.mask.device)], dim=1
-            )
-            mask = self.mask
-        row_adapters = None
-        if self.adapter is MIXED:
-            row_adapters = [g.params.adapter for g in self.groups for _ in range(g.rows)]
-        try:
-            logits = self.runner.decode(
-                self.tokens, self.cache, attention_mask=mask, position_ids=self.positions, row_adapters=row_adapters
-            )
-        except torch.OutOfMemoryError as exc:
-            if len(self.groups) < 2 or not mergeable(self.cache):
-                raise
-            self._rewind(length_before, mask_before)
-            raise BatchOutOfMemory(exc) from None
-        self.positions = self.positions + 1
-        self.length += 1
-        return logits
-
-    def _rewind(self, length: int, mask: torch.Tensor | None) -> None:
-        """Undo a failed step: layers that appended the step's token go back to ``length`` columns (views of
-        the same buffers), and the mask loses the column the step added."""
-        self.mask = mask
-        for layer in self.cache.layers:
-            if layer.keys.shape[-2] > length:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
-
-
-def _left_pad(tensor: torch.Tensor, length: int, dim: int = -2) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)

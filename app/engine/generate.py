@@ -21,13 +21,11 @@ from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.sampler import RowSpec, SamplingRows, StepNumbers, sample, sequence_seed
 from app.engine.stopping import StoppingCriteria
-from app.engine.batches import (  # noqa: F401 - BUCKETS, bucket and PaddedBatch re-exported for the engine's users
+from app.engine.batches import (  # noqa: F401 - BUCKETS and bucket re-exported for the engine's users
     BUCKETS,
     BatchOutOfMemory,
     BlockBatch,
-    PaddedBatch,
     bucket,
-    new_batch,
 )
 
 
@@ -243,21 +241,16 @@ def sample_step(
 Event = PromptNumbers | TokenNumbers
 
 
-def admit(batch: BlockBatch | PaddedBatch, group: RequestGroup) -> list[Event]:
-    """Prefill a group in a forward of its own, sample its first tokens and, if it goes on, add it to the batch
+def admit(batch: BlockBatch, group: RequestGroup) -> list[Event]:
+    """Compute a group's prompt in a step of its own, sample its first tokens and, if it goes on, add it to the batch
     (a prompt with nothing to compute gives its numbers at once). Returns its events so far: the prompt's, then its
-    first tokens'. The scheduler computes prompts in its steps instead (``ChunkedPrefill``); this is for a solo run
-    and for models whose cache is not kept in blocks."""
-    start = time.perf_counter()
+    first tokens'. The scheduler computes prompts in its steps instead (``ChunkedPrefill``); this is for a solo run."""
     if not group.prefills:
         return [group.prompt_numbers()]
-    if isinstance(batch, BlockBatch):
-        job = ChunkedPrefill(group, len(group.prompt_ids))
-        job.start(batch)
-        compute_chunks(batch, [(job, job.next_chunk(job.remaining))], with_rows=False)
-        return job.finish(batch)
-    logits, cache = group.runner.prefill(group.prompt_ids, all_logits=group.needs_prompt_logits)
-    return _join(batch, group, logits, cache, start)
+    job = ChunkedPrefill(group, len(group.prompt_ids))
+    job.start(batch)
+    compute_chunks(batch, [(job, job.next_chunk(job.remaining))], with_rows=False)
+    return job.finish(batch)
 
 
 @dataclass
@@ -383,7 +376,7 @@ class ChunkedPrefill:
         resumed, group = self.group.preempted, self.group
         if resumed is None:
             start, spare, self.spare = time.perf_counter() - self.spent, self.spare, []
-            return _join(batch, group, self.last, None, start, table=tables[0], chain=self._chain(0), spare=spare)
+            return _join(batch, group, self.last, start, tables[0], self._chain(0), spare)
         chains = [self._chain(row) for row in range(len(tables))]
         group.preempted = None
         batch.add_rows(group, tables, resumed.lengths, chains, resumed.tokens, resumed.sampling, prompts=len(tables))
@@ -399,26 +392,22 @@ class ChunkedPrefill:
 
 
 def _join(
-    batch: BlockBatch | PaddedBatch,
+    batch: BlockBatch,
     group: RequestGroup,
     logits: torch.Tensor,
-    cache,
     start: float,
-    table: list[int] | None = None,
+    table: list[int],
     chain: int = 0,
     spare: list[int] = (),
 ) -> list[Event]:
-    """After a group's prefill (logits (1, L or 1, V); its cache, or the blocks ``table`` it was computed into, with
-    ``chain``, the hash of its last full block's prefix-cache key): the prompt's numbers, the first tokens, and the
-    group in the batch if it goes on."""
-    if group.needs_prompt_logits and logits.shape[1] > 1 and table is None:
-        group.score_prompt(logits[0], 0)
+    """After a group's prompt was computed into the blocks ``table`` (its last position's logits (1, 1, V); ``chain``:
+    the hash of its last full block's prefix-cache key; ``spare``: blocks for the other candidates' partial-block
+    copies): the prompt's numbers, the first tokens, and the group in the batch if it goes on."""
     events: list[Event] = [group.prompt_numbers()]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
-        if table is not None:
-            batch.unreserve(table)
-            batch.blocks.release(list(spare))
+        batch.unreserve(table)
+        batch.blocks.release(list(spare))
         return events
     last = logits[:, -1, :].float()
     count = group.params.num_candidates
@@ -432,11 +421,8 @@ def _join(
         if len(keep) < count:
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
-        if table is not None:
-            batch.add_reserved(group, table, tokens, sampling, chain, spare)
-        else:
-            batch.add(group, cache, tokens, sampling)  # the prompt's one cache row serves every candidate
-    elif table is not None:
+        batch.add_reserved(group, table, tokens, sampling, chain, spare)
+    else:
         batch.unreserve(table)
         batch.blocks.release(list(spare))
     group.timings.prefill_s += time.perf_counter() - start
@@ -459,7 +445,7 @@ def compute_chunks(
 
 
 def decode_step(
-    batch: BlockBatch | PaddedBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = ()
+    batch: BlockBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = ()
 ) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``jobs``:
     prompts being prefilled whose next chunks ride in the same forward (each job's ``remaining`` tells whether it
@@ -477,7 +463,7 @@ def decode_step(
     return out
 
 
-def drop(batch: BlockBatch | PaddedBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
+def drop(batch: BlockBatch, group: RequestGroup, candidates: set[int] | None = None) -> None:
     """Take a group's rows out of the batch: all of them (its client went away), or those of ``candidates``
     (the output side ended them: stop strings)."""
     keep_rows, offset = [], 0
@@ -490,7 +476,7 @@ def drop(batch: BlockBatch | PaddedBatch, group: RequestGroup, candidates: set[i
     batch.keep(keep_rows, None)
 
 
-def drop_finished(batch: BlockBatch | PaddedBatch) -> bool:
+def drop_finished(batch: BlockBatch) -> bool:
     """Rows whose candidates the output side ended since the last step leave the batch; whether any did."""
     dropped = False
     for group in list(batch.groups):
@@ -522,7 +508,7 @@ class SoloRun:
         group = self.group
         decoder = RequestDecoder(group)
         with group.runner.adapter(group.params.adapter), torch.inference_mode():
-            batch = new_batch(group.runner)
+            batch = BlockBatch(group.runner)
             for numbers in admit(batch, group):
                 yield from decoder.push(numbers)
             start = time.perf_counter()

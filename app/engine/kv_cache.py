@@ -1,89 +1,11 @@
-"""KV storage: the block pool the running batch keeps every sequence's keys and values in (``KVPool``), and a
-cache layer that appends in place for models whose cache cannot live in blocks (``GrowingLayer``).
-
-transformers' ``DynamicLayer`` grows by ``torch.cat``: every decode step copies the whole cache of every layer.
-``GrowingLayer`` keeps keys and values in a buffer with room to spare and writes each new token into it; the
-model sees views of the filled part. Anything that replaces ``keys``/``values`` from outside (batch selection,
-the batch's left padding, trimming, a row taken out of a prefill of several prompts) is noticed at the next
-update and copied into a fresh buffer.
-"""
+"""KV storage: the block pool the running batch keeps every sequence's keys and values in (``KVPool``), and the
+KV budget's arithmetic (bytes per position, the default budget)."""
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from app.engine.blocks import BLOCK
-
-ROUND = 128  # buffer lengths are multiples of this
-
-
-def _room(length: int) -> int:
-    """Capacity for ``length`` tokens with room to grow (about 1.5x, at least one more round)."""
-    want = length + max(ROUND, length // 2)
-    return (want + ROUND - 1) // ROUND * ROUND
-
-
-class GrowingLayer(DynamicLayer):
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._k_buf: torch.Tensor | None = None
-        self._v_buf: torch.Tensor | None = None
-
-    def _owned(self) -> bool:
-        """Whether ``keys``/``values`` are still the filled part of our buffers."""
-        buf = self._k_buf
-        return (
-            buf is not None
-            and self.keys.numel() > 0
-            and self.keys.data_ptr() == buf.data_ptr()
-            and self.keys.shape[0] == buf.shape[0]
-            and self.values.data_ptr() == self._v_buf.data_ptr()
-        )
-
-    def _rebuffer(self, needed: int) -> None:
-        keys, values = self.keys, self.values
-        length = keys.shape[-2] if keys.numel() else 0
-        cap = _room(needed)
-        shape = list(keys.shape) if keys.numel() else None
-        if shape is None:
-            return
-        shape[-2] = cap
-        self._k_buf = torch.empty(shape, dtype=keys.dtype, device=keys.device)
-        self._v_buf = torch.empty(shape[:-1] + [values.shape[-1]], dtype=values.dtype, device=values.device)
-        self._k_buf[..., :length, :] = keys
-        self._v_buf[..., :length, :] = values
-        self.keys = self._k_buf[..., :length, :]
-        self.values = self._v_buf[..., :length, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.keys.numel() == 0:  # first write: this is the prefill
-            self.keys, self.values = key_states, value_states
-            self._rebuffer(key_states.shape[-2])
-            return self.keys, self.values
-        length = self.keys.shape[-2]
-        new = key_states.shape[-2]
-        if not self._owned() or length + new > self._k_buf.shape[-2]:
-            self._rebuffer(length + new)
-        self._k_buf[..., length : length + new, :] = key_states
-        self._v_buf[..., length : length + new, :] = value_states
-        self.keys = self._k_buf[..., : length + new, :]
-        self.values = self._v_buf[..., : length + new, :]
-        return self.keys, self.values
-
-
-def mergeable(cache) -> bool:
-    """Caches whose layers are plain DynamicLayers can be padded and joined into one batch (or split by row)."""
-    return all(type(layer).__name__ in ("DynamicLayer", "GrowingLayer") for layer in getattr(cache, "layers", [None]))
-
-
-def use_growing_layers(cache) -> None:
-    """Swap a fresh DynamicCache's plain layers for GrowingLayers (other layer kinds are left alone)."""
-    layers = getattr(cache, "layers", None)
-    if layers and all(type(layer) is DynamicLayer and not layer.is_initialized for layer in layers):
-        cache.layers = [GrowingLayer() for _ in layers]
 
 
 def kv_bytes_per_token(cache, dtype: torch.dtype | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The model's forward passes: prefill a prompt, decode a batch step, pick a PEFT adapter."""
+"""The model's forward passes over the block pool (a decode-only step, a flat step), and the PEFT adapter in use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from app.engine.attention import use_engine_attention
 from app.engine.blocks import BLOCK
-from app.engine.kv_cache import default_kv_budget, kv_bytes_per_token, mergeable, use_growing_layers
+from app.engine.kv_cache import default_kv_budget, kv_bytes_per_token
 from app.engine.logprobs import is_byte_level
 
 MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
@@ -27,12 +27,20 @@ class ModelRunner:
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
     _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
-    _plain_cache: bool | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        from app.errors import ConfigError
+
         if self.input_device is None:
             self.input_device = self.model.get_input_embeddings().weight.device
-        use_engine_attention(self.model)  # path-independent numbers on the CPU (app/engine/attention.py)
+        problem = block_cache_problem(self.model)
+        if problem is None and not use_engine_attention(self.model):  # path-independent numbers on the CPU too
+            problem = "its attention does not go through transformers' AttentionInterface (sdpa or eager)"
+        if problem is not None:
+            raise ConfigError(
+                f"this model cannot be served: {problem}; saker keeps every sequence's keys and values in "
+                "blocks of its KV pool, which needs plain (or sliding-window) attention layers"
+            )
         if getattr(self.model, "_saker_exact", False):  # float64 attention: the pool holds float64 keys and values
             self.kv_dtype = torch.float64
         self.byte_level = is_byte_level(self.tokenizer)
@@ -67,55 +75,9 @@ class ModelRunner:
             self._active_adapter = name
         yield
 
-    def prefill(self, prompt_ids: list[int], all_logits: bool):
-        """Forward the prompt alone (a model whose cache is not kept in blocks); logits (1, L or 1, V) and the KV
-        cache."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        use_growing_layers(cache)
-        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=self.input_device)
-        logits = self.model(
-            input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1
-        ).logits
-        return logits, cache
-
     def prefix_salt(self, adapter: object) -> object:
         """Kept prompt blocks are per PEFT adapter (None: the base model); without adapters there is one salt."""
         return adapter if self.adapters else ""
-
-    @property
-    def plain_cache(self) -> bool:
-        """Whether the model's cache layers are plain (no sliding windows, no static or recurrent state): its keys
-        and values can be kept in the block pool, and its prompts computed by the batch's flat steps."""
-        if self._plain_cache is None:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=self.model.config)
-            use_growing_layers(cache)
-            self._plain_cache = mergeable(cache)
-        return self._plain_cache
-
-    def decode(
-        self,
-        tokens: torch.Tensor,
-        cache,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        row_adapters: list[str | None] | None = None,
-    ) -> torch.Tensor:
-        """One step for a batch of sequences; float32 logits (B, V). With left padding, ``attention_mask``
-        (B, cached + 1) hides the pads and ``position_ids`` (B,) are each row's own positions. ``row_adapters``
-        (under ``adapter(MIXED)``) names each row's LoRA adapter, None for the base model."""
-        ids = tokens.view(-1, 1).to(self.input_device)
-        kwargs = {}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask.to(self.input_device)
-            kwargs["position_ids"] = position_ids.view(-1, 1).to(self.input_device)
-        if row_adapters is not None:
-            kwargs["adapter_names"] = [name or "__base__" for name in row_adapters]
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
-        return out.logits[:, -1, :].float()
 
     def probe_cache(self):
         """The cache of a one-token forward: what one position of this model's keys and values looks like
@@ -162,7 +124,7 @@ class ModelRunner:
 
         n, width = gather.shape[0], gather.shape[1] * BLOCK
         mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)
-        flat = FlatStep(keys, values, write, n, gather, mask, batched=True, scratch=scratch)
+        flat = FlatStep(keys, values, write, n, gather, mask, positions, batched=True, scratch=scratch)
         extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
         out = self.model(
             input_ids=tokens.view(n, 1),
@@ -193,3 +155,21 @@ class ModelRunner:
         """SAKER_COMPILE: the decode-only step through torch.compile (one graph; CUDA graphs on CUDA)."""
         mode = "reduce-overhead" if self.input_device.type == "cuda" else None
         self.compiled_step = torch.compile(self.rows_step, fullgraph=True, mode=mode)
+
+
+# the cache layers whose keys and values can live in the block pool: plain ones, and sliding windows (the window
+# is the attention function's mask; the pool keeps every position)
+BLOCK_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def block_cache_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s KV cache cannot be kept in blocks, in words (recurrent or linear-attention state, static or
+    quantized layers, ...); None when every layer is plain or a sliding window."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=getattr(model, "config", None))
+    except Exception as exc:  # a config transformers cannot make a cache for
+        return f"no KV cache can be made for its config ({type(exc).__name__}: {exc})"
+    kinds = sorted({type(layer).__name__ for layer in cache.layers} - set(BLOCK_LAYERS))
+    return f"its cache has {', '.join(kinds)} layers" if kinds else None

@@ -28,12 +28,10 @@ from app.engine.generate import (
     ChunkedPrefill,
     Event,
     RequestGroup,
-    admit,
     compute_chunks,
     decode_step,
     drop,
     drop_finished,
-    new_batch,
     preempt,
 )
 from app.engine.output import RequestDecoder
@@ -170,15 +168,13 @@ class Scheduler:
         self.runner = runner
         self.max_batch_rows = max(1, max_batch_rows)
         self.max_batch_tokens = max_batch_tokens
-        # the KV budget in positions: the blocks every running and admitted group may hold at its longest stay within
-        # it (rows x the longest row's reach, for the padded batch)
-        self.kv_cache_tokens = kv_cache_tokens
+        self.kv_cache_tokens = kv_cache_tokens  # the block pool's size in positions (None: derived at first use)
         # prompt tokens one step computes, across the prompts being prefilled (the running rows' tokens count too)
         self.prefill_tokens = prefill_tokens
         # a prompt computes at most this many of its tokens per step (0: the whole prompt, budget allowing)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
-        self.batch = new_batch(runner, kv_cache_tokens, prefix_cache_tokens)
+        self.batch = BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
         self._tickets: dict[int, Ticket] = {}
         self._cond = threading.Condition()
@@ -234,7 +230,7 @@ class Scheduler:
             tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
             adapters = self.batch.adapters | {g.params.adapter for g in coming}
             busy = bool(self.batch.groups or coming)
-            blocks = self.batch.free_blocks() - self.batch.rows if self.runner.plain_cache else 0
+            blocks = self.batch.free_blocks() - self.batch.rows  # running rows grow into free blocks
             while self._pending:
                 group, ticket = self._pending[0]
                 if group.cancelled:
@@ -246,14 +242,9 @@ class Scheduler:
                         break
                     if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
                         break
-                    if self.runner.plain_cache:  # the blocks it takes now; running rows grow into free ones
-                        if group.blocks_now > blocks:
-                            break
-                    else:  # the padded batch: every row up to the longest reach
-                        held = self.batch.groups + coming + [g for g, _ in taken] + [group]
-                        if self.kv_cache_tokens and self._kv_need(held) > self.kv_cache_tokens:
-                            break
-                    if not self.runner.can_join(adapters, group.params.adapter) or not self.batch.accepts(group):
+                    if group.blocks_now > blocks:  # the blocks it takes now
+                        break
+                    if not self.runner.can_join(adapters, group.params.adapter):
                         break
                 self._pending.popleft()
                 taken.append((group, ticket))
@@ -261,8 +252,7 @@ class Scheduler:
                 adapters.add(group.params.adapter)
                 rows += self._counted(group)
                 tokens += group.budget_tokens
-                if self.runner.plain_cache:
-                    blocks -= group.blocks_now
+                blocks -= group.blocks_now
             return taken
 
     def _counted(self, group: RequestGroup) -> int:
@@ -270,19 +260,12 @@ class Scheduler:
         rows = group.params.num_candidates
         return 0 if rows > self.max_batch_rows else rows
 
-    def _kv_need(self, groups: list[RequestGroup]) -> int:
-        """KV positions ``groups`` of the padded batch may hold at their longest: their rows x the longest reach."""
-        rows = sum(g.params.num_candidates for g in groups)
-        return rows * max((g.reach for g in groups), default=0)
-
     def _make_room(self) -> None:
         """Before a step: when the blocks its rows cross into are more than the pool has free, the newest request
         (the last to arrive) among those running and those being prefilled gives its blocks back and waits at the
         head of the queue: its rows are computed again when it comes back (``ChunkedPrefill``), and go on as if
         they had never left. Older requests never wait for newer ones, and no request fails for want of blocks."""
         batch = self.batch
-        if not isinstance(batch, BlockBatch):
-            return
         while batch.groups and batch.blocks_wanted() > batch.free_blocks():
             candidates = [(g.arrival, 0, g) for g in batch.groups]
             candidates += [(job.group.arrival, 1, job) for job in self._prefilling]
@@ -304,7 +287,7 @@ class Scheduler:
     @property
     def kv_usage(self) -> float:
         """The KV blocks held by the running rows and the prompts being prefilled, as a share of the pool (0-1)."""
-        return getattr(self.batch, "kv_usage", 0.0)
+        return self.batch.kv_usage
 
     def _iteration(self) -> None:
         """One step: admit waiting requests (their prompts start prefilling), then one forward in which every
@@ -312,12 +295,8 @@ class Scheduler:
         budget (``_plan``); the rows' numbers go to their tickets, prompts that are in join the batch."""
         taken = self._take_admissible()
         with torch.inference_mode():
-            for i, (group, ticket) in enumerate(taken):
-                if self.batch.groups and not self.batch.joinable:
-                    with self._cond:  # this model's cache cannot be joined: one group at a time
-                        self._pending.extendleft(reversed(taken[i:]))
-                    break
-                if self._in_steps(group):
+            for group, ticket in taken:
+                if group.prefills:
                     self._start_prefill(group, [(group, ticket)])
                 else:
                     self._admit([(group, ticket)])
@@ -368,11 +347,6 @@ class Scheduler:
             self._tickets[id(group)] = ticket
             if group.preempted is None:
                 group.timings.queue_s = now - group.submitted
-
-    def _in_steps(self, group: RequestGroup) -> bool:
-        """Whether this group's prompt is computed by the batch's steps (in chunks, beside the running rows): a
-        prompt that needs a forward, of a model whose cache is kept in slots."""
-        return group.prefills and self.runner.plain_cache
 
     def _start_prefill(self, group: RequestGroup, taken: list[tuple[RequestGroup, Ticket]]) -> None:
         """A prompt to prefill: a slot reserved for it, its chunks computed by the coming steps."""
@@ -461,22 +435,11 @@ class Scheduler:
         self._forget(job.group).fail(job.group, exc)
 
     def _admit(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
-        """A group whose prompt is not computed by the steps: one that needs no forward (its events at once), or
-        one of a model whose cache is not kept in slots (prefilled alone into the padded batch). A group that is
-        already finished is done, one whose prefill failed fails."""
+        """A group that needs no forward (it generates nothing and scores no prompt): its prompt's numbers, and done."""
         self._register(taken)
         for group, ticket in taken:
-            try:
-                with self.runner.adapter(group.params.adapter):
-                    events = admit(self.batch, group)
-            except BaseException as exc:
-                _drop_frames(exc)
-                self._after_failure(exc)
-                self._forget(group).fail(group, exc)
-                continue
-            ticket.put(group, events)
-            if group not in self.batch.groups:
-                self._forget(group).done(group)
+            ticket.put(group, [group.prompt_numbers()])
+            self._forget(group).done(group)
 
     def _decode_step(self, jobs: list[tuple[ChunkedPrefill, list[int]]]) -> list[tuple[RequestGroup, list[Event]]]:
         """One decode step (carrying ``jobs``' chunks). When the forward runs out of memory, the newest prompt
@@ -512,8 +475,7 @@ class Scheduler:
         if isinstance(exc, torch.OutOfMemoryError):
             from app.engine.oom import free_memory
 
-            if isinstance(self.batch, BlockBatch):
-                self.batch.blocks.clear_cached()  # kept prompts are the first memory to give back
+            self.batch.blocks.clear_cached()  # kept prompts are the first memory to give back
             free_memory()
 
 
