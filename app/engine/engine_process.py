@@ -24,7 +24,6 @@ import multiprocessing
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 from app.engine.errors import EngineNotReady
 from app.engine.generate import RequestGroup
@@ -183,6 +182,9 @@ class _RemoteTicket(Ticket):
         super().cancel()
         self.client.send(("cancel", self.rid))
 
+    def finish(self, group: RequestGroup, index: int) -> None:
+        self.client.send(("finish", self.rid, group.tag, index))
+
 
 class EngineClient:
     """The serving side of the pipe: starts the engine process, and stands in for its scheduler."""
@@ -231,14 +233,9 @@ class EngineClient:
     def submit(self, groups: list[RequestGroup], eager: bool = True) -> Ticket:
         rid = next(self._ids)
         ticket = _RemoteTicket(groups, eager, self, rid)
-        for group in groups:
-            group.finish_candidate = partial(self._finish, rid, group.tag)
         self._tickets[rid] = ticket
         self.send(("submit", rid, [(g.tag, g.prompt_ids, g.max_length) for g in groups], groups[0].params, eager))
         return ticket
-
-    def _finish(self, rid: int, tag: int, index: int) -> None:
-        self.send(("finish", rid, tag, index))
 
     def _read(self) -> None:
         """Route the engine's messages to their tickets, in the order they come."""

@@ -85,13 +85,7 @@ class RequestGroup:
         self.arrival = 0  # its place in the order groups were submitted (the scheduler's)
         self.tokens_made = 0  # tokens the engine sampled for this group (all rows)
         self._finish: list[int] = []  # candidates the output side ended (stop strings)
-        # each candidate's grammar matcher, copied here on the request's thread: a copy of a large schema's matcher
-        # takes milliseconds (12.9 ms for bench part S's 2 kB schema), which the model thread would make every row
-        # wait for when the group joins
-        self.grammars = None
-        if params.constraint is not None:
-            compiled = grammars_for(runner.tokenizer, runner.vocab_size, tuple(runner.eos_token_ids))
-            self.grammars = [compiled.row(params.constraint) for _ in range(params.num_candidates)]
+        self.grammars = None  # each candidate's grammar matcher (``make_grammars``)
 
     @property
     def rows(self) -> int:
@@ -179,6 +173,16 @@ class RequestGroup:
             self._prompt_ranks if self.params.prompt_logprobs is not None else None,
         )
 
+    def make_grammars(self) -> None:
+        """A constrained group's matchers, one per candidate, made by the thread that submits it
+        (``Scheduler.submit``): a copy of a large schema's matcher takes milliseconds (12.9 ms for bench part S's
+        2 kB schema), which every running row would wait for if the model thread made it when the group joins."""
+        constraint = self.params.constraint
+        if constraint is not None and self.grammars is None:
+            runner = self.runner
+            compiled = grammars_for(runner.tokenizer, runner.vocab_size, tuple(runner.eos_token_ids))
+            self.grammars = [compiled.row(constraint) for _ in range(self.params.num_candidates)]
+
     # -- decoding ---------------------------------------------------------------------------------------
     def begin(self, device, vocab: int) -> SamplingRows:
         """Set up the candidates (after the prefill): one row each, with its own seed."""
@@ -189,6 +193,7 @@ class RequestGroup:
         suppress = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         spec = RowSpec.of(params, suppress, self.want_candidate_logprob)
         seeds = [sequence_seed(params.seed, i) for i in range(count)]
+        self.make_grammars()  # made already when the group was submitted to the scheduler
         return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device, self.grammars)
 
     def settle(self, numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:

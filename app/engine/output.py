@@ -113,10 +113,13 @@ class ChoiceDecoder:
 
 
 class RequestDecoder:
-    """The output side of one prompt of a request (a ``RequestGroup``): engine events in, text events out."""
+    """The output side of one prompt of a request (a ``RequestGroup``): engine events in, text events out. A stop
+    string that ends a candidate before the engine did is told to the engine through ``finish(group, index)`` (the
+    request's ``Ticket``: in process or across the engine process's pipe alike)."""
 
-    def __init__(self, group):
+    def __init__(self, group, finish=None):
         self.group = group
+        self.finish = finish if finish is not None else (lambda group, index: group.finish_candidate(index))
         runner, params = group.runner, group.params
         self.tokenizer, self.byte_level, self.params = runner.tokenizer, runner.byte_level, params
         self.prompt_ids = group.prompt_ids
@@ -134,7 +137,7 @@ class RequestDecoder:
             return []
         self.generated_tokens += 1
         if event.finish_reason and not numbers.ends:
-            self.group.finish_candidate(numbers.index)  # a stop string: the engine's row must leave
+            self.finish(self.group, numbers.index)  # a stop string: the engine's row must leave
         return [event]
 
     def _open(self) -> None:

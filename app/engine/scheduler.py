@@ -54,7 +54,7 @@ class Ticket:
     def __init__(self, groups: list[RequestGroup], eager: bool = True):
         self.groups = groups
         self.eager = eager
-        self.decoders = {group.tag: RequestDecoder(group) for group in groups}
+        self.decoders = {group.tag: RequestDecoder(group, self.finish) for group in groups}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[tuple[int, list[Event]]] = []  # lazy: events not handed over yet
         self._ready: collections.deque[tuple[int, PromptEvent | TokenEvent]] = collections.deque()
@@ -85,8 +85,13 @@ class Ticket:
         return sum(d.generated_tokens for d in self.decoders.values())
 
     def cancel(self) -> None:
+        """The request is aborted (its client went away): its groups leave at the next step."""
         for group in self.groups:
             group.cancelled = True
+
+    def finish(self, group: RequestGroup, index: int) -> None:
+        """The output side ended candidate ``index`` of ``group`` (a stop string): its row leaves at the next step."""
+        group.finish_candidate(index)
 
     alive = None  # a callable: False once the reader's client is gone (checked while waiting)
     POLL_S = 0.05  # how often the reader asks, when nothing tells it
@@ -192,6 +197,8 @@ class Scheduler:
     def submit(self, groups: list[RequestGroup], eager: bool = True, ticket: Ticket | None = None) -> Ticket:
         """Queue the groups of one request; their events go to ``ticket`` (a new one by default)."""
         ticket = ticket if ticket is not None else Ticket(groups, eager)
+        for group in groups:
+            group.make_grammars()  # on the submitting thread, not the model thread
         with self._cond:
             for group in groups:
                 group.submitted = ticket.submitted
