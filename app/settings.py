@@ -198,13 +198,6 @@ class Settings(BaseSettings):
         ge=1,
         description="Deprecated: sets both max_batch_rows and max_running_requests (each one set itself wins).",
     )
-    max_batch_tokens: int | None = Field(
-        None,
-        gt=0,
-        description="Most KV-cache tokens (prompt + max_tokens per "
-        "sequence) in the batch; a request that does not fit waits. Unset: no "
-        "bound beyond max_batch_rows.",
-    )
     kv_cache_tokens: int | None = Field(
         None,
         gt=0,

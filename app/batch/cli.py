@@ -30,6 +30,13 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The settings flags (as for ``serve``) plus the batch flags."""
     from app.settings import add_settings_arguments
@@ -50,8 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output file (one INPUT only). Default: output_<name>.jsonl beside each input",
     )
     where.add_argument("--output-dir", metavar="DIR", help="write output_<name>.jsonl files into DIR")
-    # --max-batch-tokens is the setting of that name (generated above): the same token budget the server's
-    # batches use; here it defaults to DEFAULT_MAX_BATCH_TOKENS.
+    group.add_argument(
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        metavar="N",
+        help="the token budget of one batch of lines (prompt + max_tokens per request; a line over it goes alone): "
+        f"the lines the engine is given at once, and the batch_time they share. Default: {DEFAULT_MAX_BATCH_TOKENS}",
+    )
     group.add_argument(
         "--seed",
         type=_int,
@@ -130,11 +143,10 @@ def run(args: argparse.Namespace, settings=None, *, service=None, worker=None, h
                 return EXIT_USAGE
         if pending or any(batch_file.dirty for batch_file in batch_files):
             stats.started = time.perf_counter()
-            budget = settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
             skipped = run_files(
                 service,
                 batch_files,
-                max_batch_tokens=budget,
+                max_batch_tokens=args.max_batch_tokens,
                 seed=args.seed,
                 progress=not args.no_progress,
                 stats=stats,

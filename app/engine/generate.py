@@ -101,11 +101,6 @@ class RequestGroup:
         return self.generates or self.needs_prompt_logits
 
     @property
-    def reach(self) -> int:
-        """The longest a row of this group can get: prompt + max new tokens."""
-        return len(self.prompt_ids) + max(self.max_new, 0)
-
-    @property
     def blocks_now(self) -> int:
         """Blocks admitting this group takes (or is sure to soon): its prompt's, a copy of the partial last block for
         each other candidate, and one to grow into per row; for a preempted group, its rows' and one each."""
@@ -113,11 +108,6 @@ class RequestGroup:
             return sum(-(-length // BLOCK) + 1 for length in self.preempted.lengths)
         count, length = self.params.num_candidates, len(self.prompt_ids)
         return -(-length // BLOCK) + (count - 1) * (length % BLOCK > 0) + count
-
-    @property
-    def budget_tokens(self) -> int:
-        """KV tokens this group may hold at most: what the batch token budget counts."""
-        return self.reach * self.params.num_candidates
 
     def finish_candidate(self, index: int) -> None:
         """The output side ended candidate ``index`` (a stop string): its row leaves at the next step. Called

@@ -1,11 +1,13 @@
 """Continuous batching: one thread owns the model and runs decode steps for every request in flight.
 
 Requests arrive as groups (one per prompt) and wait in a queue. Between steps the scheduler admits waiting
-groups while the batch has room (``max_batch_rows`` rows, ``max_batch_tokens`` KV tokens; named LoRA adapters
-mix in one batch, other adapter types need the same one): each is prefilled, samples its first tokens and joins
-the running batch. Every step is one forward for all rows; finished candidates leave at once, and a group whose
-client went away is dropped at the next step. A step whose forward runs out of memory fails the newest group
-only and is retried for the others. Events go back to each request through its ``Ticket``.
+groups while the batch has room (``max_batch_rows`` rows, the KV blocks a group takes now; named LoRA adapters
+mix in one batch, other adapter types need the same one): the batch's steps compute each prompt in chunks beside
+the running rows, then it samples its first tokens and joins them. Every step is one forward for all rows;
+finished candidates leave at once, and a group whose client went away is dropped at the next step. When the rows
+outgrow the KV pool the newest request gives its blocks back and is computed again later (``_make_room``). A step
+whose forward runs out of memory fails the newest group only and is retried for the others. Events go back to
+each request through its ``Ticket``.
 """
 
 from __future__ import annotations
@@ -164,7 +166,6 @@ class Scheduler:
         runner: ModelRunner,
         *,
         max_batch_rows: int = 8,
-        max_batch_tokens: int | None = None,
         prefill_tokens: int = 0,
         prefill_chunk_tokens: int = 0,
         kv_cache_tokens: int | None = None,
@@ -172,7 +173,6 @@ class Scheduler:
     ):
         self.runner = runner
         self.max_batch_rows = max(1, max_batch_rows)
-        self.max_batch_tokens = max_batch_tokens
         self.kv_cache_tokens = kv_cache_tokens  # the block pool's size in positions (None: derived at first use)
         # prompt tokens one step computes, across the prompts being prefilled (the running rows' tokens count too)
         self.prefill_tokens = prefill_tokens
@@ -234,7 +234,6 @@ class Scheduler:
             # max_batch_rows rows beside it (its rows do not count against that limit, only against the KV
             # budget): small requests do not wait for a large one to end
             rows = sum(self._counted(g) for g in self.batch.groups + coming)
-            tokens = sum(g.budget_tokens for g in self.batch.groups + coming)
             adapters = self.batch.adapters | {g.params.adapter for g in coming}
             busy = bool(self.batch.groups or coming)
             blocks = self.batch.free_blocks() - self.batch.rows  # running rows grow into free blocks
@@ -247,8 +246,6 @@ class Scheduler:
                 if busy:
                     if rows + group.params.num_candidates > self.max_batch_rows:
                         break
-                    if self.max_batch_tokens and tokens + group.budget_tokens > self.max_batch_tokens:
-                        break
                     if group.blocks_now > blocks:  # the blocks it takes now
                         break
                     if not self.runner.can_join(adapters, group.params.adapter):
@@ -258,7 +255,6 @@ class Scheduler:
                 busy = True
                 adapters.add(group.params.adapter)
                 rows += self._counted(group)
-                tokens += group.budget_tokens
                 blocks -= group.blocks_now
             return taken
 

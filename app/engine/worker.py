@@ -67,7 +67,6 @@ class Worker:
         *,
         max_batch_rows: int = 8,
         max_running_requests: int | None = None,
-        max_batch_tokens: int | None = None,
         compile: bool | None = False,
         prefill_batch_tokens: int = 512,
         prefix_cache_tokens: int = 4096,
@@ -77,7 +76,6 @@ class Worker:
         self.names = names
         self._loader = loader
         self.max_batch_rows = max_batch_rows  # candidate rows in the scheduler's decode batch
-        self.max_batch_tokens = max_batch_tokens
         self.prefill_batch_tokens = prefill_batch_tokens  # prompt tokens one step computes (0: one prompt's chunk)
         self.prefix_cache_tokens = prefix_cache_tokens  # prompt tokens whose KV is kept for reuse (0: off)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # a prompt's tokens per step while rows decode (0: all)
@@ -108,7 +106,6 @@ class Worker:
             lambda: load_model(settings),
             cls._admission(settings),
             max_batch_rows=settings.max_batch_rows,
-            max_batch_tokens=settings.max_batch_tokens,
             prefill_batch_tokens=settings.prefill_batch_tokens,
             prefix_cache_tokens=settings.prefix_cache_tokens,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
@@ -177,7 +174,6 @@ class Worker:
         self.scheduler = Scheduler(
             self.runner,
             max_batch_rows=self.max_batch_rows,
-            max_batch_tokens=self.max_batch_tokens,
             prefill_tokens=self.prefill_batch_tokens,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             kv_cache_tokens=self.kv_cache_tokens,
