@@ -7,6 +7,7 @@ that picked the token; echo logprobs from the prefill's logits. Finished sequenc
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -27,6 +28,17 @@ from app.engine.batches import (  # noqa: F401 - BUCKETS and bucket re-exported 
     BlockBatch,
     bucket,
 )
+
+
+class Status(enum.Enum):
+    """Where a group is: waiting in the scheduler's queue (new, or preempted: ``RequestGroup.preempted`` holds its
+    rows' state), being computed by the steps (its prompt, or a preempted group's rows: ``ChunkedPrefill``), its
+    rows in the running batch, or finished (every row ended, or the request failed or went away)."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -81,6 +93,7 @@ class RequestGroup:
         self._prompt_top_values: list[list[float]] = []
         self._prompt_ranks: list[int] = []
         self.cancelled = False
+        self.status = Status.WAITING
         self.preempted: Preempted | None = None  # its rows left the batch for older requests (``preempt``)
         self.arrival = 0  # its place in the order groups were submitted (the scheduler's)
         self.tokens_made = 0  # tokens the engine sampled for this group (all rows)
@@ -271,7 +284,7 @@ def preempt(batch: BlockBatch, group: RequestGroup) -> None:
     keep = [r for r in range(batch.n) if r not in set(rows)]
     seqs, group.seqs = group.seqs, []  # the group leaves the batch's list; its candidates stay its own
     batch.keep(keep, None)
-    group.seqs = seqs
+    group.seqs, group.status = seqs, Status.WAITING
 
 
 class ChunkedPrefill:
@@ -318,6 +331,7 @@ class ChunkedPrefill:
         group = self.group
         salt = group.runner.prefix_salt(group.params.adapter)
         reuse = group.preempted is not None or not group.needs_prompt_logits
+        group.status = Status.PREFILLING
         for ids in self.seqs:
             table, keys, cached = batch.reserve(ids, salt, reuse=reuse)
             self.tables.append(table)
@@ -376,7 +390,7 @@ class ChunkedPrefill:
             start, spare, self.spare = time.perf_counter() - self.spent, self.spare, []
             return _join(batch, group, self.last, start, tables[0], self._chain(0), spare)
         chains = [self._chain(row) for row in range(len(tables))]
-        group.preempted = None
+        group.preempted, group.status = None, Status.RUNNING
         batch.add_rows(group, tables, resumed.lengths, chains, resumed.tokens, resumed.sampling, prompts=len(tables))
         group.timings.prefill_s += self.spent
         return []
@@ -406,6 +420,7 @@ def _join(
         group.timings.prefill_s += time.perf_counter() - start
         batch.unreserve(table)
         batch.blocks.release(list(spare))
+        group.status = Status.FINISHED
         return events
     last = logits[:, -1, :].float()
     count = group.params.num_candidates
@@ -420,9 +435,11 @@ def _join(
             tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
             sampling = sampling.select(keep)
         batch.add_reserved(group, table, tokens, sampling, chain, spare)
+        group.status = Status.RUNNING
     else:
         batch.unreserve(table)
         batch.blocks.release(list(spare))
+        group.status = Status.FINISHED
     group.timings.prefill_s += time.perf_counter() - start
     return events
 
@@ -456,6 +473,8 @@ def decode_step(
         keep_rows += [offset + r for r in keep]
         offset += group.rows
         group.select(keep)
+        if not keep:
+            group.status = Status.FINISHED
         out.append((group, events))
     batch.keep(keep_rows, tokens)
     return out
@@ -471,6 +490,8 @@ def drop(batch: BlockBatch, group: RequestGroup, candidates: set[int] | None = N
                 keep_rows.append(offset + row)
         offset += g.rows
     group.seqs = [] if candidates is None else [seq for seq in group.seqs if seq.index not in candidates]
+    if not group.seqs:
+        group.status = Status.FINISHED
     batch.keep(keep_rows, None)
 
 

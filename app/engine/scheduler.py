@@ -30,6 +30,7 @@ from app.engine.generate import (
     ChunkedPrefill,
     Event,
     RequestGroup,
+    Status,
     compute_chunks,
     decode_step,
     drop,
@@ -181,7 +182,7 @@ class Scheduler:
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self.batch = BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens)
         self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
-        self._tickets: dict[int, Ticket] = {}
+        self._tickets: dict[int, Ticket] = {}  # by the group's arrival number: the groups it holds now
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -279,6 +280,7 @@ class Scheduler:
                 self._prefilling.remove(newest)
                 newest.abandon(batch)
                 group = newest.group
+                group.status = Status.WAITING
             else:
                 group = newest
                 preempt(batch, group)
@@ -309,7 +311,7 @@ class Scheduler:
             running = list(self.batch.groups)
             if drop_finished(self.batch):  # candidates the output side ended (stop strings)
                 for group in running:
-                    if group not in self.batch.groups:
+                    if group.status is Status.FINISHED:
                         self._forget(group).done(group)
             jobs, apart = self._plan()
             for alone in apart:  # nothing runs, or the rows use another adapter
@@ -337,7 +339,7 @@ class Scheduler:
             self.max_rows_seen = max(self.max_rows_seen, sum(len(events) for _, events in results))
             for group, events in results:
                 group.timings.decode_s += took
-                self._tickets[id(group)].put(group, events)
+                self._tickets[group.arrival].put(group, events)
                 if not group.rows:
                     self._forget(group).done(group)
             for job, _ in jobs:
@@ -347,7 +349,7 @@ class Scheduler:
     def _register(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
         now = time.perf_counter()
         for group, ticket in taken:
-            self._tickets[id(group)] = ticket
+            self._tickets[group.arrival] = ticket
             if group.preempted is None:
                 group.timings.queue_s = now - group.submitted
 
@@ -425,8 +427,8 @@ class Scheduler:
         except BaseException as exc:
             self._fail_prefill(job, exc, removed=True)
             return
-        self._tickets[id(group)].put(group, events)
-        if group not in self.batch.groups:
+        self._tickets[group.arrival].put(group, events)
+        if group.status is not Status.RUNNING:
             self._forget(group).done(group)
 
     def _fail_prefill(self, job: ChunkedPrefill, exc: BaseException, removed: bool = False) -> None:
@@ -472,7 +474,10 @@ class Scheduler:
                 )
 
     def _forget(self, group: RequestGroup) -> Ticket:
-        return self._tickets.pop(id(group))
+        """The group is no longer the scheduler's (finished, failed, cancelled, or back in the queue): its ticket."""
+        if group.status is not Status.WAITING:
+            group.status = Status.FINISHED
+        return self._tickets.pop(group.arrival)
 
     def _after_failure(self, exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
