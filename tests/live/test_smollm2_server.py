@@ -1,5 +1,9 @@
 """The embedded SmolLM2 under a real gunicorn, driven by the official openai client: completions and chat,
-plain and streamed, against apply_chat_template + model.generate(); dropped streams free the worker."""
+plain and streamed, against apply_chat_template + model.generate(); dropped streams free the worker.
+
+The server runs in float32 (``SAKER_QUANTIZE=none``), the precision of the reference ``generate()`` it is compared
+with: as served by default (int4 weights, bfloat16 kernel inputs) its answers are its own, and the libraries'
+tests on the default configuration are in tests/live/test_agent_libraries.py."""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ def smol_dir(saker_cache):
 
 @pytest.fixture(scope="module")
 def server(smol_dir, saker_cache):
-    srv = Gunicorn({"SAKER_CACHE_DIR": str(saker_cache), "SAKER_THREADS": "4"})
+    srv = Gunicorn({"SAKER_CACHE_DIR": str(saker_cache), "SAKER_THREADS": "4", "SAKER_QUANTIZE": "none"})
     try:
         srv.wait_ready()
         yield srv
