@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -47,3 +48,25 @@ def continuation(tok, prompt_ids, all_ids):
     if full.startswith(head + text[:-1]):
         assert text == full[len(head) :]
     return text
+
+
+def check_reference(result, model, tok, ids, params, tol: float = 1e-4):
+    """An answer against the model loaded by transformers: each chosen token's logprob (and top logprobs) equals a
+    plain forward's log-softmax at its position, and a greedy pick is that forward's argmax (a tie aside)."""
+    for choice in result.choices:
+        chosen = choice.token_ids
+        if not chosen:
+            continue
+        lp = ref_logprobs(model, ids + chosen)[len(ids) - 1 : len(ids) - 1 + len(chosen)]
+        if choice.logprobs is not None:
+            got = choice.logprobs.token_logprobs[-len(chosen) :]
+            assert got == pytest.approx([lp[i, t].item() for i, t in enumerate(chosen)], abs=tol)
+            k = params.logprobs or 0
+            for i, top in enumerate(choice.logprobs.top_logprobs[-len(chosen) :]):
+                if top and k:  # the k best, and the chosen token when it is not among them
+                    want = torch.topk(lp[i], k).values.tolist()
+                    assert sorted(top.values(), reverse=True)[:k] == pytest.approx(want, abs=tol)
+        plain = params.temperature == 0.0 and not (params.logit_bias or params.repetition_penalty != 1.0)
+        if plain and not (params.presence_penalty or params.frequency_penalty or params.constraint):
+            best = lp.max(dim=-1).values
+            assert all(lp[i, t].item() >= best[i].item() - tol for i, t in enumerate(chosen)), "not the argmax"

@@ -4,18 +4,28 @@ float32) whether it ran alone or in a batch with others of different lengths, se
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
-from references import continuation, ref_greedy, ref_logprobs
+from references import check_reference, continuation, ref_greedy, ref_logprobs
 
 TOL = 1e-4
 
 
+# id(worker) -> (model, tokenizer) loaded by transformers itself: every run alone (``alone``) is checked against it
+REFERENCES: dict[int, tuple] = {}
+
+
+def register(worker, reference, path):
+    REFERENCES[id(worker)] = reference(path)
+    return worker
+
+
 @pytest.fixture(scope="module", params=["gpt2", "llama", "gpt2-packed", "llama-packed"])
-def batch_worker(request):
+def batch_worker(request, reference):
     """``-packed``: every linear oneDNN-packed (app/engine/optimize.py leaves the tiny models' small matrices
     alone otherwise), so the packed path is checked against the untouched reference too."""
     from app.engine import optimize
@@ -31,11 +41,15 @@ def batch_worker(request):
         loaded = load_model(settings)
     assert any(isinstance(m, optimize.PackedLinear) for m in loaded.model.modules()) == bool(packed)
     worker = Worker.from_loaded(("m",), loaded, max_batch_rows=16)
-    return worker, path
+    return register(worker, reference, path), path
 
 
 def alone(worker, ids, params):
-    return collect(iter(SoloRun(worker.runner, ids, params, max_length=256)), params)
+    """The request run alone (``SoloRun``), checked against the worker's reference model when it has one."""
+    result = collect(iter(SoloRun(worker.runner, ids, params, max_length=256)), params)
+    if id(worker) in REFERENCES:
+        check_reference(result, *REFERENCES[id(worker)], ids, params)
+    return result
 
 
 def batched(worker, requests, late=()):
@@ -197,7 +211,11 @@ def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=4)
+    worker = register(
+        Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=4),
+        reference,
+        gpt2_dir,
+    )
     _, tok = reference(gpt2_dir)
     big_ids, small_ids = tok("Once upon a time").input_ids, tok("Hello").input_ids
     big_params = SamplingParams(max_tokens=40, temperature=0.8, seed=4, n=6, ignore_eos=True)
@@ -218,7 +236,11 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=1)
+    worker = register(
+        Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=1),
+        reference,
+        gpt2_dir,
+    )
     _, tok = reference(gpt2_dir)
     requests = [(tok(t).input_ids, SamplingParams(max_tokens=6, temperature=0.0)) for t in ("Hello", "Once upon")]
     results = batched(worker, requests)
@@ -311,15 +333,11 @@ class InjectedOOM:
     ``rows`` rows, ``times`` times (None: always), after the first block has already appended to its cache."""
 
     def __init__(self, model, rows: int, times: int | None):
-        import torch
-
         self.rows, self.times, self.raised = rows, times, 0
         block = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[1]
         self.handle = block.register_forward_pre_hook(self)
 
     def __call__(self, module, args):
-        import torch
-
         hidden = args[0]
         if hidden.shape[1] == 1 and hidden.shape[0] >= self.rows and (self.times is None or self.raised < self.times):
             self.raised += 1
@@ -343,7 +361,6 @@ def run_tickets(worker, requests):
 def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, reference, times):
     """One OOM in a 3-row step fails the newest request; the others are rewound and go on with the numbers
     they get alone. With OOMs at every multi-row step, requests fail newest first until one is left."""
-    import torch
 
     worker, path = batch_worker
     _, tok = reference(path)
@@ -434,8 +451,6 @@ def test_the_step_budget_bounds_the_prompt_tokens_of_a_forward(shared_prefill, r
 
 
 def test_failed_shared_prefill_falls_back_to_one_at_a_time(shared_prefill, reference, monkeypatch):
-    import torch
-
     worker, path, calls = shared_prefill
     _, tok = reference(path)
     real = worker.runner.flat_step
@@ -541,8 +556,10 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     hits = fast.prefix_cache.hits
     results = batched(fast, first, late)
     assert fast.prefix_cache.hits > hits
+    model, _ = reference(path)
     for (ids, p), result in zip(first + late, results):
         same(result, batched(plain, [(ids, p)])[0])
+        check_reference(result, model, tok, ids, p)
 
 
 @pytest.fixture()
@@ -614,8 +631,6 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt(chunked, re
 
 
 def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
-    import torch
-
     worker, path, calls = chunked
     _, tok = reference(path)
     ids = long_ids(tok)

@@ -8,6 +8,7 @@ import pytest
 
 from app.engine.params import Constraint, SamplingParams
 from conftest import make_settings
+from references import check_reference
 
 TOL = 1e-5
 
@@ -41,13 +42,17 @@ REQUESTS = [
 
 
 @pytest.mark.parametrize("params", REQUESTS, ids=["greedy-logprobs", "n-stop", "echo", "best_of", "constrained"])
-def test_answers_equal_the_in_process_engine(workers, params):
+def test_answers_equal_the_in_process_engine(workers, params, reference, gpt2_dir):
+    """And both against transformers' own model: chosen tokens' logprobs and top logprobs equal a plain forward's,
+    greedy picks are its argmax."""
     remote, local = workers
+    model, tok = reference(gpt2_dir)
     assert remote.scheduler.process.is_alive() and remote.prefix_cache is None
     prompts = [remote.encode("The capital of France is"), remote.encode("Once upon a time")]
     got, got_timings = remote.complete(prompts, params, 256)
     want, _ = local.complete(prompts, params, 256)
-    for a, b in zip(got, want):
+    for ids, a, b in zip(prompts, got, want):
+        check_reference(a, model, tok, ids, params, tol=1e-4)
         assert [c.text for c in a.choices] == [c.text for c in b.choices]
         assert [c.finish_reason for c in a.choices] == [c.finish_reason for c in b.choices]
         assert a.completion_tokens == b.completion_tokens and a.prompt_tokens == b.prompt_tokens

@@ -9,7 +9,7 @@ import torch
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from app.engine.blocks import BLOCK, BlockManager, NoFreeBlocks
-from references import ref_greedy, ref_logprobs
+from references import check_reference, ref_greedy, ref_logprobs
 
 TOL = 1e-4
 
@@ -150,9 +150,9 @@ def test_an_answer_sent_back_in_the_next_prompt_is_found_in_the_cache(workers, r
     assert got.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=TOL)
 
 
-def test_the_same_prompt_again_and_seeded_sampling(workers):
+def test_the_same_prompt_again_and_seeded_sampling(workers, reference):
     on, off, path = workers
-    tok = on.runner.tokenizer
+    model, tok = reference(path)
     ids = long_prompt(tok)
     params = SamplingParams(max_tokens=10, temperature=0.9, seed=7, n=2, logprobs=1, ignore_eos=True)
     first = run(on, ids, params)
@@ -160,6 +160,7 @@ def test_the_same_prompt_again_and_seeded_sampling(workers):
     again = run(on, ids, params)
     assert on.prefix_cache.hits == hits + 1  # every full block but the one with the last prompt token reused
     plain = run(off, ids, params)
+    check_reference(again, model, tok, ids, params)  # the cached path's logprobs are transformers' own
     for a, b, c in zip(first.choices, again.choices, plain.choices):
         assert a.text == b.text == c.text
         assert a.logprobs.token_logprobs == pytest.approx(c.logprobs.token_logprobs, abs=TOL)
