@@ -27,17 +27,16 @@ class PromptNumbers:
 
 @dataclass
 class TokenNumbers:
-    """One generated token of candidate ``index``: its raw logprob and top k when asked, and ``ends`` when a
-    token-level rule (EOS, a stop token, max_tokens, the context) ended the candidate's row with it;
-    ``complete`` when the token completed a constrained output (structured outputs: the row ends, reason stop)."""
+    """One generated token of candidate ``index``: its raw logprob and top k when asked, and ``ended``: why the
+    engine ended the candidate's row with it (``StoppingCriteria.ended_by``: "eos", "stop_token", "complete", for a
+    constrained output that is whole, or "length"), None when the row goes on."""
 
     index: int
     token_id: int
     logprob: float | None
     top_ids: list[int] | None
     top_values: list[float] | None
-    ends: bool = False
-    complete: bool = False
+    ended: str | None = None
 
 
 @dataclass

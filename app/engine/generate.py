@@ -212,8 +212,7 @@ class RequestGroup:
             token_id = tokens[at]
             seq.generated += 1
             seq.tokens.append(token_id)
-            done = at in complete
-            ends = done or stopping.ends(token_id, seq.generated, prompt_len + seq.generated)
+            ended = stopping.ended_by(token_id, seq.generated, prompt_len + seq.generated, at in complete)
             events.append(
                 TokenNumbers(
                     seq.index,
@@ -221,11 +220,10 @@ class RequestGroup:
                     numbers.logprobs[at] if want_lp else None,
                     numbers.top_ids[at][:k] if k and self.want_logprobs else None,
                     numbers.top_values[at][:k] if k and self.want_logprobs else None,
-                    ends,
-                    done,
+                    ended,
                 )
             )
-            if not ends:
+            if ended is None:
                 keep.append(row)
         self.tokens_made += len(events)
         return events, keep

@@ -22,7 +22,7 @@ from app.engine.detokenize import IncrementalDetokenizer
 from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers
 from app.engine.logprobs import candidate_keys
 from app.engine.params import SamplingParams, TokenLogprobs
-from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
+from app.engine.stopping import StopDecision, StopStrings, text_decision
 
 
 def _top_dict(
@@ -55,15 +55,14 @@ class ChoiceDecoder:
         byte_level: bool,
         prompt_ids: list[int],
         params: SamplingParams,
-        stopping: StoppingCriteria,
+        stops: StopStrings,
     ):
         self.index = index
         self.tokenizer, self.byte_level = tokenizer, byte_level
         self.want_logprobs = params.logprobs is not None
         self.as_ids = params.tokens_as_ids
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self.stopping = stopping
-        self.prompt_len = len(prompt_ids)
+        self.stops, self.min_tokens = stops, params.min_tokens
         self.generated = 0
         self.text = ""
         self.finished = False
@@ -88,16 +87,14 @@ class ChoiceDecoder:
             )
         self.generated += 1
         piece = ""
-        if self.stopping.stop_token(token_id, self.generated):
+        if raw.ended in ("eos", "stop_token"):
             piece = detok.flush()  # bytes held before an EOS/stop token are final now
             self.text += piece
         before = len(self.text)
         added = detok.add(token_id)
         piece += added
         self.text += added
-        decision = self.stopping(token_id, self.text, before, self.generated, self.prompt_len + self.generated)
-        if raw.complete and decision.reason != "stop":  # the constrained output is whole (structured outputs),
-            decision = StopDecision(True, "stop")  # even on its max_tokens-th token
+        decision = text_decision(raw.ended, self.text, before, self.generated, self.stops, self.min_tokens)
         if decision.stop and decision.text_end in (None, len(self.text)):
             tail = detok.flush()
             piece += tail
@@ -136,12 +133,12 @@ class RequestDecoder:
         if event is None:
             return []
         self.generated_tokens += 1
-        if event.finish_reason and not numbers.ends:
+        if event.finish_reason and numbers.ended is None:
             self.finish(self.group, numbers.index)  # a stop string: the engine's row must leave
         return [event]
 
     def _open(self) -> None:
-        group, params = self.group, self.params
+        params = self.params
         stops = StopStrings(params.stop, params.include_stop_str_in_output)
         self.choices = [
             ChoiceDecoder(
@@ -150,15 +147,7 @@ class RequestDecoder:
                 self.byte_level,
                 self.prompt_ids,
                 params,
-                StoppingCriteria(
-                    eos_token_ids=frozenset(group.runner.eos_token_ids),
-                    stop_token_ids=params.stop_token_ids,
-                    stop_strings=stops,
-                    ignore_eos=params.ignore_eos,
-                    min_tokens=params.min_tokens,
-                    max_tokens=group.max_new,
-                    max_length=group.max_length,
-                ),
+                stops,
             )
             for i in range(params.num_candidates)
         ]

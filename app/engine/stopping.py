@@ -1,4 +1,7 @@
-"""Stop decisions: ``StoppingCriteria(...) -> (stop, reason)``, and stop-string matching with holdback."""
+"""Stop rules, each evaluated in one place: token-level ones by the engine (``StoppingCriteria.ended_by``: EOS, stop
+tokens, max_tokens, the context, a completed constrained output), stop strings by the output side on the text
+(``StopStrings``, with holdback), which turns the engine's reason and the strings into a ``StopDecision``
+(``text_decision``)."""
 
 from __future__ import annotations
 
@@ -46,14 +49,15 @@ class StopStrings:
 
 
 class StoppingCriteria:
-    """Per-sequence stop rules: EOS (unless ignore_eos), stop tokens, stop strings, min/max tokens, context."""
+    """The engine's per-sequence stop rules, on token ids alone: EOS (unless ignore_eos) and stop tokens (once
+    min_tokens are out), max_tokens, the context. Stop strings need text: they are the output side's
+    (``text_decision``)."""
 
     def __init__(
         self,
         *,
         eos_token_ids: frozenset[int],
         stop_token_ids: tuple[int, ...] = (),
-        stop_strings: StopStrings | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
         max_tokens: int | None = None,
@@ -61,48 +65,46 @@ class StoppingCriteria:
     ):
         self.eos = frozenset() if ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.stop_strings = stop_strings or StopStrings(())
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
         self.max_length = max_length
 
-    def stop_token(self, token_id: int, num_generated: int) -> str | None:
-        """ "eos" or "stop_token" when this token ends the sequence by itself (min_tokens permitting)."""
-        if num_generated < self.min_tokens:
-            return None
-        if token_id in self.eos:
-            return "eos"
-        if token_id in self.stop_token_ids:
-            return "stop_token"
+    def ended_by(self, token_id: int, num_generated: int, total_length: int, complete: bool = False) -> str | None:
+        """Why this token ends the sequence, or None: ``"eos"`` or ``"stop_token"`` (the token itself, min_tokens
+        permitting), ``"complete"`` (``complete``: it completed a constrained output), ``"length"`` (max_tokens or
+        the context reached)."""
+        if num_generated >= self.min_tokens:
+            if token_id in self.eos:
+                return "eos"
+            if token_id in self.stop_token_ids:
+                return "stop_token"
+        if complete:
+            return "complete"
+        if self.max_tokens is not None and num_generated >= self.max_tokens:
+            return "length"
+        if self.max_length is not None and total_length >= self.max_length:
+            return "length"
         return None
 
-    def ends(self, token_id: int, num_generated: int, total_length: int) -> bool:
-        """The token-level part of the rules (no text): whether this token ends the sequence by itself (EOS, a
-        stop token), or the sequence is at max_tokens or the context. What the engine decides on its own; stop
-        strings are the output side's."""
-        if self.stop_token(token_id, num_generated) is not None:
-            return True
-        if self.max_tokens is not None and num_generated >= self.max_tokens:
-            return True
-        return self.max_length is not None and total_length >= self.max_length
 
-    def __call__(
-        self, token_id: int, text: str, text_before: int, num_generated: int, total_length: int
-    ) -> StopDecision:
-        """``text``: the generated text so far (this token included); ``text_before``: its length before.
-        An EOS or stop token ends the text before itself (a stop token's text is kept with
-        include_stop_str_in_output)."""
-        if num_generated >= self.min_tokens:
-            kind = self.stop_token(token_id, num_generated)
-            if kind == "eos" or (kind == "stop_token" and not self.stop_strings.include):
-                return StopDecision(True, "stop", text_before)
-            if kind == "stop_token":
-                return StopDecision(True, "stop", len(text))
-            end = self.stop_strings.find(text, text_before)
-            if end is not None:
-                return StopDecision(True, "stop", end)
-        if self.max_tokens is not None and num_generated >= self.max_tokens:
-            return StopDecision(True, "length")
-        if self.max_length is not None and total_length >= self.max_length:
-            return StopDecision(True, "length")
-        return CONTINUE
+def text_decision(
+    ended: str | None, text: str, text_before: int, num_generated: int, stops: StopStrings, min_tokens: int = 0
+) -> StopDecision:
+    """The output side's decision for one token: the engine's reason (``ended``, ``StoppingCriteria.ended_by``) and
+    the stop strings. ``text``: the generated text so far (this token included); ``text_before``: its length before.
+    An EOS or stop token ends the text before itself (a stop token's text is kept with include_stop_str_in_output);
+    a stop string (once min_tokens are out) cuts where it starts (or ends, included); a completed constrained
+    output is ``stop``, max_tokens or the context ``length``."""
+    if ended == "eos" or (ended == "stop_token" and not stops.include):
+        return StopDecision(True, "stop", text_before)
+    if ended == "stop_token":
+        return StopDecision(True, "stop", len(text))
+    if num_generated >= min_tokens:
+        end = stops.find(text, text_before)
+        if end is not None:
+            return StopDecision(True, "stop", end)
+    if ended == "complete":
+        return StopDecision(True, "stop")
+    if ended == "length":
+        return StopDecision(True, "length")
+    return CONTINUE

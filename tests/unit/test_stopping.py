@@ -1,12 +1,12 @@
-"""Stop strings (``StopStrings``: spanning chunks, the earliest match, holdback) and the stopping criteria
-(``StoppingCriteria``: EOS, stop tokens and strings, min_tokens, max_tokens, max_length) of
-app/engine/stopping.py, without a model."""
+"""Stop strings (``StopStrings``: spanning chunks, the earliest match, holdback), the engine's token-level rules
+(``StoppingCriteria.ended_by``: EOS, stop tokens, min_tokens, max_tokens, max_length, a completed output) and the
+output side's decision on the text (``text_decision``) of app/engine/stopping.py, without a model."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings
+from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings, text_decision
 
 
 # ====================================================================================== stop strings ===
@@ -96,54 +96,69 @@ def criteria(**kw) -> StoppingCriteria:
     return StoppingCriteria(eos_token_ids=kw.pop("eos_token_ids", EOS), **kw)
 
 
-class TestStoppingCriteria:
+class TestEngineRules:
+    """The engine's token-level rules: why a token ends its row, on ids alone."""
+
     def test_continue(self):
-        decision = criteria(max_tokens=10)(5, "abc", 2, 1, 10)
+        assert criteria(max_tokens=10).ended_by(5, 1, 10) is None
+
+    def test_eos_and_stop_tokens(self):
+        c = criteria(stop_token_ids=(7, 9), max_tokens=10)
+        assert c.ended_by(2, 4, 10) == "eos" and c.ended_by(9, 3, 10) == "stop_token"
+
+    def test_eos_wins_over_length_and_completion_on_the_last_token(self):
+        assert criteria(max_tokens=4).ended_by(2, 4, 10, complete=True) == "eos"
+
+    def test_a_completed_output_is_complete_even_on_its_max_tokens_th_token(self):
+        assert criteria(max_tokens=4).ended_by(5, 4, 10, complete=True) == "complete"
+
+    def test_ignore_eos(self):
+        assert criteria(ignore_eos=True, max_tokens=10).ended_by(2, 4, 10) is None
+        assert criteria(ignore_eos=True, max_tokens=4).ended_by(2, 4, 10) == "length"
+
+    def test_min_tokens_defers_eos_and_stop_tokens(self):
+        c = criteria(min_tokens=3, stop_token_ids=(7,), max_tokens=10)
+        assert c.ended_by(2, 1, 10) is None and c.ended_by(7, 2, 11) is None
+        assert c.ended_by(2, 3, 12) == "eos"
+
+    def test_max_tokens_and_context(self):
+        assert criteria(max_tokens=3).ended_by(5, 2, 10) is None
+        assert criteria(max_tokens=3).ended_by(5, 3, 11) == "length"
+        assert criteria(max_tokens=None).ended_by(5, 1000, 1010) is None
+        assert criteria(max_tokens=None, max_length=256).ended_by(5, 1, 255) is None
+        assert criteria(max_tokens=None, max_length=256).ended_by(5, 2, 256) == "length"
+
+
+class TestTextDecision:
+    """The output side's decision: the engine's reason and the stop strings, on the text."""
+
+    NONE = StopStrings(())
+
+    def test_continue(self):
+        decision = text_decision(None, "abc", 2, 1, self.NONE)
         assert decision == StopDecision(False) and not decision.stop
 
     def test_eos_stops_before_its_text(self):
-        decision = criteria(max_tokens=10)(2, "abc</s>", 3, 4, 10)
-        assert decision == StopDecision(True, "stop", 3)
+        assert text_decision("eos", "abc</s>", 3, 4, self.NONE) == StopDecision(True, "stop", 3)
 
-    def test_eos_wins_over_length_on_the_last_token(self):
-        assert criteria(max_tokens=4)(2, "abc", 3, 4, 10).reason == "stop"
+    def test_stop_token_text_kept_only_when_included(self):
+        assert text_decision("stop_token", "hello.", 5, 3, self.NONE) == StopDecision(True, "stop", 5)
+        included = StopStrings((), include_in_output=True)
+        assert text_decision("stop_token", "hello.", 5, 3, included) == StopDecision(True, "stop", 6)
 
-    def test_ignore_eos(self):
-        assert not criteria(ignore_eos=True, max_tokens=10)(2, "abc", 3, 4, 10).stop
-        assert criteria(ignore_eos=True, max_tokens=4)(2, "abc", 3, 4, 10) == StopDecision(True, "length")
+    def test_stop_string_cuts_and_wins_over_length_and_completion(self):
+        stops = StopStrings(("\n",))
+        assert text_decision(None, "one\ntwo", 2, 2, stops) == StopDecision(True, "stop", 3)
+        assert text_decision("length", "one\ntwo", 2, 2, stops) == StopDecision(True, "stop", 3)
+        assert text_decision("complete", "one\ntwo", 2, 2, stops) == StopDecision(True, "stop", 3)
 
-    def test_min_tokens_defers_eos_stop_tokens_and_stop_strings(self):
-        c = criteria(min_tokens=3, stop_token_ids=(7,), stop_strings=StopStrings(("zz",)), max_tokens=10)
-        assert not c(2, "a", 0, 1, 10).stop
-        assert not c(7, "ab", 1, 2, 11).stop
-        assert not c(5, "abzz", 2, 2, 11).stop
-        assert c(2, "abc", 2, 3, 12) == StopDecision(True, "stop", 2)
+    def test_length_and_complete(self):
+        assert text_decision("length", "abc", 2, 3, self.NONE) == StopDecision(True, "length")
+        assert text_decision("complete", "{}", 1, 2, self.NONE) == StopDecision(True, "stop")
 
-    def test_stop_token_ids(self):
-        c = criteria(stop_token_ids=(7, 9), max_tokens=10)
-        assert c(9, "hello.", 5, 3, 10) == StopDecision(True, "stop", 5)
-        included = criteria(stop_token_ids=(7,), stop_strings=StopStrings((), include_in_output=True))
-        assert included(7, "hello.", 5, 3, 10) == StopDecision(True, "stop", 6)
-
-    def test_stop_string(self):
-        c = criteria(stop_strings=StopStrings(("\n",)), max_tokens=10)
-        assert c(5, "one\ntwo", 2, 2, 10) == StopDecision(True, "stop", 3)
-
-    def test_max_tokens(self):
-        c = criteria(max_tokens=3)
-        assert not c(5, "ab", 1, 2, 10).stop
-        assert c(5, "abc", 2, 3, 11) == StopDecision(True, "length")
-
-    def test_max_tokens_zero_or_none(self):
-        assert criteria(max_tokens=None)(5, "a", 0, 1000, 1010).stop is False
-
-    def test_max_length(self):
-        c = criteria(max_tokens=None, max_length=256)
-        assert not c(5, "a", 0, 1, 255).stop
-        assert c(5, "ab", 1, 2, 256) == StopDecision(True, "length")
-
-    def test_stop_string_before_min_tokens_does_not_cut_later(self):
-        c = criteria(min_tokens=3, stop_strings=StopStrings(("a", "xyz")), max_tokens=10)
-        assert not c(5, "a", 0, 1, 10).stop  # ignored: before min_tokens
-        assert not c(5, "ab", 1, 2, 10).stop
-        assert not c(5, "abc", 2, 3, 10).stop  # "a" is old text, not a new stop
+    def test_stop_strings_wait_for_min_tokens_and_old_text_is_not_found_again(self):
+        stops = StopStrings(("a", "xyz"))
+        assert not text_decision(None, "a", 0, 1, stops, min_tokens=3).stop  # ignored: before min_tokens
+        assert not text_decision(None, "ab", 1, 2, stops, min_tokens=3).stop
+        assert not text_decision(None, "abc", 2, 3, stops, min_tokens=3).stop  # "a" is old text, not a new stop
+        assert text_decision(None, "abcxyz", 3, 4, stops, min_tokens=3) == StopDecision(True, "stop", 3)
