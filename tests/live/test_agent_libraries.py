@@ -7,7 +7,10 @@ model.
   pins disagree with requirements-dev.txt's openai (jiter), so it runs in a virtualenv of its own (.venv-clients,
   ``make install-clients``, requirements-clients.txt) as a subprocess: tests/clients/instructor_flows.py.
 - pydantic-ai: an output tool (its default for a pydantic output type), NativeOutput (a json_schema
-  response_format) and one function-tool round trip (the tool's result sent back, then the output tool)."""
+  response_format) and one function-tool round trip (the tool's result sent back, then the output tool).
+- LangChain: ``with_structured_output`` by json_schema, function_calling and json_mode, ``bind_tools`` with a forced
+  tool, and its streamed tool-call chunks.
+- The openai client's forced tool call, and the OpenAI Agents SDK with a function tool (Responses API)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,13 @@ def server(saker_cache):
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 class UserDetail(BaseModel):
@@ -168,3 +178,118 @@ def test_pydantic_ai_tool_round_trip(server):
     assert len(seen) == 1 and isinstance(seen[0], str)
     returns = [p for m in messages if isinstance(m, ModelRequest) for p in m.parts if isinstance(p, ToolReturnPart)]
     assert [p.tool_name for p in returns][:1] == ["get_capital"] and returns[0].content == "Rome"
+
+
+def test_langchain_with_structured_output(server):
+    """LangChain's ChatOpenAI(...).with_structured_output(City) (its json_schema method) gets a City."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model=MODEL, temperature=0, max_retries=0
+    )
+    answer = llm.with_structured_output(City).invoke("What is the capital of Italy?")
+    assert isinstance(answer, City) and answer.city
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_forced_tool_call_on_the_default_template(client):
+    """The embedded model's own template does not render tools, and nothing is configured: the tools go into the
+    system message in the call format's words and a forced call comes back, valid against its schema."""
+    import jsonschema
+
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_langchain_structured_output_by_function_calling(server):
+    """LangChain's with_structured_output(City, method="function_calling") (a forced call of a tool named City) on
+    the default template gets a City."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model=MODEL, temperature=0, max_retries=0
+    )
+    answer = llm.with_structured_output(City, method="function_calling").invoke("What is the capital of Italy?")
+    assert isinstance(answer, City) and answer.city
+
+
+def test_agents_sdk_function_tool_on_the_default_template(server):
+    """The OpenAI Agents SDK (Responses API) with one function tool and tool_choice required, on the embedded model
+    with nothing configured: the Python tool runs with arguments from its schema."""
+    import asyncio
+
+    pytest.importorskip("agents", reason="openai-agents is not installed: pip install -r requirements-dev.txt")
+    from agents import ModelSettings, Runner
+
+    from weather_agent import weather_agent
+
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    agent, cities, client = weather_agent(
+        server.url, MODEL, tool_use_behavior="stop_on_first_tool", model_settings=settings
+    )
+
+    async def run():
+        try:
+            return await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert cities and cities[0] in ("Paris", "Rome", "Oslo")
+    assert result.final_output == f"18 degrees and sunny in {cities[0]}"
+
+
+def langchain_model(server, **kwargs):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model=MODEL, temperature=0, max_retries=0, **kwargs
+    )
+
+
+def test_langchain_structured_output_by_json_mode(server):
+    """with_structured_output(method="json_mode"): response_format json_object, the schema only in LangChain's
+    instructions; what comes back parses as JSON (a 135M model may not fill City, so the dict is checked)."""
+    answer = (
+        langchain_model(server, max_tokens=80)
+        .with_structured_output(None, method="json_mode")
+        .invoke("Answer in JSON with the keys city and country: what is the capital of Italy?")
+    )
+    assert isinstance(answer, dict)
+
+
+def test_langchain_bind_tools_forced_and_its_streamed_chunks(server):
+    """bind_tools with a forced tool: the plain answer holds a call valid against the tool's schema, and the stream's
+    tool_call_chunks come in several pieces that add up to the same call."""
+    import jsonschema
+
+    llm = langchain_model(server, max_tokens=60).bind_tools([WEATHER], tool_choice="get_weather")
+    plain = llm.invoke("What is the weather in Paris?")
+    [call] = plain.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    chunks = list(llm.stream("What is the weather in Paris?"))
+    pieces = [c for chunk in chunks for c in chunk.tool_call_chunks]
+    assert len(pieces) > 1
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert [(t["name"], t["args"]) for t in total.tool_calls] == [(call["name"], call["args"])]

@@ -7,7 +7,6 @@ tests on the default configuration are in tests/live/test_agent_libraries.py."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -139,81 +138,3 @@ def test_openai_client_parses_a_pydantic_model(client):
     parsed = done.choices[0].message.parsed
     assert isinstance(parsed, City) and parsed.city and parsed.country
     assert done.choices[0].finish_reason == "stop"
-
-
-def test_langchain_with_structured_output(server):
-    """LangChain's ChatOpenAI(...).with_structured_output(City) (its json_schema method) gets a City."""
-    langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(
-        base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct", temperature=0, max_retries=0
-    )
-    answer = llm.with_structured_output(City).invoke("What is the capital of Italy?")
-    assert isinstance(answer, City) and answer.city
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-
-
-def test_a_forced_tool_call_on_the_default_template(client):
-    """The embedded model's own template does not render tools, and nothing is configured: the tools go into the
-    system message in the call format's words and a forced call comes back, valid against its schema."""
-    import jsonschema
-
-    done = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct",
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_tokens=60,
-    )
-    choice = done.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    assert call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-
-
-def test_langchain_structured_output_by_function_calling(server):
-    """LangChain's with_structured_output(City, method="function_calling") (a forced call of a tool named City) on
-    the default template gets a City."""
-    langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(
-        base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct", temperature=0, max_retries=0
-    )
-    answer = llm.with_structured_output(City, method="function_calling").invoke("What is the capital of Italy?")
-    assert isinstance(answer, City) and answer.city
-
-
-def test_agents_sdk_function_tool_on_the_default_template(server):
-    """The OpenAI Agents SDK (Responses API) with one function tool and tool_choice required, on the embedded model
-    with nothing configured: the Python tool runs with arguments from its schema."""
-    import asyncio
-
-    pytest.importorskip("agents", reason="openai-agents is not installed: pip install -r requirements-dev.txt")
-    from agents import ModelSettings, Runner
-
-    from weather_agent import weather_agent
-
-    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
-    agent, cities, client = weather_agent(
-        server.url, "SmolLM2-135M-Instruct", tool_use_behavior="stop_on_first_tool", model_settings=settings
-    )
-
-    async def run():
-        try:
-            return await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
-        finally:
-            await client.close()
-
-    result = asyncio.run(run())
-    assert cities and cities[0] in ("Paris", "Rome", "Oslo")
-    assert result.final_output == f"18 degrees and sunny in {cities[0]}"
