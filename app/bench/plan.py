@@ -25,6 +25,13 @@ GOALS = {
     "K 8 clients": (">=", 1.5),  # saker's tokens/s / llama.cpp's
     "K 32 clients": (">=", 1.5),
     "M": ("<=", 3.0),  # the decoding streams' inter-token latency p99 / p50 while long prompts arrive
+    # V: saker / vLLM's CPU build (bf16), output tokens/s at 1, 8 and 32 clients, saker in bf16 and in int4 each
+    "V bf16 tokens/s": (">=", 1.0),
+    "V int4 tokens/s": (">=", 1.0),
+    # V, the mixed-length load (16 clients): saker / vLLM
+    "V mixed tokens/s": (">=", 1.2),
+    "V mixed TTFT p99": ("<=", 0.8),
+    "V mixed ITL p99": ("<=", 1.0),
 }
 
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
@@ -86,6 +93,20 @@ class Plan:
     m_tokens: int = 256  # M: greedy tokens per stream (ignore_eos)
     m_long: int = 2048  # M: tokens of each long prompt
     m_every: float = 4.0  # M: seconds between two long prompts
+    v_levels: tuple[int, ...] = (1, 8, 32)  # V: clients (vllm bench serve --max-concurrency), each server in turn
+    v_min_prompts: int = 16  # V: requests per level: max(v_min_prompts, v_prompts_per_client x clients)
+    v_prompts_per_client: int = 4
+    v_input: int = 256  # V: random prompt tokens at the levels
+    v_output: int = 128  # V: answer tokens at the levels (ignore_eos)
+    v_mixed_clients: int = 16  # V: the mixed-length load
+    v_mixed_prompts: int = 64
+    v_mixed_input: int = 512  # drawn from [512 x 0.1, 512 x 1.9] = 51..973 prompt tokens
+    v_mixed_input_ratio: float = 0.9
+    v_mixed_output: int = 128  # drawn from [128 x 0.2, 128 x 1.8] = 25..231 answer tokens
+    v_mixed_output_ratio: float = 0.8
+    v_warmups: int = 8  # V: warm-up requests before each run (at most one per client)
+    v_client_timeout: float = 1800.0  # V: seconds one vllm bench serve may take
+    v_ready_timeout: float = 900.0  # V: seconds vLLM may take to start (it compiles its model first)
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
@@ -141,6 +162,14 @@ class Plan:
             m_tokens=64,
             m_long=384,
             m_every=1.0,
+            v_min_prompts=8,
+            v_prompts_per_client=1,
+            v_input=64,
+            v_output=32,
+            v_mixed_prompts=16,
+            v_mixed_output=64,
+            v_warmups=2,
+            v_client_timeout=600.0,
             a_budget=0.0,
             t_budget=0.0,
             b_budget=0.0,

