@@ -8,7 +8,6 @@ CLI flags are generated from the fields (``--max-logprobs`` for ``max_logprobs``
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 from pathlib import Path
@@ -193,11 +192,6 @@ class Settings(BaseSettings):
         description="Most requests admitted to the engine at once; the others wait in the queue (max_queue, "
         "queue_timeout). 1 = one request at a time.",
     )
-    max_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="Deprecated: sets both max_batch_rows and max_running_requests (each one set itself wins).",
-    )
     kv_cache_tokens: int | None = Field(
         None,
         gt=0,
@@ -351,24 +345,6 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _apply_max_batch_size(self) -> "Settings":
-        """The deprecated max_batch_size sets max_batch_rows and max_running_requests, unless they are set."""
-        if self.max_batch_size is None:
-            return self
-        given = self.model_fields_set
-        if "max_batch_rows" not in given:
-            self.max_batch_rows = self.max_batch_size
-        if "max_running_requests" not in given:
-            self.max_running_requests = self.max_batch_size
-        _deprecated_once(
-            "max_batch_size",
-            f"SAKER_MAX_BATCH_SIZE (--max-batch-size) is deprecated: it sets SAKER_MAX_BATCH_ROWS (rows of the "
-            f"decode batch, now {self.max_batch_rows}) and SAKER_MAX_RUNNING_REQUESTS (requests admitted at once, "
-            f"now {self.max_running_requests}); set those instead",
-        )
-        return self
-
-    @model_validator(mode="after")
     def _check_combinations(self) -> "Settings":
         gpus = self.gpu_memory_map
         if gpus and self.gpu_id is not None and self.gpu_id not in gpus:
@@ -455,14 +431,13 @@ class Settings(BaseSettings):
         return [self.model or DEFAULT_MODEL_NAME]
 
 
-_warned: set[str] = set()
-
-
-def _deprecated_once(name: str, message: str) -> None:
-    """One warning line per process for a deprecated setting that is used."""
-    if name not in _warned:
-        _warned.add(name)
-        logging.getLogger("saker.settings").warning(message)
+# settings that are gone, and what to set instead (a start with one of them says so)
+REMOVED = {
+    "SAKER_MAX_BATCH_SIZE": "set SAKER_MAX_BATCH_ROWS (rows of the decode batch) and SAKER_MAX_RUNNING_REQUESTS "
+    "(requests admitted at once)",
+    "SAKER_MAX_BATCH_TOKENS": "the KV pool (SAKER_KV_CACHE_TOKENS) bounds the batch; the batch CLI has its own "
+    "--max-batch-tokens",
+}
 
 
 def _field_error_line(error: ValidationError) -> str:
@@ -483,6 +458,9 @@ def unknown_environment_settings() -> list[str]:
 def load_settings(**overrides: Any) -> Settings:
     """Settings from the environment (and overrides); a bad value raises ConfigError with one clear line."""
     unknown = unknown_environment_settings()
+    removed = [f"{key} was removed: {REMOVED[key.upper()]}" for key in unknown if key.upper() in REMOVED]
+    if removed:
+        raise ConfigError("; ".join(removed))
     if unknown:
         raise ConfigError(f"unknown setting {', '.join(unknown)} (see docs/configuration.md)")
     try:

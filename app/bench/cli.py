@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch-size",
         type=int,
         default=None,
-        help="passed to our server as SAKER_MAX_BATCH_SIZE (when that setting exists)",
+        help="passed to our server as SAKER_MAX_BATCH_ROWS and SAKER_MAX_RUNNING_REQUESTS",
     )
     parser.add_argument(
         "--server-env",

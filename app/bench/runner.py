@@ -17,7 +17,7 @@ from app.bench.client import Client
 from app.bench.machine import CpuMonitor, machine_info
 from app.bench.models import GPT2_SMALL, GPT2_TINY, PROMPT_TEXT, ModelSpec, load_reference, model_meta, prompt_ids
 from app.bench.plan import CLEAN_SHARE, GOALS, SCHEMA, Plan
-from app.bench.server import Server, settings_fields
+from app.bench.server import Server, batch_env, settings_fields
 
 # the parts that run on the main server (the --size model), in this order; the others start servers of their own
 MAIN_SERVER_PARTS = ("A", "T", "B", "L", "R")
@@ -76,10 +76,7 @@ class Bench:
         if "prefix_cache_tokens" in fields:  # every part repeats one prompt: measure its prefill, not a cache
             env["SAKER_PREFIX_CACHE_TOKENS"] = "0"
         if self.args.max_batch_size is not None:
-            if "max_batch_size" in fields:
-                env["SAKER_MAX_BATCH_SIZE"] = str(self.args.max_batch_size)
-            else:
-                self.log("--max-batch-size ignored: this server has no max_batch_size setting")
+            env.update(batch_env(self.args.max_batch_size))
         for item in self.args.server_env or []:
             key, _, value = item.partition("=")
             env[key] = value
@@ -106,15 +103,13 @@ class Bench:
             "model": name,
             "env": env,
             "ready_s": round(time.perf_counter() - start, 1),
-            "max_batch_size_setting": "max_batch_size" in fields,
         }
-        if "max_batch_size" in fields:
+        if "max_batch_rows" in fields:  # the decode batch's rows (the JSON's key from when one setting held both)
             from app.settings import Settings
 
-            # the decode batch's rows (SAKER_MAX_BATCH_SIZE, now a deprecated alias, sets them and running requests)
-            default = (Settings.model_fields.get("max_batch_rows") or Settings.model_fields["max_batch_size"]).default
+            default = Settings.model_fields["max_batch_rows"].default
             info["max_batch_size"] = int(
-                env.get("SAKER_MAX_BATCH_SIZE", os.environ.get("SAKER_MAX_BATCH_SIZE", default))
+                env.get("SAKER_MAX_BATCH_ROWS", os.environ.get("SAKER_MAX_BATCH_ROWS", default))
             )
         self.server_info[name] = info
         return server

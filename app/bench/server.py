@@ -28,3 +28,9 @@ class Server(GunicornServer):
             inherit=without_api_keys,
         )
         self.model_name = name
+
+
+def batch_env(size: int) -> dict[str, str]:
+    """Our server's settings for a batch of ``size``: that many rows decoded together and requests admitted at once
+    (what the bench's ``--max-batch-size`` sets)."""
+    return {"SAKER_MAX_BATCH_ROWS": str(size), "SAKER_MAX_RUNNING_REQUESTS": str(size)}

@@ -66,7 +66,7 @@ class MemorySection(RunBase):
         # that a store that outgrows its budget shows in GiB, not tens of GiB, on a shared machine).
         long_words = self.hello_words(min(self.context - 92, budget // 2))
         env = {**os.environ, **self.server_env}
-        rows = 2 * int(env.get("SAKER_MAX_BATCH_ROWS") or env.get("SAKER_MAX_BATCH_SIZE") or 8)
+        rows = 2 * int(env.get("SAKER_MAX_BATCH_ROWS") or 8)
         sequence = [
             ("long", {"prompt": "hello " * long_words, "n": 1, "max_tokens": 16}),
             ("rows-after-long", {"prompt": "hello", "n": rows, "best_of": rows, "max_tokens": 16}),

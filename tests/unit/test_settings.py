@@ -352,42 +352,21 @@ def test_log_level_any_case(monkeypatch):
     assert load_settings().log_level == "warning"
 
 
-@pytest.fixture
-def deprecation_warned_afresh(monkeypatch):
-    """The deprecation line is logged once per process: each test here starts as a fresh process would."""
-    import app.settings
-
-    monkeypatch.setattr(app.settings, "_warned", set())
-
-
-def test_batch_rows_and_running_requests_are_two_settings(deprecation_warned_afresh, caplog):
+def test_batch_rows_and_running_requests_are_two_settings():
     settings = load_settings()
-    assert (settings.max_batch_rows, settings.max_running_requests, settings.max_batch_size) == (8, 8, None)
+    assert (settings.max_batch_rows, settings.max_running_requests) == (8, 8)
     settings = load_settings(max_batch_rows="32", max_running_requests="4")
     assert (settings.max_batch_rows, settings.max_running_requests) == (32, 4)
-    assert "deprecated" not in caplog.text
 
 
-def test_max_batch_size_is_a_deprecated_alias_that_sets_both(deprecation_warned_afresh, monkeypatch, caplog):
-    monkeypatch.setenv("SAKER_MAX_BATCH_SIZE", "3")
-    with caplog.at_level("WARNING", logger="saker.settings"):
-        settings = load_settings()
-        again = load_settings()
-    assert (settings.max_batch_rows, settings.max_running_requests) == (3, 3)
-    assert (again.max_batch_rows, again.max_running_requests) == (3, 3)
-    lines = [r.getMessage() for r in caplog.records if r.name == "saker.settings"]
-    assert len(lines) == 1, lines  # one line per process, however often the settings are read
-    assert "SAKER_MAX_BATCH_SIZE" in lines[0] and "deprecated" in lines[0]
-    assert "SAKER_MAX_BATCH_ROWS" in lines[0] and "SAKER_MAX_RUNNING_REQUESTS" in lines[0]
-    # a new setting given beside the alias wins over it
-    monkeypatch.setenv("SAKER_MAX_RUNNING_REQUESTS", "12")
-    settings = load_settings()
-    assert (settings.max_batch_rows, settings.max_running_requests) == (3, 12)
-    args = make_parser().parse_args(["--max-batch-size", "5", "--max-batch-rows", "7"])
-    monkeypatch.delenv("SAKER_MAX_RUNNING_REQUESTS")
-    monkeypatch.delenv("SAKER_MAX_BATCH_SIZE")
-    settings = settings_from_args(args)
-    assert (settings.max_batch_rows, settings.max_running_requests) == (7, 5)
+@pytest.mark.parametrize(
+    "name, instead",
+    [("SAKER_MAX_BATCH_SIZE", "SAKER_MAX_BATCH_ROWS"), ("SAKER_MAX_BATCH_TOKENS", "SAKER_KV_CACHE_TOKENS")],
+)
+def test_a_removed_setting_stops_the_start_saying_what_to_set_instead(monkeypatch, name, instead):
+    monkeypatch.setenv(name, "3")
+    with pytest.raises(ConfigError, match=f"{name} was removed: .*{instead}"):
+        load_settings()
 
 
 def test_the_worker_takes_rows_and_running_requests_apart():
@@ -395,8 +374,6 @@ def test_the_worker_takes_rows_and_running_requests_apart():
 
     worker = Worker.from_settings(Settings(max_batch_rows=16, max_running_requests=3))
     assert worker.max_batch_rows == 16 and worker.admission.capacity == 3
-    worker = Worker.from_settings(Settings(max_batch_size=5))
-    assert worker.max_batch_rows == 5 and worker.admission.capacity == 5
 
 
 def test_every_setting_is_documented():

@@ -14,6 +14,7 @@ from app.bench.client import Client, closed_loop
 from app.bench.models import GPT2_TINY, ensure_model, prompt_ids
 from app.bench.plan import GOALS, check_goal
 from app.bench.report import Row, met
+from app.bench.server import batch_env
 from app.bench.stats import latency_summary, summary
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def run(bench: Bench) -> dict:
         path,
         GPT2_TINY.name,
         extra_env={
-            "SAKER_MAX_BATCH_SIZE": str(top),
+            **batch_env(top),
             "SAKER_THREADS": str(2 * top + 8),
             "SAKER_MAX_QUEUE": str(4 * top),
         },

@@ -26,7 +26,7 @@ from app.bench.client import Client, Reply, closed_loop
 from app.bench.models import PROMPT_TEXT
 from app.bench.plan import GOALS, ROOT, check_goal
 from app.bench.report import Row, met
-from app.bench.server import free_port
+from app.bench.server import batch_env, free_port
 from app.bench.stats import latency_summary, summary
 from app.processes import stop_process
 
@@ -359,7 +359,7 @@ def run(bench: Bench) -> dict | None:
     # saker: the embedded model as it serves it by default, a batch as wide as llama.cpp's slots
     path = smol_path(bench)
     env = bench.server_env()
-    extra = {} if "SAKER_MAX_BATCH_SIZE" in env else {"SAKER_MAX_BATCH_SIZE": str(slots)}
+    extra = {} if "SAKER_MAX_BATCH_ROWS" in env else batch_env(slots)
     if "SAKER_QUANTIZE" not in env:  # the embedded model's default precision: int4 from its GGUF's own codes
         extra["SAKER_QUANTIZE"] = "int4"
     server = bench.start_server(path, f"{SMOL_NAME}-K", extra_env={**extra, "SAKER_SERVED_MODEL_NAME": SMOL_NAME})
@@ -382,7 +382,7 @@ def run(bench: Bench) -> dict | None:
         "precision": reported or settings,
         "precision_source": "/v1/models" if reported else "the settings the bench gave it",
         "precision_settings": settings,
-        "max_batch_size": int(served_env.get("SAKER_MAX_BATCH_SIZE", slots)),
+        "max_batch_size": int(served_env.get("SAKER_MAX_BATCH_ROWS", slots)),
         "threads": bench.threads,
         "ready_s": bench.server_info.get(f"{SMOL_NAME}-K", {}).get("ready_s"),
         "levels": levels,

@@ -18,6 +18,7 @@ from app.bench.client import Client
 from app.bench.parts.s import SMOL_NAME, smol_path
 from app.bench.plan import GOALS, check_goal
 from app.bench.report import Row, met
+from app.bench.server import batch_env
 from app.bench.stats import latency_summary
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def run(bench: Bench) -> dict:
         url, name = bench.main_client.url, bench.main_name
     else:
         env = bench.server_env()
-        extra = {"SAKER_MAX_BATCH_SIZE": str(plan.m_clients + 2)}
+        extra = batch_env(plan.m_clients + 2)
         if "SAKER_QUANTIZE" not in env:  # the embedded model's default precision: int4 from its GGUF's own codes
             extra["SAKER_QUANTIZE"] = "int4"
         server = bench.start_server(smol_path(bench), f"{SMOL_NAME}-M", extra_env=extra)

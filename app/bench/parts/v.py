@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from app.bench.machine import cpu_model
 from app.bench.plan import GOALS, ROOT, check_goal
 from app.bench.report import Row, met
-from app.bench.server import free_port
+from app.bench.server import batch_env, free_port
 from app.processes import API_KEY_VARIABLES, OFFLINE_ENV, stop_process
 
 if TYPE_CHECKING:
@@ -614,7 +614,7 @@ def run(bench: Bench) -> dict | None:
 
     # saker, bf16 and as served by default (int4), each serving the same model name
     env = bench.server_env()
-    batch = {} if "SAKER_MAX_BATCH_SIZE" in env else {"SAKER_MAX_BATCH_SIZE": str(max(plan.v_levels))}
+    batch = {} if "SAKER_MAX_BATCH_ROWS" in env else batch_env(max(plan.v_levels))
     precisions = {
         SAKER_BF16: {"SAKER_DTYPE": "bfloat16", "SAKER_QUANTIZE": "none"},
         SAKER_INT4: {"SAKER_QUANTIZE": "int4"},  # with the bench's float32 dtype: the embedded default
@@ -634,7 +634,7 @@ def run(bench: Bench) -> dict | None:
                 "dtype": served.get("SAKER_DTYPE", "auto"),
                 "quantize": served.get("SAKER_QUANTIZE") or "none",
             },
-            "max_batch_size": int(served.get("SAKER_MAX_BATCH_SIZE", max(plan.v_levels))),
+            "max_batch_size": int(served.get("SAKER_MAX_BATCH_ROWS", max(plan.v_levels))),
             "threads": bench.threads,
             "ready_s": bench.server_info.get(label, {}).get("ready_s"),
             **measured,
