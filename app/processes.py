@@ -47,58 +47,50 @@ class ServerNotReady(ServerStartError, TimeoutError):
     """The server still ran but did not answer 200 within the time given."""
 
 
-class GunicornServer:
-    """``gunicorn -c gunicorn.conf.py -b 127.0.0.1:PORT [args] wsgi:app`` started at once, in its own process
-    group, with ``env`` over the caller's environment (names that ``inherit`` rejects left out) and over
-    ``OFFLINE_ENV``; stdout and stderr go to ``log_dir/{name}-{port}.log``. A context manager: leaving stops it.
+class ServerProcess:
+    """A server program (``command``, with the whole environment ``env``) started at once on ``host:port``, in its
+    own process group; stdout and stderr go to ``log_dir/{name}-{port}.log``. A context manager: leaving stops it.
 
     ``wait_ready()`` polls ``ready_path`` until it answers 200 and raises ``ServerStartError`` (the exit status
     and the log's tail) when the server exits first, ``ServerNotReady`` when time runs out."""
 
     def __init__(
         self,
+        command: Sequence[str],
         env: Mapping[str, str],
         *,
+        port: int,
         log_dir: Path = ROOT / ".cache",
-        name: str = "gunicorn",
-        args: Sequence[str] = (),
-        app: str = "wsgi:app",
+        name: str = "server",
         ready_path: str = "/health",
-        inherit: Callable[[str], bool] | None = None,
-        cwd: Path = ROOT,
+        cwd: Path | None = None,
         host: str = "127.0.0.1",
-        port: int | None = None,
     ):
-        self.host = host
-        self.port = port or free_port(host)
+        self.host, self.port = host, port
         self.address = f"{host}:{self.port}"
         self.url = f"http://{self.address}"
         self.name = name
         self.ready_path = ready_path
-        self.env = {**OFFLINE_ENV, **env}
-        inherited = {k: v for k, v in os.environ.items() if inherit is None or inherit(k)}
+        self.command = list(command)
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.log = open(self.log_path, "w+")  # open while the server runs; stop() closes it
-        script = Path(sys.executable).parent / "gunicorn"
-        # the console script beside this interpreter; where gunicorn was installed elsewhere (pip --target), its
-        # module through this interpreter
-        gunicorn = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
         try:
             self.proc = subprocess.Popen(
-                [*gunicorn, "-c", "gunicorn.conf.py", "-b", self.address, *args, app],
+                self.command,
                 cwd=cwd,
-                env={**inherited, **self.env},
+                env=dict(env),
                 stdout=self.log,
                 stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         except BaseException:
             self.log.close()
             raise
 
-    def __enter__(self) -> GunicornServer:
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -144,6 +136,51 @@ class GunicornServer:
     def tail(self, chars: int = 3000) -> str:
         return self.output()[-chars:]
 
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30, *, group: bool = True) -> int | None:
+        """``stop_process`` (to the group, or with ``group=False`` to the leader alone), then the log is closed;
+        the exit status."""
+        stop_process(self.proc, sig, timeout, group=group)
+        if not self.log.closed:
+            self.log.close()
+        return self.proc.returncode
+
+
+class GunicornServer(ServerProcess):
+    """``gunicorn -c gunicorn.conf.py -b 127.0.0.1:PORT [args] wsgi:app`` (a ``ServerProcess``), with ``env`` over
+    the caller's environment (names that ``inherit`` rejects left out) and over ``OFFLINE_ENV``."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        *,
+        log_dir: Path = ROOT / ".cache",
+        name: str = "gunicorn",
+        args: Sequence[str] = (),
+        app: str = "wsgi:app",
+        ready_path: str = "/health",
+        inherit: Callable[[str], bool] | None = None,
+        cwd: Path = ROOT,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ):
+        port = port or free_port(host)
+        self.env = {**OFFLINE_ENV, **env}
+        inherited = {k: v for k, v in os.environ.items() if inherit is None or inherit(k)}
+        script = Path(sys.executable).parent / "gunicorn"
+        # the console script beside this interpreter; where gunicorn was installed elsewhere (pip --target), its
+        # module through this interpreter
+        gunicorn = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
+        super().__init__(
+            [*gunicorn, "-c", "gunicorn.conf.py", "-b", f"{host}:{port}", *args, app],
+            {**inherited, **self.env},
+            port=port,
+            log_dir=log_dir,
+            name=name,
+            ready_path=ready_path,
+            cwd=cwd,
+            host=host,
+        )
+
     def worker_pids(self) -> list[int]:
         """The master's children (the workers) and theirs (an engine process), recursively."""
         out, todo = [], [self.proc.pid]
@@ -156,14 +193,6 @@ class GunicornServer:
             out.extend(children)
             todo.extend(children)
         return out
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30, *, group: bool = True) -> int | None:
-        """``stop_process`` (to the group, or with ``group=False`` to the master alone), then the log is closed;
-        the exit status."""
-        stop_process(self.proc, sig, timeout, group=group)
-        if not self.log.closed:
-            self.log.close()
-        return self.proc.returncode
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30, *, group: bool = True) -> None:

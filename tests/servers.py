@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from app.processes import GunicornServer, NginxServer, free_port, nginx_binary
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["LOGS", "ROOT", "Gunicorn", "Nginx", "free_port", "nginx_binary", "read_response"]
+__all__ = [
+    "LOGS",
+    "ROOT",
+    "Gunicorn",
+    "Nginx",
+    "free_port",
+    "nginx_binary",
+    "openai_client",
+    "read_response",
+    "running",
+]
 
 
 # one folder of server logs per test process, in the system's temporary directory: under .cache/ they piled up, one
@@ -25,6 +37,21 @@ class Gunicorn(GunicornServer):
 
     def wait_ready(self, timeout: float = 120, path: str | None = None) -> float:
         return super().wait_ready(timeout, path)
+
+
+@contextlib.contextmanager
+def running(env: dict[str, str], **kwargs) -> Iterator[Gunicorn]:
+    """A ``Gunicorn`` ready to serve for the body of the ``with`` (a module fixture yields from it), stopped after."""
+    with Gunicorn(env, **kwargs) as srv:
+        srv.wait_ready()
+        yield srv
+
+
+def openai_client(srv: Gunicorn):
+    """The official client on ``srv``, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
 def read_response(sock: socket.socket, *, cut: bool = False) -> bytes:

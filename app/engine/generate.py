@@ -279,7 +279,8 @@ def preempt(batch: BlockBatch, group: RequestGroup) -> None:
     index = torch.tensor(rows, dtype=torch.long, device=batch.next_tokens.device)
     lengths = [int(batch.lengths[r]) for r in rows]
     group.preempted = Preempted(batch.next_tokens.index_select(0, index), batch.sampling.select(rows), lengths)
-    keep = [r for r in range(batch.n) if r not in set(rows)]
+    leaving = set(rows)
+    keep = [r for r in range(batch.n) if r not in leaving]
     seqs, group.seqs = group.seqs, []  # the group leaves the batch's list; its candidates stay its own
     batch.keep(keep, None)
     group.seqs, group.status = seqs, Status.WAITING
@@ -342,7 +343,8 @@ class ChunkedPrefill:
 
     @property
     def remaining(self) -> int:
-        return len(self.ids) - self.done + sum(len(s) - c for s, c in zip(self.seqs[self.row + 1 :], self.cached))
+        later = zip(self.seqs[self.row + 1 :], self.cached[self.row + 1 :])
+        return len(self.ids) - self.done + sum(len(s) - c for s, c in later)
 
     def next_chunk(self, budget: int) -> list[int]:
         """The next tokens to compute: at most a chunk, and no more than ``budget``."""

@@ -36,7 +36,7 @@ import requests
 
 from app.sse import iter_events
 from conftest import make_settings
-from servers import Gunicorn
+from servers import Gunicorn, openai_client, running
 from test_tools import TOOL_TEMPLATE
 from weather_agent import weather_agent
 
@@ -815,28 +815,21 @@ def test_bad_input_is_4xx_with_param_and_the_server_keeps_serving(tool_client, n
 # -- under a real gunicorn, with the official client -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_server(gpt2_dir):
-    srv = Gunicorn(
-        {
-            "SAKER_MODEL": str(gpt2_dir),
-            "SAKER_SERVED_MODEL_NAME": MODEL,
-            "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE,
-            "SAKER_JSON_WHITESPACE": "",  # compact JSON for the random tiny model (see tool_app)
-            "SAKER_PREFIX_CACHE_TOKENS": "4096",
-            "SAKER_THREADS": "8",
-        }
-    )
-    try:
-        srv.wait_ready()
+    env = {
+        "SAKER_MODEL": str(gpt2_dir),
+        "SAKER_SERVED_MODEL_NAME": MODEL,
+        "SAKER_CHAT_TEMPLATE": TOOL_TEMPLATE,
+        "SAKER_JSON_WHITESPACE": "",  # compact JSON for the random tiny model (see tool_app)
+        "SAKER_PREFIX_CACHE_TOKENS": "4096",
+        "SAKER_THREADS": "8",
+    }
+    with running(env) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()
 def client(gpt2_server):
-    import openai
-
-    return openai.OpenAI(base_url=gpt2_server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(gpt2_server)
 
 
 @pytest.mark.slow

@@ -131,14 +131,20 @@ def chat(client, **body):
     return resp.get_json()
 
 
-def streamed(client, **body) -> tuple[str, list[dict], list[str]]:
-    """(content, tool calls assembled from their deltas as the openai client does, finish reasons)."""
+def stream_frames(client, **body) -> bytes:
+    """The SSE bytes of a streamed chat request (``chat``'s defaults)."""
     resp = client.post(
         "/v1/chat/completions",
         json={"model": "tiny-gpt2", "messages": MESSAGES, "temperature": 0, "max_tokens": 120, "stream": True, **body},
     )
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    return resp.get_data()
+
+
+def streamed(client, **body) -> tuple[str, list[dict], list[str]]:
+    """(content, tool calls assembled from their deltas as the openai client does, finish reasons)."""
     content, calls, reasons = "", {}, []
-    for chunk in iter_json(resp.get_data()):
+    for chunk in iter_json(stream_frames(client, **body)):
         for choice in chunk["choices"]:
             delta = choice["delta"]
             content += delta.get("content") or ""
@@ -241,18 +247,7 @@ def test_streamed_calls_equal_the_plain_answer(tool_client, choice):
     plain = chat(tool_client, tools=TOOLS, tool_choice=choice)["choices"][0]
     content, calls, reasons = streamed(tool_client, tools=TOOLS, tool_choice=choice)
     assert reasons == [plain["finish_reason"]] and (content or None) == plain["message"]["content"]
-    frames = tool_client.post(
-        "/v1/chat/completions",
-        json={
-            "model": "tiny-gpt2",
-            "messages": MESSAGES,
-            "temperature": 0,
-            "max_tokens": 120,
-            "stream": True,
-            "tools": TOOLS,
-            "tool_choice": choice,
-        },
-    ).get_data()
+    frames = stream_frames(tool_client, tools=TOOLS, tool_choice=choice)
     deltas = [c["choices"] for c in iter_json(frames)]
     assert all(c[0]["delta"] or c[0]["finish_reason"] for c in deltas[1:]), "no empty chunks inside a call"
     strip = [{**c, "id": None} for c in calls]
@@ -294,18 +289,7 @@ def test_forced_call_streams_its_arguments_in_pieces(tool_client, choice):
     plain = chat(tool_client, **fields)["choices"][0]
     assert plain["finish_reason"] == "tool_calls"
     json.loads(plain["message"]["tool_calls"][0]["function"]["arguments"])  # the reference is whole JSON
-    frames = tool_client.post(
-        "/v1/chat/completions",
-        json={
-            "model": "tiny-gpt2",
-            "messages": MESSAGES,
-            "temperature": 0,
-            "max_tokens": 120,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **fields,
-        },
-    ).get_data()
+    frames = stream_frames(tool_client, stream_options={"include_usage": True}, **fields)
     check_streamed_arguments(call_entries(frames), plain["message"]["tool_calls"])
     chunks = list(iter_json(frames))
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
@@ -317,10 +301,7 @@ def test_parallel_calls_stream_each_under_its_own_index(tool_client):
     the plain answer's; a call cut by max_tokens is cut alike in both."""
     plain = chat(tool_client, **PARALLEL)["choices"][0]
     assert len(plain["message"]["tool_calls"]) > 1, "the seeded tiny model writes several calls"
-    frames = tool_client.post(
-        "/v1/chat/completions",
-        json={"model": "tiny-gpt2", "messages": MESSAGES, "stream": True, **PARALLEL},
-    ).get_data()
+    frames = stream_frames(tool_client, **PARALLEL)
     check_streamed_arguments(call_entries(frames), plain["message"]["tool_calls"])
 
 
@@ -341,17 +322,7 @@ def test_auto_reads_calls_out_of_the_answer_plain_and_streamed(tool_client):
     assert content == "Sure." and reasons == ["tool_calls"]
     assert [c["function"] for c in calls] == [call["function"]]
     # the text before the call goes out as content, before the call's first delta
-    frames = tool_client.post(
-        "/v1/chat/completions",
-        json={
-            "model": "tiny-gpt2",
-            "messages": MESSAGES,
-            "temperature": 0,
-            "max_tokens": 120,
-            "stream": True,
-            **fields,
-        },
-    ).get_data()
+    frames = stream_frames(tool_client, **fields)
     kinds = [
         kind
         for chunk in iter_json(frames)

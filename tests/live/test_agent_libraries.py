@@ -21,7 +21,7 @@ import subprocess
 import pytest
 from pydantic import BaseModel
 
-from servers import ROOT, Gunicorn
+from servers import ROOT, openai_client, running
 
 pytestmark = pytest.mark.slow
 
@@ -36,19 +36,13 @@ def server(saker_cache):
     from conftest import make_settings
 
     ensure_default_model(make_settings(cache_dir=str(saker_cache)))
-    srv = Gunicorn({"SAKER_CACHE_DIR": str(saker_cache), "SAKER_THREADS": "4"})
-    try:
-        srv.wait_ready()
+    with running({"SAKER_CACHE_DIR": str(saker_cache), "SAKER_THREADS": "4"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 class UserDetail(BaseModel):

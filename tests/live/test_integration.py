@@ -9,26 +9,21 @@ import pytest
 import requests
 import torch
 
-from servers import Gunicorn
+from servers import Gunicorn, openai_client, running
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server(gpt2_dir):
-    srv = Gunicorn(
-        {"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2,alias-gpt2", "SAKER_THREADS": "4"}
-    )
-    try:
-        srv.wait_ready()
+    env = {"SAKER_MODEL": str(gpt2_dir), "SAKER_SERVED_MODEL_NAME": "tiny-gpt2,alias-gpt2", "SAKER_THREADS": "4"}
+    with running(env) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def test_openai_client_completion_matches_generate(client, reference, gpt2_dir):

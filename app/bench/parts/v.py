@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import http.client
 import json
 import math
 import os
@@ -42,7 +41,7 @@ from app.bench.machine import cpu_model
 from app.bench.plan import GOALS, ROOT, check_goal
 from app.bench.report import Row, met
 from app.bench.server import batch_env, free_port
-from app.processes import API_KEY_VARIABLES, OFFLINE_ENV, stop_process
+from app.processes import API_KEY_VARIABLES, OFFLINE_ENV, ServerProcess, ServerStartError
 
 if TYPE_CHECKING:
     from app.bench.runner import Bench
@@ -218,14 +217,13 @@ def client_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 # -- vLLM's server ----------------------------------------------------------------------------------------------------
-class VllmServer:
-    """``vllm serve MODEL_DIR`` on 127.0.0.1 in a process group of its own, its output in
-    ``log_dir/vllm-PORT.log``; ready when ``/v1/models`` answers 200; stopped with its group."""
+class VllmServer(ServerProcess):
+    """``vllm serve MODEL_DIR`` on 127.0.0.1 (a ``ServerProcess``: its own process group, its output in
+    ``log_dir/vllm-PORT.log``); ready when ``/v1/models`` answers 200; stopped with its group."""
 
     def __init__(self, venv: Path, model_dir: Path, name: str, env: dict[str, str], log_dir: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [
+        port = free_port()
+        command = [
             str(venv / "bin" / "vllm"),
             "serve",
             str(model_dir),
@@ -236,64 +234,18 @@ class VllmServer:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            str(port),
             "--no-enable-prefix-caching",  # as saker in the bench (SAKER_PREFIX_CACHE_TOKENS=0)
             "--disable-uvicorn-access-log",
         ]
         self.env = env
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"vllm-{self.port}.log"
-        self.log = open(self.log_path, "w+")
-        try:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=client_env(env),
-                start_new_session=True,
-            )
-        except BaseException:
-            self.log.close()
-            raise
+        super().__init__(command, client_env(env), port=port, log_dir=log_dir, name="vllm", ready_path="/v1/models")
 
-    def answers(self, path: str = "/v1/models") -> int | None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        try:
-            conn.request("GET", path, headers={"Connection": "close"})
-            response = conn.getresponse()
-            response.read()
-            return response.status
-        except (OSError, http.client.HTTPException):
-            return None
-        finally:
-            conn.close()
-
-    def wait_ready(self, timeout: float) -> float:
-        """Until ``/v1/models`` answers 200; the seconds it took. RuntimeError (with why) when vLLM exits first or
-        time runs out."""
-        start = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {self.proc.returncode}: {last_line(self.output())}")
-            if self.answers() == 200:
-                return time.monotonic() - start
-            if time.monotonic() - start > timeout:
-                raise RuntimeError(f"vllm serve not ready after {timeout:.0f} s: {last_line(self.output())}")
-            time.sleep(0.5)
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.proc.poll() is None:
-            stop_process(self.proc, signal.SIGTERM, timeout)
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30, *, group: bool = True) -> int | None:
+        code = super().stop(sig, timeout, group=group)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group (the engine core, its workers)
-        if not self.log.closed:
-            self.log.close()
+        return code
 
 
 # -- vLLM's load client -----------------------------------------------------------------------------------------------
@@ -430,10 +382,9 @@ def measure(bench: Bench, venv: Path, url: str, name: str, tokenizer: Path, side
     """Every level, then the mixed load, against one server."""
     plan = bench.plan
     slug = side.replace(" ", "-").lower()
-    levels = []
-    for clients in plan.v_levels:
-        prompts = max(plan.v_min_prompts, plan.v_prompts_per_client * clients)
-        filename = f"{slug}-{clients}.json"
+
+    def run(label: str, clients: int, prompts: int, input_len: int, output_len: int, ratio=None) -> dict:
+        filename = f"{slug}-{label}.json"
         command = client_command(
             venv,
             url,
@@ -441,35 +392,26 @@ def measure(bench: Bench, venv: Path, url: str, name: str, tokenizer: Path, side
             tokenizer,
             clients=clients,
             prompts=prompts,
-            input_len=plan.v_input,
-            output_len=plan.v_output,
+            input_len=input_len,
+            output_len=output_len,
+            range_ratio=ratio,
             warmups=min(clients, plan.v_warmups),
             result_dir=out_dir,
             filename=filename,
         )
-        level = run_client(bench, command, out_dir / filename, plan.v_client_timeout)
+        return run_client(bench, command, out_dir / filename, plan.v_client_timeout)
+
+    levels = []
+    for clients in plan.v_levels:
+        prompts = max(plan.v_min_prompts, plan.v_prompts_per_client * clients)
+        level = run(str(clients), clients, prompts, plan.v_input, plan.v_output)
         bench.log(
             f"  V {side}, {clients} client(s), {level['completed']}/{prompts} requests: {level['tokens_per_s']} tok/s, "
             f"TTFT p50 {level['ttft_ms']['p50']} ms, ITL p50 {level['itl_ms']['p50']} ms{_busy(level)}"
         )
         levels.append(level)
     ratio = {"input": plan.v_mixed_input_ratio, "output": plan.v_mixed_output_ratio}
-    filename = f"{slug}-mixed.json"
-    command = client_command(
-        venv,
-        url,
-        name,
-        tokenizer,
-        clients=plan.v_mixed_clients,
-        prompts=plan.v_mixed_prompts,
-        input_len=plan.v_mixed_input,
-        output_len=plan.v_mixed_output,
-        range_ratio=ratio,
-        warmups=min(plan.v_mixed_clients, plan.v_warmups),
-        result_dir=out_dir,
-        filename=filename,
-    )
-    mixed = run_client(bench, command, out_dir / filename, plan.v_client_timeout)
+    mixed = run("mixed", plan.v_mixed_clients, plan.v_mixed_prompts, plan.v_mixed_input, plan.v_mixed_output, ratio)
     bench.log(
         f"  V {side}, mixed load, {plan.v_mixed_clients} clients: {mixed['tokens_per_s']} tok/s, TTFT p99 "
         f"{mixed['ttft_ms']['p99']} ms, ITL p99 {mixed['itl_ms']['p99']} ms{_busy(mixed)}"
@@ -591,8 +533,12 @@ def run(bench: Bench) -> dict | None:
         bench.log(f"starting vLLM: {' '.join(server.command)} (LD_PRELOAD={libs['LD_PRELOAD'] or 'none'})")
         try:
             ready = round(server.wait_ready(plan.v_ready_timeout), 1)
-        except RuntimeError as exc:
-            line = skip_line(f"vLLM did not start ({exc}; log {server.log_path})")
+        except ServerStartError as exc:
+            if exc.returncode is not None:
+                why = f"vllm serve exited {exc.returncode}"
+            else:
+                why = f"vllm serve not ready after {plan.v_ready_timeout:.0f} s"
+            line = skip_line(f"vLLM did not start ({why}: {last_line(server.output())}; log {server.log_path})")
             bench.log(line)
             return {"skipped": line, "venv": str(venv), "versions": versions, "log": str(server.log_path)}
         bench.log(f"vLLM ready in {ready:.1f} s on {server.url}")
