@@ -5,29 +5,29 @@ logprob keys and encode JSON, the model thread waits for the GIL between its ope
 owns the model, the scheduler and the sampler, and hands out numbers only; the serving process keeps HTTP,
 tokenizing and the output side (``output.RequestDecoder`` on each request's thread).
 
-One pipe carries everything, in order:
+One pipe carries the engine interface (``client.Engine``), in order:
 
-- to the engine: ``("submit", rid, [(tag, prompt ids, max_length)], params, eager)``, ``("cancel", rid)``,
+- to the engine: ``("add", rid, [(tag, prompt ids, max_length)], params, eager)``, ``("abort", rid)``,
   ``("finish", rid, tag, candidate)`` (a stop string ended a candidate);
-- to the server: ``("ready", facts)`` once loaded (or ``("error", message)``), then per scheduler iteration one
-  ``("events", [(rid, tag, events), ...], stats)``, and ``("done", rid, tag, timings)`` / ``("fail", rid, tag,
-  error)`` per prompt.
+- to the server: ``("ready", facts)`` once loaded (or ``("error", message)``), then per scheduler iteration its
+  outputs, ``("outputs", [(rid, tag, payload), ...], stats)``, exactly what the in-process scheduler hands to
+  ``Engine.route``.
 
-The serving side's ``EngineClient`` looks like a ``Scheduler`` to the worker (``submit`` returns a ``Ticket``).
+The serving side's ``EngineClient`` is an ``Engine`` like the in-process ``Scheduler``: the worker cannot tell them
+apart.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
+import pickle
 import threading
-import time
 from dataclasses import dataclass, field
 
+from app.engine.client import Engine
 from app.engine.errors import EngineNotReady
 from app.engine.generate import RequestGroup
-from app.engine.scheduler import _DONE, Ticket
 
 log = logging.getLogger("saker.engine")
 
@@ -58,57 +58,6 @@ class FrontRunner:
 
 
 # -- the engine process -------------------------------------------------------------------------------------------
-class _Outbox:
-    """Events of one scheduler iteration, sent as one message when it ends."""
-
-    def __init__(self, send):
-        self.send = send
-        self.items: list = []
-
-    def flush(self, stats) -> None:
-        if self.items:
-            items, self.items = self.items, []
-            self.send(("events", items, stats))
-
-
-class _ForwardingTicket(Ticket):
-    """The engine side of a request: the scheduler's events go to the pipe (every iteration when eager, else with
-    the prompt's end), nothing is decoded here."""
-
-    def __init__(self, groups, eager, rid, outbox: _Outbox, send):
-        self.groups, self.eager, self.rid = groups, eager, rid
-        self._outbox, self._send = outbox, send
-        self._held: list = []
-        self.submitted = time.perf_counter()
-
-    def put(self, group, events) -> None:
-        if not events:
-            return
-        if self.eager:
-            self._outbox.items.append((self.rid, group.tag, events))
-        else:
-            self._held.append((self.rid, group.tag, events))
-
-    def _hand_over(self, marker) -> None:
-        self._outbox.items.extend(self._held)
-        self._held = []
-        self._outbox.flush(None)
-        self._send(marker)
-
-    def done(self, group) -> None:
-        t = group.timings
-        self._hand_over(("done", self.rid, group.tag, (t.queue_s, t.prefill_s, t.decode_s, t.cached_tokens)))
-
-    def fail(self, group, exc) -> None:
-        try:
-            import pickle
-
-            pickle.dumps(exc)
-        except Exception:
-            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-        self._hand_over(("fail", self.rid, group.tag, exc))
-
-
 def engine_main(settings, conn) -> None:
     """The engine process: load (on a thread that exits, so the scheduler thread owns torch's thread pool), then
     serve the pipe until it closes."""
@@ -129,8 +78,9 @@ def engine_main(settings, conn) -> None:
             conn.send(message)
 
     runner, scheduler = worker.runner, worker.scheduler
-    outbox = _Outbox(send)
-    scheduler.after_iteration = lambda: outbox.flush((scheduler.kv_usage, scheduler.steps, scheduler.preemptions))
+    scheduler.deliver = lambda outputs: send(
+        ("outputs", _picklable(outputs), (scheduler.kv_usage, scheduler.steps, scheduler.preemptions))
+    )
     send(
         (
             "ready",
@@ -145,58 +95,48 @@ def engine_main(settings, conn) -> None:
             ),
         )
     )
-    requests: dict[int, list[RequestGroup]] = {}
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             return
         kind = message[0]
-        if kind == "submit":
+        if kind == "add":
             _, rid, items, params, eager = message
             groups = [
                 RequestGroup(runner, ids, params, max_length=max_length, tag=tag) for tag, ids, max_length in items
             ]
-            requests[rid] = groups
-            scheduler.submit(groups, eager, ticket=_ForwardingTicket(groups, eager, rid, outbox, send))
-        elif kind == "cancel":
-            for group in requests.pop(message[1], ()):
-                group.cancelled = True
+            scheduler.add_request(rid, groups, eager)
+        elif kind == "abort":
+            scheduler.abort(message[1])
         elif kind == "finish":
-            _, rid, tag, index = message
-            for group in requests.get(rid, ()):
-                if group.tag == tag:
-                    group.finish_candidate(index)
-        elif kind == "forget":
-            requests.pop(message[1], None)
+            scheduler.finish(*message[1:])
+
+
+def _picklable(outputs: list) -> list:
+    """A failure whose exception cannot be pickled crosses the pipe as a RuntimeError naming it."""
+    out = []
+    for rid, tag, payload in outputs:
+        if isinstance(payload, BaseException):
+            try:
+                pickle.dumps(payload)
+            except Exception:
+                payload = RuntimeError(f"{type(payload).__name__}: {payload}")
+        out.append((rid, tag, payload))
+    return out
 
 
 # -- the serving side ---------------------------------------------------------------------------------------------
-class _RemoteTicket(Ticket):
-    def __init__(self, groups, eager, client: "EngineClient", rid: int):
-        super().__init__(groups, eager)
-        self.client, self.rid = client, rid
-        self.remaining = len(groups)  # prompts the engine has not ended yet
-
-    def cancel(self) -> None:
-        super().cancel()
-        self.client.send(("cancel", self.rid))
-
-    def finish(self, group: RequestGroup, index: int) -> None:
-        self.client.send(("finish", self.rid, group.tag, index))
-
-
-class EngineClient:
-    """The serving side of the pipe: starts the engine process, and stands in for its scheduler."""
+class EngineClient(Engine):
+    """The serving side of the pipe: starts the engine process and carries the engine interface to it."""
 
     def __init__(self, settings):
+        super().__init__()
         self.settings = settings
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self.process = context.Process(target=engine_main, args=(settings, child), name="saker-engine", daemon=True)
         self._lock = threading.Lock()
-        self._tickets: dict[int, _RemoteTicket] = {}
-        self._ids = itertools.count(1)
         self.kv_usage = 0.0
         self.steps = 0
         self.preemptions = 0
@@ -222,20 +162,24 @@ class EngineClient:
         return payload
 
     def send(self, message) -> None:
-        """To the engine; a cancel, finish or forget for an engine that is gone has nothing left to stop."""
+        """To the engine; an abort or finish for an engine that is gone has nothing left to stop."""
         try:
             with self._lock:
                 self._conn.send(message)
         except OSError:
-            if message[0] == "submit":
+            if message[0] == "add":
                 raise EngineNotReady(self.gone or "the engine process is not running") from None
 
-    def submit(self, groups: list[RequestGroup], eager: bool = True) -> Ticket:
-        rid = next(self._ids)
-        ticket = _RemoteTicket(groups, eager, self, rid)
-        self._tickets[rid] = ticket
-        self.send(("submit", rid, [(g.tag, g.prompt_ids, g.max_length) for g in groups], groups[0].params, eager))
-        return ticket
+    def add_request(self, rid: int, groups: list[RequestGroup], eager: bool) -> None:
+        if self.gone is not None:
+            raise EngineNotReady(self.gone)
+        self.send(("add", rid, [(g.tag, g.prompt_ids, g.max_length) for g in groups], groups[0].params, eager))
+
+    def abort(self, rid: int) -> None:
+        self.send(("abort", rid))
+
+    def finish(self, rid: int, tag: int, index: int) -> None:
+        self.send(("finish", rid, tag, index))
 
     def _read(self) -> None:
         """Route the engine's messages to their tickets, in the order they come."""
@@ -245,42 +189,17 @@ class EngineClient:
             except (EOFError, OSError):
                 self._engine_gone()
                 return
-            kind = message[0]
-            if kind == "events":
-                _, items, stats = message
-                if stats is not None:
-                    self.kv_usage, self.steps, self.preemptions = stats
-                for rid, tag, events in items:
-                    ticket = self._tickets.get(rid)
-                    if ticket is not None:
-                        ticket._events.put([(tag, events)])
-            elif kind in ("done", "fail"):
-                _, rid, tag, payload = message
-                ticket = self._tickets.get(rid)
-                if ticket is None:
-                    continue
-                if kind == "done":
-                    for group in ticket.groups:
-                        if group.tag == tag:
-                            t = group.timings
-                            t.queue_s, t.prefill_s, t.decode_s, t.cached_tokens = payload
-                ticket._events.put([(tag, _DONE if kind == "done" else payload)])
-                ticket.remaining -= 1
-                if ticket.remaining == 0:
-                    self._tickets.pop(rid, None)
-                    self.send(("forget", rid))
+            _, outputs, stats = message  # "outputs"
+            self.kv_usage, self.steps, self.preemptions = stats
+            self.route(outputs)
 
     def _engine_gone(self) -> None:
         """The pipe closed: every waiting request fails with one clear error, and the worker stops being ready
         (/health 503) so that the replica is restarted."""
         self.process.join(5)
         self.gone = f"the engine process exited (code {self.process.exitcode})"
-        log.error("saker: %s; failing %d waiting requests", self.gone, len(self._tickets))
-        error = RuntimeError(self.gone)
-        for ticket in list(self._tickets.values()):
-            for group in ticket.groups:
-                ticket._events.put([(group.tag, error)])
-        self._tickets.clear()
+        log.error("saker: %s; failing %d waiting requests", self.gone, self.open_requests)
+        self.fail_all(RuntimeError(self.gone))
         if self.on_exit is not None:
             self.on_exit(self.gone)
 

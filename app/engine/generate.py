@@ -96,6 +96,8 @@ class RequestGroup:
         self.status = Status.WAITING
         self.preempted: Preempted | None = None  # its rows left the batch for older requests (``preempt``)
         self.arrival = 0  # its place in the order groups were submitted (the scheduler's)
+        self.request_id = 0  # the request it is a prompt of (the engine's ``add_request``)
+        self.eager = True  # its request's outputs go out every iteration (else when a prompt ends)
         self.tokens_made = 0  # tokens the engine sampled for this group (all rows)
         self._finish: list[int] = []  # candidates the output side ended (stop strings)
         self.grammars = None  # each candidate's grammar matcher (``make_grammars``)

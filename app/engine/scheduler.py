@@ -6,24 +6,24 @@ mix in one batch, other adapter types need the same one): the batch's steps comp
 the running rows, then it samples its first tokens and joins them. Every step is one forward for all rows;
 finished candidates leave at once, and a group whose client went away is dropped at the next step. When the rows
 outgrow the KV pool the newest request gives its blocks back and is computed again later (``_make_room``). A step
-whose forward runs out of memory fails the newest group only and is retried for the others. Events go back to
-each request through its ``Ticket``.
+whose forward runs out of memory fails the newest group only and is retried for the others.
+
+The scheduler is the in-process engine (``client.Engine``): requests come with ``add_request`` and leave with
+``abort``; each iteration's outputs, keyed by request id, go out once it ends (``deliver``: to the requests'
+tickets in process, over the pipe in the engine process).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 import traceback
-from typing import Iterator
 
 import torch
 
-from app.engine.errors import ClientGone
-from app.engine.events import PromptEvent, TokenEvent
+from app.engine.client import Ended, Engine
 from app.engine.generate import (
     BatchOutOfMemory,
     BlockBatch,
@@ -37,131 +37,12 @@ from app.engine.generate import (
     drop_finished,
     preempt,
 )
-from app.engine.output import RequestDecoder
 from app.engine.runner import MIXED, ModelRunner
 
 log = logging.getLogger("saker.scheduler")
 
-_DONE = object()
 
-
-class Ticket:
-    """A request's view of its groups: iterate for ``(tag, event)``; ``cancel()`` when the client is gone.
-
-    The scheduler puts each group's engine events of a step (numbers); iterating turns them into text events on
-    the reader's thread (``output.RequestDecoder``), so detokenizing, stop strings and logprob keys never run on
-    the model thread. An ``eager`` ticket (a stream, or a request with stop strings) wakes its reader every
-    step; another one only when a group ends, so that many waiting requests do not take the interpreter from
-    the model thread at every step."""
-
-    def __init__(self, groups: list[RequestGroup], eager: bool = True):
-        self.groups = groups
-        self.eager = eager
-        self.decoders = {group.tag: RequestDecoder(group, self.finish) for group in groups}
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._held: list[tuple[int, list[Event]]] = []  # lazy: events not handed over yet
-        self._ready: collections.deque[tuple[int, PromptEvent | TokenEvent]] = collections.deque()
-        self._open = len(groups)
-        self.submitted = time.perf_counter()
-
-    def put(self, group: RequestGroup, events: list[Event]) -> None:
-        if not events:
-            return
-        if self.eager:
-            self._events.put([(group.tag, events)])
-        else:
-            self._held.append((group.tag, events))
-
-    def _hand_over(self, marker: tuple[int, object]) -> None:
-        held, self._held = self._held, []
-        self._events.put(held + [marker])
-
-    def done(self, group: RequestGroup) -> None:
-        self._hand_over((group.tag, _DONE))
-
-    def fail(self, group: RequestGroup, exc: BaseException) -> None:
-        self._hand_over((group.tag, exc))
-
-    @property
-    def generated_tokens(self) -> int:
-        """Tokens handed to the reader so far (a row that ran past its stop string counts only up to it)."""
-        return sum(d.generated_tokens for d in self.decoders.values())
-
-    def cancel(self) -> None:
-        """The request is aborted (its client went away): its groups leave at the next step."""
-        for group in self.groups:
-            group.cancelled = True
-
-    def finish(self, group: RequestGroup, index: int) -> None:
-        """The output side ended candidate ``index`` of ``group`` (a stop string): its row leaves at the next step."""
-        group.finish_candidate(index)
-
-    alive = None  # a callable: False once the reader's client is gone (checked while waiting)
-    POLL_S = 0.05  # how often the reader asks, when nothing tells it
-    WATCHED_POLL_S = 0.25  # a safety net only, when the client's close wakes the reader itself
-    _checked = 0.0
-    _unwatch = None
-
-    def watch_client(self, alive) -> None:
-        """Cancel when ``alive()`` turns False: at once when ``alive`` can tell us (``alive.watch(callback)``, e.g.
-        an epoll on the client's socket; then asked only every ``WATCHED_POLL_S``, so that waiting readers do not
-        take the interpreter from the model thread), otherwise asked every ``POLL_S`` while the reader waits or
-        events flow."""
-        self.alive = alive
-        watch = getattr(alive, "watch", None)
-        self._unwatch = watch(self.wake) if watch is not None else None
-        if self._unwatch is not None:
-            self.POLL_S = self.WATCHED_POLL_S
-
-    def unwatch_client(self) -> None:
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
-
-    def wake(self) -> None:
-        """From another thread: the client may have gone; the reader asks at once."""
-        self._checked = float("-inf")
-        self._events.put([])
-
-    def _next_batch(self) -> list:
-        """The next message; with ``alive`` set, a client that went away cancels the request: checked while it
-        waits, and at least every ``POLL_S`` while events flow (a stream, a request with stop strings)."""
-        if self.alive is None:
-            return self._events.get()
-        while True:
-            now = time.perf_counter()
-            if now - self._checked >= self.POLL_S:
-                self._checked = now
-                self._check_alive()
-            try:
-                return self._events.get(timeout=self.POLL_S)
-            except queue.Empty:
-                self._checked = time.perf_counter()
-                self._check_alive()
-
-    def _check_alive(self) -> None:
-        if not self.alive():
-            self.cancel()
-            raise ClientGone() from None
-
-    def __iter__(self) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
-        while self._ready:  # decoded before an earlier iteration stopped (events come a step at a time)
-            yield self._ready.popleft()
-        while self._open:
-            for tag, item in self._next_batch():
-                if item is _DONE:
-                    self._open -= 1
-                elif isinstance(item, BaseException):
-                    self.cancel()
-                    raise item
-                else:
-                    decoder = self.decoders[tag]
-                    self._ready.extend((tag, event) for numbers in item for event in decoder.push(numbers))
-                while self._ready:
-                    yield self._ready.popleft()
-
-
-class Scheduler:
+class Scheduler(Engine):
     def __init__(
         self,
         runner: ModelRunner,
@@ -172,6 +53,7 @@ class Scheduler:
         kv_cache_tokens: int | None = None,
         prefix_cache_tokens: int = 0,
     ):
+        super().__init__()
         self.runner = runner
         self.max_batch_rows = max(1, max_batch_rows)
         self.kv_cache_tokens = kv_cache_tokens  # the block pool's size in positions (None: derived at first use)
@@ -181,33 +63,78 @@ class Scheduler:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self.batch = BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens)
-        self._pending: collections.deque[tuple[RequestGroup, Ticket]] = collections.deque()
-        self._tickets: dict[int, Ticket] = {}  # by the group's arrival number: the groups it holds now
+        self._pending: collections.deque[RequestGroup] = collections.deque()
+        self._requests: dict[int, list[RequestGroup]] = {}  # by request id: its groups not ended yet
+        self._outputs: list[tuple[int, int, object]] = []  # this iteration's (rid, tag, payload), sent at its end
+        self._held: dict[int, list[tuple[int, int, object]]] = {}  # a lazy request's outputs, until a prompt ends
+        self.deliver = self.route  # where an iteration's outputs go (the engine process sends them on its pipe)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.steps = 0
         self._arrivals = 0  # groups submitted so far: each group's ``arrival`` (the newest is preempted first)
         self.preemptions = 0  # groups whose rows left the batch for older requests' blocks (``_make_room``)
         self.max_rows_seen = 0  # the largest batch a step has served (stats and tests)
-        self.after_iteration = None  # called after each iteration (the engine process sends its events)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="saker-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, groups: list[RequestGroup], eager: bool = True, ticket: Ticket | None = None) -> Ticket:
-        """Queue the groups of one request; their events go to ``ticket`` (a new one by default)."""
-        ticket = ticket if ticket is not None else Ticket(groups, eager)
+    # -- the engine interface (``client.Engine``) ---------------------------------------------------------------
+    def add_request(self, rid: int, groups: list[RequestGroup], eager: bool = True) -> None:
+        """Queue the groups (prompts) of request ``rid``. ``eager``: its outputs go out every iteration (a stream,
+        stop strings), otherwise when one of its prompts ends."""
         for group in groups:
             group.make_grammars()  # on the submitting thread, not the model thread
+        now = time.perf_counter()
         with self._cond:
+            self._requests[rid] = list(groups)
             for group in groups:
-                group.submitted = ticket.submitted
+                group.request_id, group.eager, group.submitted = rid, eager, now
                 self._arrivals += 1
                 group.arrival = self._arrivals
-                self._pending.append((group, ticket))
+                self._pending.append(group)
             self._cond.notify()
-        return ticket
+
+    def abort(self, rid: int) -> None:
+        """The request's client went away: its groups leave at the next step (waiting ones when their turn comes)."""
+        with self._cond:
+            for group in self._requests.get(rid, ()):
+                group.cancelled = True
+
+    def finish(self, rid: int, tag: int, index: int) -> None:
+        """A stop string ended candidate ``index`` of prompt ``tag``: its row leaves at the next step."""
+        with self._cond:
+            for group in self._requests.get(rid, ()):
+                if group.tag == tag:
+                    group.finish_candidate(index)
+
+    def _emit(self, group: RequestGroup, events: list) -> None:
+        """A group's events of this iteration (numbers), for its request's reader."""
+        if events:
+            item = (group.request_id, group.tag, events)
+            if group.eager:
+                self._outputs.append(item)
+            else:
+                self._held.setdefault(group.request_id, []).append(item)
+
+    def _end(self, group: RequestGroup, error: BaseException | None = None) -> None:
+        """The group is no longer the scheduler's (every row ended, it was cancelled, or it failed with ``error``):
+        its request's held outputs and its end go out with this iteration."""
+        group.status = Status.FINISHED
+        rid = group.request_id
+        self._outputs += self._held.pop(rid, [])
+        self._outputs.append((rid, group.tag, Ended.of(group) if error is None else error))
+        with self._cond:
+            left = [g for g in self._requests.get(rid, ()) if g is not group]
+            if left:
+                self._requests[rid] = left
+            else:
+                self._requests.pop(rid, None)
+
+    def _flush(self) -> None:
+        if self._outputs:
+            outputs, self._outputs = self._outputs, []
+            self.deliver(outputs)
 
     @property
     def waiting(self) -> int:
@@ -220,14 +147,13 @@ class Scheduler:
                 self._iteration()
             except Exception:
                 log.exception("scheduler iteration failed")
-            if self.after_iteration is not None:
-                self.after_iteration()
+            self._flush()
 
-    def _take_admissible(self) -> list[tuple[RequestGroup, Ticket]]:
+    def _take_admissible(self) -> list[RequestGroup]:
         with self._cond:
             while not self._pending and not self.batch.groups and not self._prefilling:
                 self._cond.wait()
-            taken: list[tuple[RequestGroup, Ticket]] = []
+            taken: list[RequestGroup] = []
             if not self._pending:  # the common case while decoding: nothing to weigh
                 return taken
             coming = [job.group for job in self._prefilling]  # admitted, still prefilling in chunks
@@ -239,10 +165,10 @@ class Scheduler:
             busy = bool(self.batch.groups or coming)
             blocks = self.batch.free_blocks() - self.batch.rows  # running rows grow into free blocks
             while self._pending:
-                group, ticket = self._pending[0]
+                group = self._pending[0]
                 if group.cancelled:
                     self._pending.popleft()
-                    ticket.done(group)
+                    self._end(group)
                     continue
                 if busy:
                     if rows + group.params.num_candidates > self.max_batch_rows:
@@ -252,7 +178,7 @@ class Scheduler:
                     if not self.runner.can_join(adapters, group.params.adapter):
                         break
                 self._pending.popleft()
-                taken.append((group, ticket))
+                taken.append(group)
                 busy = True
                 adapters.add(group.params.adapter)
                 rows += self._counted(group)
@@ -286,7 +212,7 @@ class Scheduler:
                 preempt(batch, group)
             self.preemptions += 1
             with self._cond:
-                self._pending.appendleft((group, self._forget(group)))
+                self._pending.appendleft(group)
             log.info("KV blocks ran out: the newest request waits with its blocks given back (%d)", self.preemptions)
 
     @property
@@ -300,19 +226,21 @@ class Scheduler:
         budget (``_plan``); the rows' numbers go to their tickets, prompts that are in join the batch."""
         taken = self._take_admissible()
         with torch.inference_mode():
-            for group, ticket in taken:
+            for group in taken:
+                self._register(group)
                 if group.prefills:
-                    self._start_prefill(group, [(group, ticket)])
-                else:
-                    self._admit([(group, ticket)])
+                    self._start_prefill(group)
+                else:  # it needs no forward (it generates nothing and scores no prompt): its prompt's numbers
+                    self._emit(group, [group.prompt_numbers()])
+                    self._end(group)
             for group in [g for g in self.batch.groups if g.cancelled]:
                 drop(self.batch, group)
-                self._forget(group).done(group)
+                self._end(group)
             running = list(self.batch.groups)
             if drop_finished(self.batch):  # candidates the output side ended (stop strings)
                 for group in running:
                     if group.status is Status.FINISHED:
-                        self._forget(group).done(group)
+                        self._end(group)
             jobs, apart = self._plan()
             for alone in apart:  # nothing runs, or the rows use another adapter
                 self._chunks_alone(alone)
@@ -329,33 +257,28 @@ class Scheduler:
                 _drop_frames(exc)
                 self._after_failure(exc)  # memory back before the requests hear of it
                 for group in failed:
-                    self._forget(group).fail(group, exc)
+                    self._end(group, exc)
                 while self._prefilling:  # their blocks went with the batch's pool
-                    group = self._prefilling.popleft().group
-                    self._forget(group).fail(group, exc)
+                    self._end(self._prefilling.popleft().group, exc)
                 return
             self.steps += 1
             took = time.perf_counter() - start
             self.max_rows_seen = max(self.max_rows_seen, sum(len(events) for _, events in results))
             for group, events in results:
                 group.timings.decode_s += took
-                self._tickets[group.arrival].put(group, events)
+                self._emit(group, events)
                 if not group.rows:
-                    self._forget(group).done(group)
+                    self._end(group)
             for job, _ in jobs:
                 if job.remaining == 0 and job in self._prefilling:
                     self._finish_prefill(job)
 
-    def _register(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
-        now = time.perf_counter()
-        for group, ticket in taken:
-            self._tickets[group.arrival] = ticket
-            if group.preempted is None:
-                group.timings.queue_s = now - group.submitted
+    def _register(self, group: RequestGroup) -> None:
+        if group.preempted is None:
+            group.timings.queue_s = time.perf_counter() - group.submitted
 
-    def _start_prefill(self, group: RequestGroup, taken: list[tuple[RequestGroup, Ticket]]) -> None:
-        """A prompt to prefill: a slot reserved for it, its chunks computed by the coming steps."""
-        self._register(taken)
+    def _start_prefill(self, group: RequestGroup) -> None:
+        """A prompt to prefill: its blocks reserved, its chunks computed by the coming steps."""
         job = ChunkedPrefill(group, self.prefill_chunk_tokens or len(group.prompt_ids))
         try:
             with self.runner.adapter(group.params.adapter):
@@ -364,7 +287,7 @@ class Scheduler:
             job.abandon(self.batch)
             _drop_frames(exc)
             self._after_failure(exc)
-            self._forget(group).fail(group, exc)
+            self._end(group, exc)
             return
         self._prefilling.append(job)
 
@@ -377,7 +300,7 @@ class Scheduler:
         for job in [job for job in self._prefilling if job.group.cancelled]:
             self._prefilling.remove(job)
             job.abandon(self.batch)
-            self._forget(job.group).done(job.group)
+            self._end(job.group)
         if not self._prefilling:
             return [], []
         by_adapter: dict[object, list[tuple[ChunkedPrefill, list[int]]]] = {}
@@ -427,9 +350,9 @@ class Scheduler:
         except BaseException as exc:
             self._fail_prefill(job, exc, removed=True)
             return
-        self._tickets[group.arrival].put(group, events)
+        self._emit(group, events)
         if group.status is not Status.RUNNING:
-            self._forget(group).done(group)
+            self._end(group)
 
     def _fail_prefill(self, job: ChunkedPrefill, exc: BaseException, removed: bool = False) -> None:
         if not removed and job in self._prefilling:
@@ -437,14 +360,7 @@ class Scheduler:
         job.abandon(self.batch)
         _drop_frames(exc)
         self._after_failure(exc)
-        self._forget(job.group).fail(job.group, exc)
-
-    def _admit(self, taken: list[tuple[RequestGroup, Ticket]]) -> None:
-        """A group that needs no forward (it generates nothing and scores no prompt): its prompt's numbers, and done."""
-        self._register(taken)
-        for group, ticket in taken:
-            ticket.put(group, [group.prompt_numbers()])
-            self._forget(group).done(group)
+        self._end(job.group, exc)
 
     def _decode_step(self, jobs: list[tuple[ChunkedPrefill, list[int]]]) -> list[tuple[RequestGroup, list[Event]]]:
         """One decode step (carrying ``jobs``' chunks). When the forward runs out of memory, the newest prompt
@@ -466,18 +382,12 @@ class Scheduler:
                 _drop_frames(error)  # the failed forward's activations
                 del oom
                 self._after_failure(error)
-                self._forget(newest).fail(newest, error)
+                self._end(newest, error)
                 log.warning(
                     "out of memory in a step of %d groups: the newest request failed, %d go on",
                     len(self.batch.groups) + 1,
                     len(self.batch.groups),
                 )
-
-    def _forget(self, group: RequestGroup) -> Ticket:
-        """The group is no longer the scheduler's (finished, failed, cancelled, or back in the queue): its ticket."""
-        if group.status is not Status.WAITING:
-            group.status = Status.FINISHED
-        return self._tickets.pop(group.arrival)
 
     def _after_failure(self, exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):

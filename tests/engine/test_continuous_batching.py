@@ -710,13 +710,13 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
 
     monkeypatch.setattr(worker.runner, "flat_step", gated)
     forgotten_at = {}
-    real_forget = worker.scheduler._forget
+    real_end = worker.scheduler._end
 
-    def forget(group):
+    def end(group, error=None):
         forgotten_at[id(group)] = len(steps)
-        return real_forget(group)
+        return real_end(group, error)
 
-    monkeypatch.setattr(worker.scheduler, "_forget", forget)
+    monkeypatch.setattr(worker.scheduler, "_end", end)
     first_prompt, second_prompt = ids[9:] + ids[:9], ids[13:] + ids[:13]
     params = SamplingParams(max_tokens=3, temperature=0.0)
     first = worker.scheduler.submit([RequestGroup(worker.runner, first_prompt, params, max_length=256)])

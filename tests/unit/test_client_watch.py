@@ -1,4 +1,4 @@
-"""Knowing that a client left (app/client_watch.py) and cancelling its request at once (scheduler.Ticket): no model."""
+"""Knowing that a client left (app/client_watch.py) and cancelling its request at once (client.Ticket): no model."""
 
 import socket
 import threading
@@ -45,11 +45,17 @@ def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
     wait: the reader raises ClientGone and the request's groups are cancelled."""
     from types import SimpleNamespace
 
-    from app.engine.scheduler import Ticket
+    from app.engine.client import Ticket
     from app.engine.errors import ClientGone
 
     group = SimpleNamespace(tag=0, cancelled=False)
-    ticket = Ticket([], eager=True)
+
+    class Engine:  # the engine side: an abort cancels the request's groups
+        def abort(self, rid):
+            assert rid == 7
+            group.cancelled = True
+
+    ticket = Ticket(Engine(), 7, [], eager=True)
     ticket.groups, ticket._open = [group], 1
     there = [True]
     woken = {}

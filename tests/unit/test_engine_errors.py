@@ -115,7 +115,7 @@ def test_an_unknown_engine_error_is_a_500():
     ids=lambda e: type(e).__name__,
 )
 def test_every_engine_error_crosses_the_engine_process_pipe_whole(error):
-    """The engine process pickles a group's failure (engine_process._ForwardingTicket.fail): each error comes back
+    """The engine process pickles a group's failure (engine_process._picklable): each error comes back
     with its fields and the same answer."""
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and vars(back) == vars(error) and str(back) == str(error)
