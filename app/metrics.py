@@ -51,20 +51,20 @@ _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"
 
 
 class _AdmissionCounters:
-    """The admission's own counts (429s for a full queue, 503s for a queue timeout) as counters."""
+    """The waiting queue's own counts (429s for a full queue, 503s for a queue timeout) as counters."""
 
     def __init__(self, metrics: "Metrics"):
         self.metrics = metrics
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        admission = self.metrics.worker.admission
+        queue = self.metrics.worker.queue_snapshot()
         yield CounterMetricFamily(
-            "saker_requests_rejected", "Requests turned away because the queue was full (429)", value=admission.rejected
+            "saker_requests_rejected", "Requests turned away because the queue was full (429)", value=queue["rejected"]
         )
         yield CounterMetricFamily(
             "saker_requests_queue_timeouts",
             "Requests that waited longer than the queue timeout (503)",
-            value=admission.timed_out,
+            value=queue["timed_out"],
         )
         yield CounterMetricFamily(
             "saker_preemptions",
@@ -114,13 +114,10 @@ class _VllmAliases:
             return family
 
         usage = getattr(getattr(worker, "scheduler", None), "kv_usage", 0.0)
+        queue = worker.queue_snapshot()
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for the model (saker_queue_depth)", queue["waiting"])
         yield gauge(
-            "vllm:num_requests_waiting", "Requests waiting for the model (saker_queue_depth)", worker.admission.waiting
-        )
-        yield gauge(
-            "vllm:num_requests_running",
-            "Requests the model is working on (saker_requests_running)",
-            worker.admission.active,
+            "vllm:num_requests_running", "Requests the model is working on (saker_requests_running)", queue["active"]
         )
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (saker_kv_cache_usage)", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0-1 (vLLM's older name)", usage)
@@ -201,10 +198,10 @@ class Metrics:
             "saker_requests_in_flight", "HTTP requests being answered (streams included)", registry=r
         )
         Gauge("saker_queue_depth", "Requests waiting for the model", registry=r).set_function(
-            lambda: self.worker.admission.waiting
+            lambda: self.worker.queue_snapshot()["waiting"]
         )
         Gauge("saker_requests_running", "Requests the model is working on", registry=r).set_function(
-            lambda: self.worker.admission.active
+            lambda: self.worker.queue_snapshot()["active"]
         )
         Gauge(
             "saker_kv_cache_usage",

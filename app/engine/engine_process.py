@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 
 from app.engine.client import Engine
-from app.engine.errors import EngineNotReady
+from app.engine.errors import EngineNotReady, QueueFull
 from app.engine.generate import RequestGroup
 
 log = logging.getLogger("saker.engine")
@@ -78,9 +78,10 @@ def engine_main(settings, conn) -> None:
             conn.send(message)
 
     runner, scheduler = worker.runner, worker.scheduler
-    scheduler.deliver = lambda outputs: send(
-        ("outputs", _picklable(outputs), (scheduler.kv_usage, scheduler.steps, scheduler.preemptions))
-    )
+    def stats() -> tuple:
+        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, scheduler.queue_snapshot()
+
+    scheduler.deliver = lambda outputs: send(("outputs", _picklable(outputs), stats()))
     send(
         (
             "ready",
@@ -106,7 +107,10 @@ def engine_main(settings, conn) -> None:
             groups = [
                 RequestGroup(runner, ids, params, max_length=max_length, tag=tag) for tag, ids, max_length in items
             ]
-            scheduler.add_request(rid, groups, eager)
+            try:
+                scheduler.add_request(rid, groups, eager)
+            except QueueFull as exc:  # the queue's answer comes back as the request's failure
+                send(("outputs", [(rid, g.tag, exc) for g in groups], stats()))
         elif kind == "abort":
             scheduler.abort(message[1])
         elif kind == "finish":
@@ -141,7 +145,7 @@ class EngineClient(Engine):
         self.steps = 0
         self.preemptions = 0
         self.max_rows_seen = 0
-        self.waiting = 0
+        self._queue = {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}
         self.facts: EngineFacts | None = None
         self.gone: str | None = None  # why the engine process is no longer there
         self.on_exit = None  # called with that reason (the worker turns not ready)
@@ -190,8 +194,12 @@ class EngineClient(Engine):
                 self._engine_gone()
                 return
             _, outputs, stats = message  # "outputs"
-            self.kv_usage, self.steps, self.preemptions = stats
+            self.kv_usage, self.steps, self.preemptions, self._queue = stats
             self.route(outputs)
+
+    def queue_snapshot(self) -> dict[str, int]:
+        """The engine's waiting queue as of its last iteration's message."""
+        return dict(self._queue)
 
     def _engine_gone(self) -> None:
         """The pipe closed: every waiting request fails with one clear error, and the worker stops being ready

@@ -1,9 +1,11 @@
 """Continuous batching: one thread owns the model and runs decode steps for every request in flight.
 
-Requests arrive as groups (one per prompt) and wait in a queue. Between steps the scheduler admits waiting
-groups while the batch has room (``max_batch_rows`` rows, the KV blocks a group takes now; named LoRA adapters
-mix in one batch, other adapter types need the same one): the batch's steps compute each prompt in chunks beside
-the running rows, then it samples its first tokens and joins them. Every step is one forward for all rows;
+Requests arrive as groups (one per prompt) and wait in one queue, in order of arrival: at most
+``max_running_requests`` requests hold a running slot, at most ``max_queue`` wait for one, none longer than the
+queue timeout (the rules are ``admission.Admission``'s). Between steps the scheduler admits the queue's front
+groups, those whose request holds a slot, while the batch has room (``max_batch_rows`` rows, the KV blocks a
+group takes now; named LoRA adapters mix in one batch, other adapter types need the same one): the batch's steps
+compute each prompt in chunks beside the running rows, then it samples its first tokens and joins them. Every step is one forward for all rows;
 finished candidates leave at once, and a group whose client went away is dropped at the next step. When the rows
 outgrow the KV pool the newest request gives its blocks back and is computed again later (``_make_room``). A step
 whose forward runs out of memory fails the newest group only and is retried for the others.
@@ -23,6 +25,7 @@ import traceback
 
 import torch
 
+from app.engine.admission import Admission
 from app.engine.client import Ended, Engine
 from app.engine.generate import (
     BatchOutOfMemory,
@@ -52,6 +55,9 @@ class Scheduler(Engine):
         prefill_chunk_tokens: int = 0,
         kv_cache_tokens: int | None = None,
         prefix_cache_tokens: int = 0,
+        max_running_requests: int | None = None,
+        max_queue: int | None = None,
+        queue_timeout: float | None = None,
     ):
         super().__init__()
         self.runner = runner
@@ -63,7 +69,10 @@ class Scheduler(Engine):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self.batch = BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens)
+        # the one waiting queue: every request's prompts in order of arrival (preempted ones back at its head); the
+        # requests holding a running slot (``admission``: at most max_running_requests) are always its front
         self._pending: collections.deque[RequestGroup] = collections.deque()
+        self.admission = Admission(max_queue, queue_timeout, capacity=max_running_requests or self.max_batch_rows)
         self._requests: dict[int, list[RequestGroup]] = {}  # by request id: its groups not ended yet
         self._outputs: list[tuple[int, int, object]] = []  # this iteration's (rid, tag, payload), sent at its end
         self._held: dict[int, list[tuple[int, int, object]]] = {}  # a lazy request's outputs, until a prompt ends
@@ -87,6 +96,7 @@ class Scheduler(Engine):
             group.make_grammars()  # on the submitting thread, not the model thread
         now = time.perf_counter()
         with self._cond:
+            self.admission.arrive(rid, now)  # QueueFull: nothing was queued
             self._requests[rid] = list(groups)
             for group in groups:
                 group.request_id, group.eager, group.submitted = rid, eager, now
@@ -100,6 +110,7 @@ class Scheduler(Engine):
         with self._cond:
             for group in self._requests.get(rid, ()):
                 group.cancelled = True
+            self._cond.notify()  # a request waiting for its slot leaves at once
 
     def finish(self, rid: int, tag: int, index: int) -> None:
         """A stop string ended candidate ``index`` of prompt ``tag``: its row leaves at the next step."""
@@ -128,17 +139,18 @@ class Scheduler(Engine):
             left = [g for g in self._requests.get(rid, ()) if g is not group]
             if left:
                 self._requests[rid] = left
-            else:
-                self._requests.pop(rid, None)
+            elif self._requests.pop(rid, None) is not None:
+                self.admission.leave(rid, time.perf_counter())  # its slot goes to the longest waiter
 
     def _flush(self) -> None:
         if self._outputs:
             outputs, self._outputs = self._outputs, []
             self.deliver(outputs)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._pending)
+    def queue_snapshot(self) -> dict[str, int]:
+        """The waiting queue's counts: requests running (holding a slot), waiting for one, rejected, timed out."""
+        with self._cond:
+            return self.admission.snapshot()
 
     # -- the loop -------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -151,8 +163,17 @@ class Scheduler(Engine):
 
     def _take_admissible(self) -> list[RequestGroup]:
         with self._cond:
-            while not self._pending and not self.batch.groups and not self._prefilling:
-                self._cond.wait()
+            while True:
+                if self._pending:
+                    self._leave_queue()
+                if self.batch.groups or self._prefilling:
+                    break
+                if self._pending and self.admission.holds(self._pending[0].request_id):
+                    break
+                if self._outputs:  # requests that left the queue hear of it before the loop waits
+                    return []
+                deadline = self.admission.next_deadline()  # nothing to run: wait for a request, or a timeout
+                self._cond.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
             taken: list[RequestGroup] = []
             if not self._pending:  # the common case while decoding: nothing to weigh
                 return taken
@@ -166,10 +187,8 @@ class Scheduler(Engine):
             blocks = self.batch.free_blocks() - self.batch.rows  # running rows grow into free blocks
             while self._pending:
                 group = self._pending[0]
-                if group.cancelled:
-                    self._pending.popleft()
-                    self._end(group)
-                    continue
+                if not self.admission.holds(group.request_id):
+                    break  # it waits for a running slot (max_running_requests)
                 if busy:
                     if rows + group.params.num_candidates > self.max_batch_rows:
                         break
@@ -184,6 +203,15 @@ class Scheduler(Engine):
                 rows += self._counted(group)
                 blocks -= group.blocks_now
             return taken
+
+    def _leave_queue(self) -> None:
+        """Waiting groups whose request was cancelled, and requests that waited past the queue timeout (they fail
+        with ``QueueTimeout``), leave the queue."""
+        failed = dict(self.admission.expired(time.perf_counter()))
+        leaving = [g for g in self._pending if g.cancelled or g.request_id in failed]
+        for group in leaving:
+            self._pending.remove(group)
+            self._end(group, failed.get(group.request_id))
 
     def _counted(self, group: RequestGroup) -> int:
         """A group's rows as max_batch_rows counts them: none for a group larger than the limit by itself."""

@@ -1,5 +1,5 @@
 """The one owner of the model in a process: loads it (in the background), then serves requests through the
-scheduler's continuous batch. Admission decides how many run at once and how many may wait."""
+scheduler's continuous batch, whose one waiting queue decides how many run at once and how many may wait."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from app.engine.admission import Admission
 from app.engine.errors import ClientGone, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.generate import RequestGroup, SoloRun
@@ -63,10 +62,11 @@ class Worker:
         self,
         names: tuple[str, ...],
         loader: Callable[[], LoadedModel],
-        admission: Admission | None = None,
         *,
         max_batch_rows: int = 8,
         max_running_requests: int | None = None,
+        max_queue: int | None = None,
+        queue_timeout: float | None = None,
         compile: bool | None = False,
         prefill_batch_tokens: int = 512,
         prefix_cache_tokens: int = 4096,
@@ -82,8 +82,9 @@ class Worker:
         self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)
         self.compile = compile  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
         self.scheduler: Scheduler | None = None
-        # how many requests run at once (None: as many as the batch has rows), who may wait and how long
-        self.admission = admission or Admission(capacity=max_running_requests or max_batch_rows)
+        # how many requests run at once (None: as many as the batch has rows), how many may wait and how long
+        self.max_running_requests = max_running_requests or max_batch_rows
+        self.max_queue, self.queue_timeout = max_queue, queue_timeout
         self.load_seconds: float | None = None
         self._ready = threading.Event()
         self.error: str | None = None
@@ -92,31 +93,25 @@ class Worker:
 
     @classmethod
     def from_settings(cls, settings) -> "Worker":
+        queue = {
+            "max_running_requests": settings.max_running_requests,
+            "max_queue": settings.max_queue,
+            "queue_timeout": settings.queue_timeout,
+        }
         if settings.engine_process:
-            worker = cls(
-                tuple(settings.model_names),
-                None,
-                cls._admission(settings),
-                max_batch_rows=settings.max_batch_rows,
-            )
+            worker = cls(tuple(settings.model_names), None, max_batch_rows=settings.max_batch_rows, **queue)
             worker._engine_settings = settings
             return worker
         return cls(
             tuple(settings.model_names),
             lambda: load_model(settings),
-            cls._admission(settings),
+            **queue,
             max_batch_rows=settings.max_batch_rows,
             prefill_batch_tokens=settings.prefill_batch_tokens,
             prefix_cache_tokens=settings.prefix_cache_tokens,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             kv_cache_tokens=settings.kv_cache_tokens,
             compile=settings.compile,
-        )
-
-    @staticmethod
-    def _admission(settings) -> Admission:
-        return Admission(
-            max_queue=settings.max_queue, timeout=settings.queue_timeout, capacity=settings.max_running_requests
         )
 
     @classmethod
@@ -178,6 +173,9 @@ class Worker:
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             kv_cache_tokens=self.kv_cache_tokens,
             prefix_cache_tokens=self.prefix_cache_tokens,
+            max_running_requests=self.max_running_requests,
+            max_queue=self.max_queue,
+            queue_timeout=self.queue_timeout,
         )
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
             self.compile_decode_step()
@@ -249,6 +247,14 @@ class Worker:
             time.perf_counter() - start,
         )
 
+    def queue_snapshot(self) -> dict[str, int]:
+        """The engine's waiting queue: requests running (holding a slot), waiting for one, turned away (429) and
+        timed out (503); zeros before the model is loaded."""
+        engine = self.scheduler
+        if engine is None:
+            return {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}
+        return engine.queue_snapshot()
+
     @property
     def prefix_cache(self):
         """The prefix cache's bookkeeping (``blocks.BlockManager``: its counters), None when it is off or the model
@@ -318,9 +324,7 @@ class Worker:
         scheduler drops it at the next step. Not ``eager``: events come when each prompt is done (stop strings
         still end a candidate as soon as they appear)."""
         self.require_ready()
-        queued = time.perf_counter()
-        with self.admission.slot(), out_of_memory_guard():
-            admitted = time.perf_counter()
+        with out_of_memory_guard():
             groups = [
                 RequestGroup(self.runner, ids, params, max_length=max_length, tag=p) for p, ids in enumerate(prompts)
             ]
@@ -334,7 +338,7 @@ class Worker:
             finally:
                 ticket.unwatch_client()
                 ticket.cancel()
-                timings.queue_s = admitted - queued + max(g.timings.queue_s for g in groups)
+                timings.queue_s = max(g.timings.queue_s for g in groups)
                 timings.prefill_s += sum(g.timings.prefill_s for g in groups)
                 timings.decode_s += max(g.timings.decode_s for g in groups)
                 # a request cut short (its client left) counts what the engine made, handed over or not

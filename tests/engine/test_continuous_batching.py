@@ -249,6 +249,111 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
         same(result, alone(worker, ids, params))
 
 
+@pytest.fixture()
+def one_slot(gpt2_dir, reference, monkeypatch):
+    """A worker that runs one request at a time (``max_running_requests=1``) with one waiting place and a queue
+    timeout, and a gate that holds the scheduler inside its steps: ``(worker, gate)``; ``gate.hold()`` makes the
+    next step wait until ``gate.go()``."""
+    import threading
+
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+
+    worker = Worker.from_loaded(
+        ("m",),
+        load_model(make_settings(model=str(gpt2_dir))),
+        max_batch_rows=8,
+        max_running_requests=1,
+        max_queue=1,
+        queue_timeout=60,
+    )
+    register(worker, reference, gpt2_dir)
+
+    class Gate:
+        def __init__(self):
+            self.held, self.release = threading.Event(), threading.Event()
+            self.release.set()
+
+        def hold(self):
+            self.held.clear()
+            self.release.clear()
+
+        def go(self):
+            self.release.set()
+
+    gate = Gate()
+    real = worker.runner.flat_step
+
+    def gated(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not gate.release.is_set():
+            gate.held.set()
+            gate.release.wait(30)
+        return out
+
+    monkeypatch.setattr(worker.runner, "flat_step", gated)
+    return worker, gate
+
+
+def test_the_one_queue_runs_requests_in_order_within_the_running_limit(one_slot, reference, gpt2_dir):
+    """max_running_requests=1: the second request waits in the scheduler's queue (its prompt not even started) while
+    the first runs; a third finds the one waiting place taken (QueueFull at once, nothing queued); when the first
+    ends the second runs, and both answers equal their reference."""
+    from app.engine.errors import QueueFull
+
+    worker, gate = one_slot
+    _, tok = reference(gpt2_dir)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    first_ids, second_ids = tok("Hello there").input_ids, tok("Once upon a time").input_ids
+    gate.hold()
+    first = worker.scheduler.submit([RequestGroup(worker.runner, first_ids, params, max_length=256)])
+    assert gate.held.wait(10)  # the first is in a step
+    second_group = RequestGroup(worker.runner, second_ids, params, max_length=256)
+    second = worker.scheduler.submit([second_group])
+    assert worker.queue_snapshot() == {"active": 1, "waiting": 1, "rejected": 0, "timed_out": 0}
+    with pytest.raises(QueueFull) as info:
+        worker.scheduler.submit([RequestGroup(worker.runner, second_ids, params, max_length=256)])
+    assert (info.value.waiting, info.value.limit) == (1, 1)
+    assert worker.scheduler.open_requests == 2  # the refused one left nothing behind
+    gate.go()
+    first_result = collect([e for _, e in first], params)
+    assert second_group.timings.queue_s > 0  # it waited for the first one's slot
+    second_result = collect([e for _, e in second], params)
+    same(first_result, alone(worker, first_ids, params))
+    same(second_result, alone(worker, second_ids, params))
+    assert worker.queue_snapshot() == {"active": 0, "waiting": 0, "rejected": 1, "timed_out": 0}
+
+
+def test_a_waiting_request_that_is_cancelled_or_times_out_leaves_the_queue(one_slot, reference, gpt2_dir):
+    """Requests waiting for the running slot: one cancelled ends with no events, one past the queue timeout fails
+    with QueueTimeout, both at the scheduler's next iteration (the running request has tokens to go); the running
+    request's answer is unchanged and nothing is held afterwards."""
+    from app.engine.errors import QueueTimeout
+
+    worker, gate = one_slot
+    _, tok = reference(gpt2_dir)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = tok("Hello there").input_ids
+    worker.scheduler.admission.max_queue = 2
+    gate.hold()
+    running = worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
+    assert gate.held.wait(10)
+    doomed = worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
+    late = worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
+    assert worker.queue_snapshot()["waiting"] == 2
+    doomed.cancel()
+    with worker.scheduler._cond:  # the late one's deadline passes (the clock is not waited on)
+        worker.scheduler.admission._waiting[late.rid] -= 120
+    gate.go()  # the next iteration, before the running request's next token, takes both out of the queue
+    assert list(doomed) == []
+    with pytest.raises(QueueTimeout) as info:
+        list(late)
+    assert info.value.limit_s == 60 and info.value.waited_s >= 120
+    same(collect([e for _, e in running], params), alone(worker, ids, params))
+    assert worker.queue_snapshot() == {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 1}
+    assert worker.scheduler.open_requests == 0 and worker.scheduler.kv_usage == 0.0
+
+
 def matches_generate(result, model, tok, ids, max_new):
     """A greedy answer with logprobs equals ``generate()``'s tokens and a plain forward's log-softmax."""
     want = ref_greedy(model, tok, ids, max_new)

@@ -4,6 +4,8 @@ dead engine fails the requests that were waiting with a clear error instead of h
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from app.engine.params import Constraint, SamplingParams
@@ -107,3 +109,36 @@ def test_a_dead_engine_fails_waiting_requests(gpt2_dir):
     assert not worker.ready  # /health turns 503 and new requests are refused
     with pytest.raises(EngineNotReady, match="engine process exited"):
         worker.require_ready()
+
+
+def test_the_engine_process_keeps_the_one_queue_and_its_answers_cross_the_pipe(gpt2_dir):
+    """The waiting queue lives in the engine process's scheduler: with one running slot and no waiting place, a
+    second request gets QueueFull (the 429) through the pipe while the first runs, and the queue's counts reach
+    the serving side (what /metrics reads)."""
+    from app.engine.errors import QueueFull
+    from app.engine.params import Timings
+    from app.engine.worker import Worker
+
+    worker = Worker.from_settings(
+        make_settings(model=str(gpt2_dir), engine_process=True, max_running_requests=1, max_queue=0)
+    )
+    worker.load()
+    try:
+        ids = worker.encode("Hello")
+        first = worker.stream([ids], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True), 600, Timings())
+        next(first)  # running: it holds the one slot
+        with pytest.raises(QueueFull) as info:
+            worker.complete([ids], SamplingParams(max_tokens=2, temperature=0.0), 256)
+        assert (info.value.waiting, info.value.limit) == (0, 0)
+        for n, _ in enumerate(first):  # the next iteration's message carries the counts
+            if n == 2:
+                break
+        assert worker.queue_snapshot() == {"active": 1, "waiting": 0, "rejected": 1, "timed_out": 0}
+        first.close()  # the engine gives the slot back at its next step, and says so in that iteration's message
+        deadline = time.monotonic() + 60  # a safety net only
+        while worker.queue_snapshot()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (after,), _ = worker.complete([ids], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 256)
+        assert after.completion_tokens == 2  # the slot came back
+    finally:
+        worker.scheduler.close()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,43 +50,57 @@ def make_app(worker, **values):
 
 
 # -- overload -------------------------------------------------------------------------------------------
+class HeldSlot:
+    """The scheduler's waiting queue replaced by ``Admission(capacity=1, **kwargs)`` whose one slot a request that
+    is not there holds, as a long generation would; ``release()`` ends it (its slot goes to the longest waiter)."""
+
+    def __init__(self, scheduler, monkeypatch, **kwargs):
+        self.scheduler = scheduler
+        self.admission = Admission(capacity=1, **kwargs)
+        assert self.admission.arrive(-1, time.perf_counter())
+        monkeypatch.setattr(scheduler, "admission", self.admission)
+
+    def release(self) -> None:
+        with self.scheduler._cond:
+            self.admission.leave(-1, time.perf_counter())
+            self.scheduler._cond.notify()
+
+
 @pytest.fixture()
 def held(gpt2_app, monkeypatch):
-    """Replace the worker's admission with ``Admission(**kwargs)`` whose one slot is taken, as by a long
-    generation; yields (client, admission)."""
+    """``hold(**kwargs)``: the worker's one running slot taken (``HeldSlot``); returns (client, held slot)."""
     worker = gpt2_app.extensions["saker.service"].worker
 
     def hold(**kwargs):
-        admission = Admission(capacity=1, **kwargs)
-        monkeypatch.setattr(worker, "admission", admission)
-        admission.acquire()
-        return gpt2_app.test_client(), admission
+        return gpt2_app.test_client(), HeldSlot(worker.scheduler, monkeypatch, **kwargs)
 
     return hold
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_full_queue_is_429_model_overloaded(held, stream):
-    client, admission = held(max_queue=0, timeout=30)
+    client, slot = held(max_queue=0, timeout=30)
     resp = client.post(URL, json={**GOOD, "stream": stream})
     err = error_of(resp, 429, "model_overloaded", "server_overloaded")
     assert "model is overloaded" in err["message"] and "SAKER_MAX_QUEUE=0" in err["message"]
     assert 1 <= int(resp.headers["Retry-After"]) <= 60
     chat = client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stream": stream})
     assert chat.status_code in (400, 429)  # tiny-gpt2 has no chat template: 400 comes first
-    admission.release()
-    assert client.post(URL, json={**GOOD, "stream": stream}).status_code == 200
-    assert admission.snapshot() == {"active": 0, "waiting": 0, "rejected": 1, "timed_out": 0}
+    slot.release()
+    answered = client.post(URL, json={**GOOD, "stream": stream})
+    assert answered.status_code == 200 and answered.get_data()  # to its end: its slot given back
+    assert slot.admission.snapshot() == {"active": 0, "waiting": 0, "rejected": 1, "timed_out": 0}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_waiting_past_the_queue_timeout_is_503(held, stream):
-    client, admission = held(max_queue=4, timeout=0.05)
+    client, slot = held(max_queue=4, timeout=0.05)
     resp = client.post(URL, json={**GOOD, "stream": stream})
     err = error_of(resp, 503, "queue_timeout", "service_unavailable")
     assert "SAKER_QUEUE_TIMEOUT=0.05" in err["message"]
     assert int(resp.headers["Retry-After"]) >= 1
-    admission.release()
+    assert slot.admission.snapshot() == {"active": 1, "waiting": 0, "rejected": 0, "timed_out": 1}
+    slot.release()
     assert client.post(URL, json={**GOOD, "stream": stream}).status_code == 200
 
 
@@ -377,16 +392,14 @@ def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
 def test_metrics_see_queue_depth_and_rejections(gpt2_worker, monkeypatch):
     app = make_app(gpt2_worker, access_log="off")
     client = app.test_client()
-    admission = Admission(max_queue=0, capacity=1)
-    monkeypatch.setattr(gpt2_worker, "admission", admission)
-    admission.acquire()
+    slot = HeldSlot(gpt2_worker.scheduler, monkeypatch, max_queue=0)
     error_of(client.post(URL, json=GOOD), 429, "model_overloaded")
     samples = metric_samples(client)
     assert value(samples, "saker_requests_running") == 1
     assert value(samples, "saker_requests_rejected_total") == 1
     assert value(samples, "saker_requests_total", route="/v1/completions", method="POST", status="429") == 1
     assert value(samples, "saker_request_errors_total", route="/v1/completions", code="model_overloaded") == 1
-    admission.release()
+    slot.release()
 
 
 # -- access log ---------------------------------------------------------------------------------------------
