@@ -78,6 +78,7 @@ def engine_main(settings, conn) -> None:
             conn.send(message)
 
     runner, scheduler = worker.runner, worker.scheduler
+
     def stats() -> tuple:
         return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, scheduler.queue_snapshot()
 

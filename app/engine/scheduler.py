@@ -5,10 +5,11 @@ Requests arrive as groups (one per prompt) and wait in one queue, in order of ar
 queue timeout (the rules are ``admission.Admission``'s). Between steps the scheduler admits the queue's front
 groups, those whose request holds a slot, while the batch has room (``max_batch_rows`` rows, the KV blocks a
 group takes now; named LoRA adapters mix in one batch, other adapter types need the same one): the batch's steps
-compute each prompt in chunks beside the running rows, then it samples its first tokens and joins them. Every step is one forward for all rows;
-finished candidates leave at once, and a group whose client went away is dropped at the next step. When the rows
-outgrow the KV pool the newest request gives its blocks back and is computed again later (``_make_room``). A step
-whose forward runs out of memory fails the newest group only and is retried for the others.
+compute each prompt in chunks beside the running rows, then it samples its first tokens and joins them. Every
+step is one forward for all rows; finished candidates leave at once, and a group whose client went away is dropped
+at the next step. When the rows outgrow the KV pool the newest request gives its blocks back and is computed again
+later (``_make_room``). A step whose forward runs out of memory fails the newest group only and is retried for the
+others.
 
 The scheduler is the in-process engine (``client.Engine``): requests come with ``add_request`` and leave with
 ``abort``; each iteration's outputs, keyed by request id, go out once it ends (``deliver``: to the requests'
