@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -286,10 +287,36 @@ def test_keys_and_prompts_never_reach_the_logs(server):
 
 
 # -- graceful shutdown ----------------------------------------------------------------------------------------
-def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
-    """Requests are held mid-generation by a gate (tests/gated_wsgi.py), SIGTERM is sent to the master: new
-    connections are refused at once (not left hanging), the gate opens, every request in flight completes whole,
-    and gunicorn then exits 0."""
+def descendants(pid: int) -> set[int]:
+    """Every process under ``pid`` (Linux /proc)."""
+    out, todo = set(), [pid]
+    while todo:
+        here = todo.pop()
+        try:
+            children = Path(f"/proc/{here}/task/{here}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead and waiting to be reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path, engine_process):
+    """Requests are held mid-generation by a gate (tests/gated_wsgi.py; with SAKER_ENGINE_PROCESS the engine
+    process's steps wait), SIGTERM is sent to the master: new connections are refused at once (not left hanging),
+    the gate opens, every request in flight completes whole, and gunicorn then exits 0 leaving no process behind
+    (the engine process ends with its worker)."""
     gate = tmp_path / "gate"
     srv = Gunicorn(
         {
@@ -297,6 +324,7 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
             "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
             "SAKER_THREADS": "8",
             "SAKER_GRACEFUL_TIMEOUT": "60",
+            "SAKER_ENGINE_PROCESS": "1" if engine_process else "0",
             "TEST_DECODE_GATE": str(gate),
         },
         args=("--pythonpath", "tests"),
@@ -329,6 +357,9 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
             while sample(metrics(srv), "saker_requests_in_flight") < 6 and time.time() < deadline:
                 time.sleep(0.05)
             assert sample(metrics(srv), "saker_requests_in_flight") == 6  # 5 + this scrape
+            processes = descendants(srv.proc.pid)  # the worker (and its engine process)
+            # the worker; with the engine process also it and multiprocessing's resource tracker
+            assert len(processes) == (3 if engine_process else 1)
             srv.proc.send_signal(signal.SIGTERM)  # what docker stop / kubelet / scancel send
             while "Handling signal: term" not in srv.output() and time.time() < deadline:
                 time.sleep(0.05)
@@ -354,6 +385,8 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path):
             assert status == 200 and frames.done and frames.chunks and not frames.errors
         assert srv.proc.wait(90) == 0
         assert "Traceback" not in srv.output()
+        left = [pid for pid in processes if alive(pid)]
+        assert not left, f"still running after gunicorn exited: {left}"
     finally:
         if gate.exists():
             gate.unlink()
