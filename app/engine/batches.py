@@ -394,13 +394,13 @@ class BlockBatch:
             if not filled:
                 break
             prompt = group.prompt_ids
-            for seq in group.seqs:
+            for seq in group.running:
                 if row in filled:
                     filled.discard(row)
                     end = int(self.lengths[row])  # the block's positions: [end - BLOCK, end)
                     if end > len(prompt):  # a block of the prompt's own was registered when it was computed
                         start = end - BLOCK
-                        fed = prompt[start:] + seq.tokens[max(0, start - len(prompt)) : end - len(prompt)]
+                        fed = prompt[start:] + seq.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
                         key = (int(self.chains[row]), self.runner.prefix_salt(group.params.adapter), tuple(fed))
                         self.blocks.register(int(self.tables[row, end // BLOCK - 1]), key)
                         self.chains[row] = hash(key)

@@ -41,20 +41,45 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class SequenceStatus(enum.Enum):
+    """Where one candidate is: waiting (its prompt not computed yet), running (a row of the batch), preempted (its
+    blocks given back; computed again when its group comes back), finished (``Sequence.finish_reason`` says why)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
 @dataclass
-class Candidate:
-    """One row of a group on the engine side: which candidate it is and the tokens it has made (the prefix cache
-    keeps the blocks they fill)."""
+class Sequence:
+    """One candidate (``n``/``best_of``) of a prompt, plain data: its prompt (shared with the other candidates),
+    the tokens it has made, how many of its positions are computed (their keys and values in its blocks: the
+    batch's tables and lengths hold its row's, vLLM's persistent input batch), its seed, its status and why it
+    finished."""
 
     index: int
-    generated: int = 0
-    tokens: list[int] = field(default_factory=list)
+    prompt_ids: list[int]
+    seed: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # eos, stop_token, length, complete (the engine's); stop, abort (the output
+    # side's stop string, the client gone)
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = SequenceStatus.FINISHED, reason
 
 
 class RequestGroup:
-    """One prompt of one request: its candidates (``n``/``best_of``) as rows of a decode batch. The engine side
-    only: ids, parameters, per-row sampling state and token-level stop rules; text is made by the output side
-    (``output.RequestDecoder``), which may end a candidate early (a stop string) through ``finish_candidate``."""
+    """One prompt of one request, the handle of its candidates' ``Sequence``s (``n``/``best_of``; ``running``: those
+    that are rows of the decode batch, in row order). The engine side only: ids, parameters, per-row sampling state
+    and token-level stop rules; text is made by the output side (``output.RequestDecoder``), which may end a
+    candidate early (a stop string) through ``finish_candidate``."""
 
     def __init__(
         self,
@@ -79,7 +104,10 @@ class RequestGroup:
         # the prompt's top k: for echo's logprobs and for prompt_logprobs, whichever asks more
         self.prompt_k = max(self.k if params.echo else 0, params.prompt_logprobs or 0)
         self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
-        self.seqs: list[Candidate] = []
+        self.seqs = [
+            Sequence(i, self.prompt_ids, sequence_seed(params.seed, i)) for i in range(params.num_candidates)
+        ]
+        self.running: list[Sequence] = []  # the candidates that are rows of the batch, in row order
         self.stopping = StoppingCriteria(
             eos_token_ids=frozenset(runner.eos_token_ids),
             stop_token_ids=params.stop_token_ids,
@@ -104,7 +132,7 @@ class RequestGroup:
 
     @property
     def rows(self) -> int:
-        return len(self.seqs)
+        return len(self.running)
 
     @property
     def generates(self) -> bool:
@@ -192,12 +220,13 @@ class RequestGroup:
     def begin(self, device, vocab: int) -> SamplingRows:
         """Set up the candidates (after the prefill): one row each, with its own seed."""
         params = self.params
-        count = params.num_candidates
-        self.seqs = [Candidate(i) for i in range(count)]
+        self.running = list(self.seqs)
+        for seq in self.running:
+            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, len(self.prompt_ids)
         eos = () if params.ignore_eos else tuple(self.runner.eos_token_ids)
         suppress = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         spec = RowSpec.of(params, suppress, self.want_candidate_logprob)
-        seeds = [sequence_seed(params.seed, i) for i in range(count)]
+        seeds = [seq.seed for seq in self.running]
         self.make_grammars()  # made already when the group was submitted to the scheduler
         return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device, self.grammars)
 
@@ -209,12 +238,13 @@ class RequestGroup:
         k, prompt_len, stopping = self.k, len(self.prompt_ids), self.stopping
         want_lp = numbers.logprobs is not None and self.want_candidate_logprob
         complete = numbers.complete
-        for row, seq in enumerate(self.seqs):
+        for row, seq in enumerate(self.running):
             at = offset + row
             token_id = tokens[at]
-            seq.generated += 1
-            seq.tokens.append(token_id)
-            ended = stopping.ended_by(token_id, seq.generated, prompt_len + seq.generated, at in complete)
+            seq.output_ids.append(token_id)
+            generated = len(seq.output_ids)
+            seq.num_computed_tokens = prompt_len + generated - 1  # the new token is computed by the next step
+            ended = stopping.ended_by(token_id, generated, prompt_len + generated, at in complete)
             events.append(
                 TokenNumbers(
                     seq.index,
@@ -227,12 +257,15 @@ class RequestGroup:
             )
             if ended is None:
                 keep.append(row)
+            else:
+                seq.finish(ended)
         self.tokens_made += len(events)
         return events, keep
 
     def select(self, keep: list[int]) -> None:
-        if len(keep) != len(self.seqs):
-            self.seqs = [self.seqs[i] for i in keep]
+        """Only the rows ``keep`` (indices into ``running``) stay in the batch."""
+        if len(keep) != len(self.running):
+            self.running = [self.running[i] for i in keep]
 
 
 def sample_step(
@@ -283,9 +316,11 @@ def preempt(batch: BlockBatch, group: RequestGroup) -> None:
     group.preempted = Preempted(batch.next_tokens.index_select(0, index), batch.sampling.select(rows), lengths)
     leaving = set(rows)
     keep = [r for r in range(batch.n) if r not in leaving]
-    seqs, group.seqs = group.seqs, []  # the group leaves the batch's list; its candidates stay its own
+    running, group.running = group.running, []  # the group leaves the batch's list; its candidates stay its own
     batch.keep(keep, None)
-    group.seqs, group.status = seqs, Status.WAITING
+    group.running, group.status = running, Status.WAITING
+    for seq in running:
+        seq.status, seq.num_computed_tokens = SequenceStatus.PREEMPTED, 0
 
 
 class ChunkedPrefill:
@@ -304,10 +339,10 @@ class ChunkedPrefill:
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
         resumed = group.preempted
-        self.seqs = (
+        self.ids_of = (
             [group.prompt_ids]
             if resumed is None
-            else [(group.prompt_ids + seq.tokens)[:length] for seq, length in zip(group.seqs, resumed.lengths)]
+            else [(seq.prompt_ids + seq.output_ids)[:length] for seq, length in zip(group.running, resumed.lengths)]
         )
         self.tables: list[list[int]] = []  # each sequence's blocks (reserved at ``start``)
         self.spare: list[int] = []  # blocks for the other candidates' copies of the prompt's partial last block
@@ -320,7 +355,7 @@ class ChunkedPrefill:
 
     @property
     def ids(self) -> list[int]:
-        return self.seqs[self.row]
+        return self.ids_of[self.row]
 
     @property
     def table(self) -> list[int]:
@@ -333,7 +368,7 @@ class ChunkedPrefill:
         salt = group.runner.prefix_salt(group.params.adapter)
         reuse = group.preempted is not None or not group.needs_prompt_logits
         group.status = Status.PREFILLING
-        for ids in self.seqs:
+        for ids in self.ids_of:
             table, keys, cached = batch.reserve(ids, salt, reuse=reuse)
             self.tables.append(table)
             self.keys_of.append(keys)
@@ -345,7 +380,7 @@ class ChunkedPrefill:
 
     @property
     def remaining(self) -> int:
-        later = zip(self.seqs[self.row + 1 :], self.cached[self.row + 1 :])
+        later = zip(self.ids_of[self.row + 1 :], self.cached[self.row + 1 :])
         return len(self.ids) - self.done + sum(len(s) - c for s, c in later)
 
     def next_chunk(self, budget: int) -> list[int]:
@@ -373,7 +408,7 @@ class ChunkedPrefill:
         self.spent += seconds
         if self.done < len(self.ids):
             return False
-        if self.row + 1 < len(self.seqs):
+        if self.row + 1 < len(self.ids_of):
             self.row += 1
             self.done = self.cached[self.row]
             return False
@@ -382,7 +417,7 @@ class ChunkedPrefill:
         return True
 
     def _chain(self, row: int) -> int:
-        full, keys = len(self.seqs[row]) // BLOCK, self.keys_of[row]
+        full, keys = len(self.ids_of[row]) // BLOCK, self.keys_of[row]
         return hash(keys[full - 1]) if full and len(keys) >= full else 0
 
     def finish(self, batch: BlockBatch) -> list[Event]:
@@ -393,6 +428,8 @@ class ChunkedPrefill:
             return _join(batch, group, self.last, start, tables[0], self._chain(0), spare)
         chains = [self._chain(row) for row in range(len(tables))]
         group.preempted, group.status = None, Status.RUNNING
+        for seq, length in zip(group.running, resumed.lengths):
+            seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, length
         batch.add_rows(group, tables, resumed.lengths, chains, resumed.tokens, resumed.sampling, prompts=len(tables))
         group.timings.prefill_s += self.spent
         return []
@@ -487,12 +524,15 @@ def drop(batch: BlockBatch, group: RequestGroup, candidates: set[int] | None = N
     (the output side ended them: stop strings)."""
     keep_rows, offset = [], 0
     for g in batch.groups:
-        for row, seq in enumerate(g.seqs):
+        for row, seq in enumerate(g.running):
             if g is not group or (candidates is not None and seq.index not in candidates):
                 keep_rows.append(offset + row)
         offset += g.rows
-    group.seqs = [] if candidates is None else [seq for seq in group.seqs if seq.index not in candidates]
-    if not group.seqs:
+    for seq in group.running:
+        if candidates is None or seq.index in candidates:
+            seq.finish("abort" if candidates is None else "stop")
+    group.running = [seq for seq in group.running if seq.status is SequenceStatus.RUNNING]
+    if not group.running:
         group.status = Status.FINISHED
     batch.keep(keep_rows, None)
 
@@ -502,7 +542,7 @@ def drop_finished(batch: BlockBatch) -> bool:
     dropped = False
     for group in list(batch.groups):
         ended = group.take_finished()
-        if ended and any(seq.index in ended for seq in group.seqs):
+        if ended and any(seq.index in ended for seq in group.running):
             drop(batch, group, ended)
             dropped = True
     return dropped

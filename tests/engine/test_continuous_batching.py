@@ -124,6 +124,43 @@ def test_greedy_requests_of_different_lengths_match_alone(batch_worker, referenc
         assert gen_lps == pytest.approx(expected, abs=TOL)
 
 
+def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_worker, reference):
+    """The engine's plain data per candidate: after a greedy request its ``Sequence`` holds generate()'s tokens,
+    the positions its blocks held (the prompt and every token but the last, which no step fed), FINISHED and why;
+    a candidate a stop string ended says ``stop``, one the engine ended says its own reason."""
+    from app.engine.generate import SequenceStatus
+
+    worker, path = batch_worker
+    model, tok = reference(path)
+    ids = tok("Once upon a time there was").input_ids
+    greedy = RequestGroup(
+        worker.runner, ids, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True), max_length=256
+    )
+    stopped = RequestGroup(
+        worker.runner,
+        ids,
+        SamplingParams(max_tokens=40, temperature=0.9, seed=3, n=2, stop=("e",), ignore_eos=True),
+        max_length=256,
+        tag=1,
+    )
+    assert [s.status for s in greedy.seqs] == [SequenceStatus.WAITING]
+    for _ in worker.scheduler.submit([greedy, stopped]):
+        pass
+    [seq] = greedy.seqs
+    assert seq.output_ids == ref_greedy(model, tok, ids, 7)[len(ids) :]
+    assert seq.num_computed_tokens == len(ids) + 7 - 1
+    assert (seq.status, seq.finish_reason) == (SequenceStatus.FINISHED, "length")
+    for seq in stopped.seqs:
+        assert seq.status is SequenceStatus.FINISHED and seq.finish_reason in ("stop", "length")
+        text = tok.decode(seq.output_ids)
+        # "stop" only for a row whose text has the stop string (the output side may see it only after the engine
+        # ended the row by its length: which one comes first is the threads' race)
+        assert seq.finish_reason == "length" if "e" not in text else True
+        assert "e" in text if seq.finish_reason == "stop" else True
+        assert seq.num_computed_tokens == len(ids) + len(seq.output_ids) - 1
+    assert greedy.running == [] and stopped.running == []
+
+
 def test_late_joiners_mixed_settings_and_n(batch_worker, reference):
     worker, path = batch_worker
     _, tok = reference(path)
