@@ -104,9 +104,7 @@ class RequestGroup:
         # the prompt's top k: for echo's logprobs and for prompt_logprobs, whichever asks more
         self.prompt_k = max(self.k if params.echo else 0, params.prompt_logprobs or 0)
         self.max_new = params.max_tokens if params.max_tokens is not None else max_length - len(self.prompt_ids)
-        self.seqs = [
-            Sequence(i, self.prompt_ids, sequence_seed(params.seed, i)) for i in range(params.num_candidates)
-        ]
+        self.seqs = [Sequence(i, self.prompt_ids, sequence_seed(params.seed, i)) for i in range(params.num_candidates)]
         self.running: list[Sequence] = []  # the candidates that are rows of the batch, in row order
         self.stopping = StoppingCriteria(
             eos_token_ids=frozenset(runner.eos_token_ids),

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +45,16 @@ from app.engine.generate import (
 from app.engine.runner import MIXED, ModelRunner
 
 log = logging.getLogger("saker.scheduler")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes (``Scheduler._plan``): every running row's next token (the batch's rows), the prompt
+    chunks that ride in the same forward, each job with its next tokens, and those computed apart, one forward per
+    PEFT adapter (nothing runs, or the rows use another adapter)."""
+
+    chunks: list[tuple[ChunkedPrefill, list[int]]] = field(default_factory=list)
+    apart: list[list[tuple[ChunkedPrefill, list[int]]]] = field(default_factory=list)
 
 
 class Scheduler(Engine):
@@ -250,57 +261,71 @@ class Scheduler(Engine):
         return self.batch.kv_usage
 
     def _iteration(self) -> None:
-        """One step: admit waiting requests (their prompts start prefilling), then one forward in which every
-        running row advances by a token and the prompts being prefilled by a chunk each, within the step's token
-        budget (``_plan``); the rows' numbers go to their tickets, prompts that are in join the batch."""
+        """One step: schedule (admit waiting requests, their prompts start prefilling; drop rows that ended; plan
+        the prompt chunks within the step's token budget), execute (one forward in which every running row advances by
+        a token and the prompts being prefilled by a chunk each), postprocess (the rows' numbers out, prompts that
+        are in join the batch)."""
         taken = self._take_admissible()
         with torch.inference_mode():
-            for group in taken:
-                self._register(group)
-                if group.prefills:
-                    self._start_prefill(group)
-                else:  # it needs no forward (it generates nothing and scores no prompt): its prompt's numbers
-                    self._emit(group, [group.prompt_numbers()])
-                    self._end(group)
-            for group in [g for g in self.batch.groups if g.cancelled]:
-                drop(self.batch, group)
+            plan = self._schedule(taken)
+            results = self._execute(plan)
+            if results is not None:
+                self._postprocess(plan, *results)
+
+    def _schedule(self, taken: list[RequestGroup]) -> SchedulerOutput:
+        for group in taken:
+            self._register(group)
+            if group.prefills:
+                self._start_prefill(group)
+            else:  # it needs no forward (it generates nothing and scores no prompt): its prompt's numbers
+                self._emit(group, [group.prompt_numbers()])
                 self._end(group)
-            running = list(self.batch.groups)
-            if drop_finished(self.batch):  # candidates the output side ended (stop strings)
-                for group in running:
-                    if group.status is Status.FINISHED:
-                        self._end(group)
-            jobs, apart = self._plan()
-            for alone in apart:  # nothing runs, or the rows use another adapter
-                self._chunks_alone(alone)
-            self._make_room()
-            jobs = [(job, chunk) for job, chunk in jobs if job in self._prefilling]
-            if not self.batch.groups:
-                return
-            start = time.perf_counter()
-            try:
-                results = self._decode_step(jobs)
-            except BaseException as exc:
-                failed = self.batch.groups
-                self.batch.reset()
-                _drop_frames(exc)
-                self._after_failure(exc)  # memory back before the requests hear of it
-                for group in failed:
-                    self._end(group, exc)
-                while self._prefilling:  # their blocks went with the batch's pool
-                    self._end(self._prefilling.popleft().group, exc)
-                return
-            self.steps += 1
-            took = time.perf_counter() - start
-            self.max_rows_seen = max(self.max_rows_seen, sum(len(events) for _, events in results))
-            for group, events in results:
-                group.timings.decode_s += took
-                self._emit(group, events)
-                if not group.rows:
+        for group in [g for g in self.batch.groups if g.cancelled]:
+            drop(self.batch, group)
+            self._end(group)
+        running = list(self.batch.groups)
+        if drop_finished(self.batch):  # candidates the output side ended (stop strings)
+            for group in running:
+                if group.status is Status.FINISHED:
                     self._end(group)
-            for job, _ in jobs:
-                if job.remaining == 0 and job in self._prefilling:
-                    self._finish_prefill(job)
+        return SchedulerOutput(*self._plan())
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[tuple[RequestGroup, list[Event]]], float] | None:
+        """The plan's forwards: the chunks apart first (prompts that are in join the batch), then, once the rows
+        have the blocks they cross into (``_make_room``), the step of every row with the riding chunks. Returns each
+        group's events and the step's seconds (None: no row ran, or the step failed, its groups with it)."""
+        for alone in plan.apart:  # nothing runs, or the rows use another adapter
+            self._chunks_alone(alone)
+        self._make_room()
+        plan.chunks = [(job, chunk) for job, chunk in plan.chunks if job in self._prefilling]
+        if not self.batch.groups:
+            return None
+        start = time.perf_counter()
+        try:
+            results = self._decode_step(plan.chunks)
+        except BaseException as exc:
+            failed = self.batch.groups
+            self.batch.reset()
+            _drop_frames(exc)
+            self._after_failure(exc)  # memory back before the requests hear of it
+            for group in failed:
+                self._end(group, exc)
+            while self._prefilling:  # their blocks went with the batch's pool
+                self._end(self._prefilling.popleft().group, exc)
+            return None
+        return results, time.perf_counter() - start
+
+    def _postprocess(self, plan: SchedulerOutput, results: list[tuple[RequestGroup, list[Event]]], took: float):
+        self.steps += 1
+        self.max_rows_seen = max(self.max_rows_seen, sum(len(events) for _, events in results))
+        for group, events in results:
+            group.timings.decode_s += took
+            self._emit(group, events)
+            if not group.rows:
+                self._end(group)
+        for job, _ in plan.chunks:
+            if job.remaining == 0 and job in self._prefilling:
+                self._finish_prefill(job)
 
     def _register(self, group: RequestGroup) -> None:
         if group.preempted is None:
