@@ -57,7 +57,9 @@ class Ticket:
         self.engine, self.rid = engine, rid
         self.groups = groups
         self.eager = eager
-        self.decoders = {group.tag: RequestDecoder(group, self.finish) for group in groups}
+        self.decoders = {
+            group.tag: RequestDecoder(group, engine.tokenizer, engine.byte_level, self.finish) for group in groups
+        }
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: collections.deque[tuple[int, PromptEvent | TokenEvent]] = collections.deque()
         self._open = len(groups)
@@ -160,7 +162,11 @@ class Ticket:
 
 class Engine:
     """What the worker talks to: ``submit`` a request's groups and read its ``Ticket``. Subclasses carry the
-    request to the engine (``add_request``, ``abort``, ``finish``); ``route`` hands each output to its ticket."""
+    request to the engine (``add_request``, ``abort``, ``finish``); ``route`` hands each output to its ticket.
+    ``tokenizer`` and ``byte_level``: what the tickets' output side needs of the model."""
+
+    tokenizer = None
+    byte_level = False
 
     def __init__(self):
         self._tickets: dict[int, Ticket] = {}

@@ -163,6 +163,7 @@ class EngineClient(Engine):
         if kind != "ready":
             raise ConfigError(payload)
         self.facts = payload
+        self.tokenizer, self.byte_level = payload.tokenizer, payload.byte_level
         threading.Thread(target=self._read, name="saker-engine-reader", daemon=True).start()
         return payload
 

@@ -91,7 +91,7 @@ class RequestGroup:
         timings: Timings | None = None,
         tag: int = 0,
     ):
-        self.runner = runner
+        self.eos_token_ids = tuple(runner.eos_token_ids)  # the one fact of the model a group keeps
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.max_length = max_length
@@ -107,7 +107,7 @@ class RequestGroup:
         self.seqs = [Sequence(i, self.prompt_ids, sequence_seed(params.seed, i)) for i in range(params.num_candidates)]
         self.running: list[Sequence] = []  # the candidates that are rows of the batch, in row order
         self.stopping = StoppingCriteria(
-            eos_token_ids=frozenset(runner.eos_token_ids),
+            eos_token_ids=frozenset(self.eos_token_ids),
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
@@ -204,13 +204,12 @@ class RequestGroup:
             self._prompt_ranks if self.params.prompt_logprobs is not None else None,
         )
 
-    def make_grammars(self) -> None:
+    def make_grammars(self, runner: ModelRunner) -> None:
         """A constrained group's matchers, one per candidate, made by the thread that submits it
-        (``Scheduler.submit``): a copy of a large schema's matcher takes milliseconds (12.9 ms for bench part S's
+        (``Scheduler.add_request``): a copy of a large schema's matcher takes milliseconds (12.9 ms for bench part S's
         2 kB schema), which every running row would wait for if the model thread made it when the group joins."""
         constraint = self.params.constraint
         if constraint is not None and self.grammars is None:
-            runner = self.runner
             compiled = grammars_for(runner.tokenizer, runner.vocab_size, tuple(runner.eos_token_ids))
             self.grammars = [compiled.row(constraint) for _ in range(self.params.num_candidates)]
 
@@ -221,11 +220,10 @@ class RequestGroup:
         self.running = list(self.seqs)
         for seq in self.running:
             seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, len(self.prompt_ids)
-        eos = () if params.ignore_eos else tuple(self.runner.eos_token_ids)
+        eos = () if params.ignore_eos else self.eos_token_ids
         suppress = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         spec = RowSpec.of(params, suppress, self.want_candidate_logprob)
         seeds = [seq.seed for seq in self.running]
-        self.make_grammars()  # made already when the group was submitted to the scheduler
         return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device, self.grammars)
 
     def settle(self, numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:
@@ -363,7 +361,7 @@ class ChunkedPrefill:
         """Reserve the blocks of its sequences, their leading ones from the prefix cache when a kept prompt shares
         them (not when every position's logits are asked for: those of cached positions are not kept)."""
         group = self.group
-        salt = group.runner.prefix_salt(group.params.adapter)
+        salt = batch.runner.prefix_salt(group.params.adapter)
         reuse = group.preempted is not None or not group.needs_prompt_logits
         group.status = Status.PREFILLING
         for ids in self.ids_of:
@@ -559,15 +557,18 @@ class SoloRun:
         max_length: int,
         timings: Timings | None = None,
     ):
+        self.runner = runner
         self.group = RequestGroup(runner, prompt_ids, params, max_length=max_length, timings=timings)
+        self.group.make_grammars(runner)
 
     def __iter__(self) -> Iterator[PromptEvent | TokenEvent]:
         from app.engine.output import RequestDecoder
 
         group = self.group
-        decoder = RequestDecoder(group)
-        with group.runner.adapter(group.params.adapter), torch.inference_mode():
-            batch = BlockBatch(group.runner)
+        runner = self.runner
+        decoder = RequestDecoder(group, runner.tokenizer, runner.byte_level)
+        with runner.adapter(group.params.adapter), torch.inference_mode():
+            batch = BlockBatch(runner)
             for numbers in admit(batch, group):
                 yield from decoder.push(numbers)
             start = time.perf_counter()

@@ -114,11 +114,10 @@ class RequestDecoder:
     string that ends a candidate before the engine did is told to the engine through ``finish(group, index)`` (the
     request's ``Ticket``: in process or across the engine process's pipe alike)."""
 
-    def __init__(self, group, finish=None):
+    def __init__(self, group, tokenizer, byte_level: bool, finish=None):
         self.group = group
         self.finish = finish if finish is not None else (lambda group, index: group.finish_candidate(index))
-        runner, params = group.runner, group.params
-        self.tokenizer, self.byte_level, self.params = runner.tokenizer, runner.byte_level, params
+        self.tokenizer, self.byte_level, self.params = tokenizer, byte_level, group.params
         self.prompt_ids = group.prompt_ids
         self.choices: list[ChoiceDecoder] = []
         self.generated_tokens = 0

@@ -73,6 +73,7 @@ class Scheduler(Engine):
     ):
         super().__init__()
         self.runner = runner
+        self.tokenizer, self.byte_level = runner.tokenizer, runner.byte_level
         self.max_batch_rows = max(1, max_batch_rows)
         self.kv_cache_tokens = kv_cache_tokens  # the block pool's size in positions (None: derived at first use)
         # prompt tokens one step computes, across the prompts being prefilled (the running rows' tokens count too)
@@ -105,7 +106,7 @@ class Scheduler(Engine):
         """Queue the groups (prompts) of request ``rid``. ``eager``: its outputs go out every iteration (a stream,
         stop strings), otherwise when one of its prompts ends."""
         for group in groups:
-            group.make_grammars()  # on the submitting thread, not the model thread
+            group.make_grammars(self.runner)  # on the submitting thread, not the model thread
         now = time.perf_counter()
         with self._cond:
             self.admission.arrive(rid, now)  # QueueFull: nothing was queued
