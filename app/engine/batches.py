@@ -77,6 +77,7 @@ class BlockBatch:
         self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
         self.prompts = 0  # prompts holding blocks while they are prefilled
         self.scratch = Scratch()  # the buffers steps read blocks into (given back with the pool)
+        self.parked: dict[int, tuple[torch.Tensor, SamplingRows]] = {}  # preempted groups' rows, by arrival
 
     # -- blocks ---------------------------------------------------------------------------------------------------
     def _pool(self) -> KVPool:
@@ -203,6 +204,15 @@ class BlockBatch:
         """Blocks the next decode step hands out: one to each row that crosses into a new block."""
         n = self.n
         return int(np.count_nonzero(self.lengths[:n] // BLOCK >= self.counts[:n]))
+
+    def park(self, group: RequestGroup, tokens: torch.Tensor, sampling: SamplingRows) -> None:
+        """A preempted group's rows' next tokens and sampling state (seeds' step counters, penalty history, grammar
+        matchers), kept until its rows are computed again and join (``unpark``), by its arrival number."""
+        self.parked[group.arrival] = (tokens, sampling)
+
+    def unpark(self, group: RequestGroup) -> tuple[torch.Tensor, SamplingRows] | None:
+        """What ``park`` kept for ``group`` (None: nothing), given back once."""
+        return self.parked.pop(group.arrival, None)
 
     def rows_of(self, group: RequestGroup) -> list[int]:
         """The batch rows of ``group``'s candidates, in order."""

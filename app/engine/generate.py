@@ -31,9 +31,10 @@ from app.engine.batches import (  # noqa: F401 - BUCKETS and bucket re-exported 
 
 
 class Status(enum.Enum):
-    """Where a group is: waiting in the scheduler's queue (new, or preempted: ``RequestGroup.preempted`` holds its
-    rows' state), being computed by the steps (its prompt, or a preempted group's rows: ``ChunkedPrefill``), its
-    rows in the running batch, or finished (every row ended, or the request failed or went away)."""
+    """Where a group is: waiting in the scheduler's queue (new, or preempted: its sequences say so, the batch keeps
+    its rows' sampling state), being computed by the steps (its prompt, or a preempted group's rows:
+    ``ChunkedPrefill``), its rows in the running batch, or finished (every row ended, or the request failed or went
+    away)."""
 
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -120,7 +121,6 @@ class RequestGroup:
         self._prompt_ranks: list[int] = []
         self.cancelled = False
         self.status = Status.WAITING
-        self.preempted: Preempted | None = None  # its rows left the batch for older requests (``preempt``)
         self.arrival = 0  # its place in the order groups were submitted (the scheduler's)
         self.request_id = 0  # the request it is a prompt of (the engine's ``add_request``)
         self.eager = True  # its request's outputs go out every iteration (else when a prompt ends)
@@ -145,10 +145,20 @@ class RequestGroup:
     def blocks_now(self) -> int:
         """Blocks admitting this group takes (or is sure to soon): its prompt's, a copy of the partial last block for
         each other candidate, and one to grow into per row; for a preempted group, its rows' and one each."""
-        if self.preempted is not None:
-            return sum(-(-length // BLOCK) + 1 for length in self.preempted.lengths)
+        if self.preempted:
+            return sum(-(-length // BLOCK) + 1 for length in self.resumed_lengths)
         count, length = self.params.num_candidates, len(self.prompt_ids)
         return -(-length // BLOCK) + (count - 1) * (length % BLOCK > 0) + count
+
+    @property
+    def preempted(self) -> bool:
+        """Its rows left the batch for older requests' blocks (``preempt``) and wait to be computed again."""
+        return any(seq.status is SequenceStatus.PREEMPTED for seq in self.running)
+
+    @property
+    def resumed_lengths(self) -> list[int]:
+        """A preempted group's rows: the positions each one held (its prompt and every token but its next one)."""
+        return [len(seq.prompt_ids) + len(seq.output_ids) - 1 for seq in self.running]
 
     def finish_candidate(self, index: int) -> None:
         """The output side ended candidate ``index`` (a stop string): its row leaves at the next step. Called
@@ -293,23 +303,13 @@ def admit(batch: BlockBatch, group: RequestGroup) -> list[Event]:
     return job.finish(batch)
 
 
-@dataclass
-class Preempted:
-    """A group whose rows left the batch to give their blocks to older requests (``preempt``), and what its rows
-    need to go on where they stopped once their positions are computed again (``ChunkedPrefill``)."""
-
-    tokens: torch.Tensor  # each row's next token
-    sampling: SamplingRows  # the rows' sampling state: seeds' step counters, penalty history, grammar matchers
-    lengths: list[int]  # the positions each row held: prompt + all its tokens but the next one
-
-
 def preempt(batch: BlockBatch, group: RequestGroup) -> None:
     """Take a running group's rows out of the batch and let their blocks go (full blocks stay in the prefix cache,
-    where its recomputation may find them); what they need to go on is kept on the group (``Preempted``)."""
+    where its recomputation may find them); its sequences are PREEMPTED, and what its rows need to go on (their
+    next tokens and sampling state) is parked in the batch (``BlockBatch.park``)."""
     rows = batch.rows_of(group)
     index = torch.tensor(rows, dtype=torch.long, device=batch.next_tokens.device)
-    lengths = [int(batch.lengths[r]) for r in rows]
-    group.preempted = Preempted(batch.next_tokens.index_select(0, index), batch.sampling.select(rows), lengths)
+    batch.park(group, batch.next_tokens.index_select(0, index), batch.sampling.select(rows))
     leaving = set(rows)
     keep = [r for r in range(batch.n) if r not in leaving]
     running, group.running = group.running, []  # the group leaves the batch's list; its candidates stay its own
@@ -334,11 +334,8 @@ class ChunkedPrefill:
 
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
-        resumed = group.preempted
         self.ids_of = (
-            [group.prompt_ids]
-            if resumed is None
-            else [(seq.prompt_ids + seq.output_ids)[:length] for seq, length in zip(group.running, resumed.lengths)]
+            [(seq.prompt_ids + seq.output_ids)[:-1] for seq in group.running] if group.preempted else [group.prompt_ids]
         )
         self.tables: list[list[int]] = []  # each sequence's blocks (reserved at ``start``)
         self.spare: list[int] = []  # blocks for the other candidates' copies of the prompt's partial last block
@@ -362,7 +359,7 @@ class ChunkedPrefill:
         them (not when every position's logits are asked for: those of cached positions are not kept)."""
         group = self.group
         salt = batch.runner.prefix_salt(group.params.adapter)
-        reuse = group.preempted is not None or not group.needs_prompt_logits
+        reuse = group.preempted or not group.needs_prompt_logits
         group.status = Status.PREFILLING
         for ids in self.ids_of:
             table, keys, cached = batch.reserve(ids, salt, reuse=reuse)
@@ -370,7 +367,7 @@ class ChunkedPrefill:
             self.keys_of.append(keys)
             self.cached.append(cached)
         self.done = self.cached[0]
-        if group.preempted is None:
+        if not group.preempted:
             group.timings.cached_tokens += self.done
             self.spare = batch.spare_blocks(group)
 
@@ -387,7 +384,7 @@ class ChunkedPrefill:
         """Which of the next chunk's logits a step computes: every position's (prompt scoring), the last one
         when the chunk ends the prompt (the first tokens come from it), or none (a preempted group's rows have their
         next tokens)."""
-        if self.group.preempted is not None:
+        if self.group.preempted:
             return "none"
         if self.group.needs_prompt_logits:
             return "all"
@@ -397,7 +394,7 @@ class ChunkedPrefill:
         """A step computed the next ``count`` tokens (``logits`` as ``logits_wanted`` asked): the full blocks they
         completed go to the prefix cache. True once every sequence is in."""
         group = self.group
-        if group.needs_prompt_logits and group.preempted is None:
+        if group.needs_prompt_logits and not group.preempted:
             group.score_prompt(logits, self.done)
         batch.register(self.table, self.keys_of[self.row], self.done, self.done + count)
         self.done += count
@@ -408,7 +405,7 @@ class ChunkedPrefill:
             self.row += 1
             self.done = self.cached[self.row]
             return False
-        if group.preempted is None:
+        if not group.preempted:
             self.last = logits[-1:].unsqueeze(0)
         return True
 
@@ -418,15 +415,17 @@ class ChunkedPrefill:
 
     def finish(self, batch: BlockBatch) -> list[Event]:
         tables, self.tables = self.tables, []
-        resumed, group = self.group.preempted, self.group
-        if resumed is None:
+        group = self.group
+        if not group.preempted:
             start, spare, self.spare = time.perf_counter() - self.spent, self.spare, []
             return _join(batch, group, self.last, start, tables[0], self._chain(0), spare)
         chains = [self._chain(row) for row in range(len(tables))]
-        group.preempted, group.status = None, Status.RUNNING
-        for seq, length in zip(group.running, resumed.lengths):
+        lengths = group.resumed_lengths
+        tokens, sampling = batch.unpark(group)
+        group.status = Status.RUNNING
+        for seq, length in zip(group.running, lengths):
             seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, length
-        batch.add_rows(group, tables, resumed.lengths, chains, resumed.tokens, resumed.sampling, prompts=len(tables))
+        batch.add_rows(group, tables, lengths, chains, tokens, sampling, prompts=len(tables))
         group.timings.prefill_s += self.spent
         return []
 

@@ -145,6 +145,7 @@ class Scheduler(Engine):
         """The group is no longer the scheduler's (every row ended, it was cancelled, or it failed with ``error``):
         its request's held outputs and its end go out with this iteration."""
         group.status = Status.FINISHED
+        self.batch.unpark(group)  # a preempted group that ends before it came back
         rid = group.request_id
         self._outputs += self._held.pop(rid, [])
         self._outputs.append((rid, group.tag, Ended.of(group) if error is None else error))
@@ -329,7 +330,7 @@ class Scheduler(Engine):
                 self._finish_prefill(job)
 
     def _register(self, group: RequestGroup) -> None:
-        if group.preempted is None:
+        if not group.preempted:
             group.timings.queue_s = time.perf_counter() - group.submitted
 
     def _start_prefill(self, group: RequestGroup) -> None:

@@ -449,6 +449,42 @@ def test_a_request_that_fits_the_budget_alone_is_never_held_back_by_newer_ones(g
     assert worker.scheduler.kv_usage == 0.0
 
 
+def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(gpt2_dir, reference, monkeypatch):
+    """The newest request gives its blocks back (its rows' state parked in the batch) and its client goes away
+    before it comes back: it ends without an error, nothing stays parked or held, and the request that kept its
+    blocks equals ``generate()``."""
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+
+    worker = Worker.from_loaded(
+        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
+    )
+    model, tok = reference(gpt2_dir)
+    ids = tok("Once upon a time").input_ids
+    long = SamplingParams(max_tokens=80 - len(ids), temperature=0.0, ignore_eos=True, logprobs=1)
+    short = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
+    scheduler = worker.scheduler
+    real = scheduler._make_room
+    cancelled = []
+
+    def make_room():  # on the model thread: the first preempted request's client goes away at once
+        real()
+        if scheduler.preemptions and not cancelled:
+            waiting = scheduler._pending[0]
+            assert waiting.preempted and scheduler.batch.parked
+            cancelled.append(waiting)
+            scheduler.abort(waiting.request_id)
+
+    monkeypatch.setattr(scheduler, "_make_room", make_room)
+    first = scheduler.submit([RequestGroup(worker.runner, ids, long, max_length=256)])
+    second = scheduler.submit([RequestGroup(worker.runner, ids, short, max_length=256)])
+    long_result = collect([e for _, e in first], long)
+    list(second)  # ends (cut short), no error
+    assert cancelled and cancelled[0].status.value == "finished"
+    matches_generate(long_result, model, tok, ids, long.max_tokens)
+    assert scheduler.batch.parked == {} and scheduler.kv_usage == 0.0 and scheduler.open_requests == 0
+
+
 def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     """n x (prompt + max_tokens), in whole 16-position blocks, beyond the KV budget: a 400 naming n before anything
     runs; within it: served."""
