@@ -434,26 +434,29 @@ def test_a_plain_request_whose_client_left_stops_generating(gpt2_dir, tmp_path):
         while sample(metrics(srv), "saker_requests_in_flight") < 2 and time.time() < deadline:
             time.sleep(0.05)  # it is in the server, its first step held at the gate
         client.close()  # the client goes away
-        time.sleep(1.0)  # the close is seen at once (epoll), or by the request thread's 50 ms poll
-        gate.unlink()
-        deadline = time.time() + 30
-        while "499" not in (access_log.read_text() if access_log.exists() else "") and time.time() < deadline:
+
+        def completions_lines() -> list[str]:
+            text = access_log.read_text() if access_log.exists() else ""
+            return [x for x in text.splitlines() if '"/v1/completions"' in x]
+
+        deadline = time.time() + 30  # a safety net only: the request thread sees the close while the step is held
+        while not completions_lines() and time.time() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)
-        steps = count.read_text().count("step")
-        # stopped long before 200 tokens: seen at once, the close may even cancel it before its first decode step
-        # (the one held at the gate), so 0 steps is possible
-        assert steps < 20, steps
-        line = json.loads([x for x in access_log.read_text().splitlines() if '"/v1/completions"' in x][0])
+        line = json.loads(completions_lines()[0])
         assert line["status"] == 499 and line["error_code"] == "client_closed_request"
-        assert line["completion_tokens"] <= steps + 1  # what it generated before it stopped (the prefill's token)
-        assert re.search(r"ended early after \d+ generated tokens: its client closed", srv.output())
-        after = requests.post(
+        gate.unlink()  # the request was cancelled before any step after the held one
+        after = requests.post(  # served once the scheduler has dropped the cancelled rows
             srv.url + "/v1/completions",
             json={"model": "tiny-gpt2", "prompt": "Hello", "max_tokens": 3, "temperature": 0},
             timeout=30,
         )
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+        steps = count.read_text().count("step")
+        # far from 200 tokens: the held step (if its first decode step had begun), the next at most, and the
+        # second request's two decode steps (its first token comes from its prefill)
+        assert steps <= 5, steps
+        assert line["completion_tokens"] <= 2  # what it generated before it stopped
+        assert re.search(r"ended early after \d+ generated tokens: its client closed", srv.output())
     finally:
         if gate.exists():
             gate.unlink()
