@@ -1,56 +1,94 @@
-"""Where a compiled CUDA decode step's time goes (1B Llama, bf16, one request): the graph replay alone against the
-engine's whole step, and the profiler's top host-side entries."""
+"""Where a compiled decode step's time goes (1B Llama, bf16, one request): the compiled step replayed alone against
+the engine's whole step, and the profiler's top entries.
 
-import sys
+    python3 scripts/gpu/profile_d.py [int4]                       # on the GPU (the 1B Llama shape)
+    python3 scripts/gpu/profile_d.py --device cpu --model PATH    # a smoke run of this script on the CPU
+
+The step is replayed as the warm-up runs it (``BlockBatch.warm_up``): bucket 1, one padding row on the null block,
+attending over the whole capacity on CUDA (one CUDA graph per bucket) or the smallest window on the CPU."""
+
+import argparse
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from app.bench.models import LLAMA_1B, ensure_model
+from app.engine.batches import windows
+from app.engine.blocks import BLOCK
 from app.engine.params import SamplingParams
 from app.engine.worker import Worker
 from app.settings import Settings
 
-quant = sys.argv[1] if len(sys.argv) > 1 else None
-path = ensure_model(LLAMA_1B, Path(".cache/bench"), print, device="cuda")
+parser = argparse.ArgumentParser()
+parser.add_argument("quantize", nargs="?", default=None)
+parser.add_argument("--device", default="cuda")
+parser.add_argument("--model", default=None, help="a model folder (default: the bench's 1B Llama shape)")
+args = parser.parse_args()
+cuda = args.device.startswith("cuda")
+if args.model is None:
+    from app.bench.models import LLAMA_1B, ensure_model
+
+    path = ensure_model(LLAMA_1B, Path(".cache/bench"), print, device=args.device)
+else:
+    path = Path(args.model)
+dtype = "bfloat16" if cuda else "float32"
 w = Worker.from_settings(
-    Settings(model=str(path), device="cuda", dtype="bfloat16", compile=True, max_batch_rows=8, quantize=quant)
+    Settings(model=str(path), device=args.device, dtype=dtype, compile=True, max_batch_rows=8, quantize=args.quantize)
 )
 w.load()
-ids = list(range(100, 612))
-params = SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True)
+
+
+def sync() -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+context = w.info.context_length  # 512 + 129 for the 1B shape; less for a smaller model's context
+prompt = min(512, context // 2)
+ids = list(range(100, 100 + prompt))
+params = SamplingParams(max_tokens=min(129, context // 4), temperature=0.0, ignore_eos=True)
 for _ in range(2):
-    w.complete([ids], params, 4096)
-torch.cuda.synchronize()
+    w.complete([ids], params, context)
+sync()
 t = time.perf_counter()
-(out,), timings = w.complete([ids], params, 4096)
-torch.cuda.synchronize()
+(out,), timings = w.complete([ids], params, context)
+sync()
 wall = time.perf_counter() - t
-print(f"quantize={quant}: 512-token prompt + 129 tokens: {wall * 1000:.1f} ms; timings {timings}")
-# the graph replay alone, bucket 1, on the scheduler's own store (as the warm-up runs it)
+print(f"quantize={args.quantize}: {prompt}-token prompt + {params.max_tokens} tokens: {wall * 1000:.1f} ms; {timings}")
 runner, batch = w.runner, w.scheduler.batch
-store = batch.store
-zeros = torch.zeros(1, dtype=torch.long, device="cuda")
+pool = batch.pool
+width = batch.capacity if batch.static else windows(batch.capacity)[0]
+device = pool.keys[0].device
+zeros = torch.zeros(1, dtype=torch.long, device=device)
+gather = torch.zeros(1, width // BLOCK, dtype=torch.long, device=device)
+
+
+def replay() -> None:
+    runner.compiled_step(zeros, zeros.clone(), zeros.clone(), gather, pool.keys, pool.values)
+
+
 with torch.inference_mode():
     for _ in range(5):
-        runner.compiled_step(zeros, zeros.clone(), store, store.capacity)
-    torch.cuda.synchronize()
+        replay()
+    sync()
     t = time.perf_counter()
     for _ in range(50):
-        runner.compiled_step(zeros, zeros.clone(), store, store.capacity)
-    torch.cuda.synchronize()
-    print(f"compiled step alone (bucket 1, view {store.capacity}): {(time.perf_counter() - t) / 50 * 1000:.3f} ms")
-    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ev0.record()
-    for _ in range(50):
-        runner.compiled_step(zeros, zeros.clone(), store, store.capacity)
-    ev1.record()
-    torch.cuda.synchronize()
-    print(f"  GPU time per step: {ev0.elapsed_time(ev1) / 50:.3f} ms")
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    w.complete([ids], SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True), 4096)
-    torch.cuda.synchronize()
+        replay()
+    sync()
+    print(f"compiled step alone (bucket 1, {width} positions): {(time.perf_counter() - t) / 50 * 1000:.3f} ms")
+    if cuda:
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        for _ in range(50):
+            replay()
+        ev1.record()
+        torch.cuda.synchronize()
+        print(f"  GPU time per step: {ev0.elapsed_time(ev1) / 50:.3f} ms")
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+with profile(activities=activities) as prof:
+    w.complete([ids], SamplingParams(max_tokens=min(33, context // 8), temperature=0.0, ignore_eos=True), context)
+    sync()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+if cuda:
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
