@@ -63,7 +63,6 @@ class Ticket:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: collections.deque[tuple[int, PromptEvent | TokenEvent]] = collections.deque()
         self._open = len(groups)
-        self.submitted = time.perf_counter()
 
     def deliver(self, items: list[tuple[int, object]]) -> None:
         """From the engine's side: ``(tag, payload)`` outputs of one iteration."""

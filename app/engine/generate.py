@@ -68,10 +68,6 @@ class Sequence:
     finish_reason: str | None = None  # eos, stop_token, length, complete (the engine's); stop, abort (the output
     # side's stop string, the client gone)
 
-    @property
-    def generated(self) -> int:
-        return len(self.output_ids)
-
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason
 

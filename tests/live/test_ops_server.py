@@ -287,21 +287,6 @@ def test_keys_and_prompts_never_reach_the_logs(server):
 
 
 # -- graceful shutdown ----------------------------------------------------------------------------------------
-def descendants(pid: int) -> set[int]:
-    """Every process under ``pid`` (Linux /proc)."""
-    out, todo = set(), [pid]
-    while todo:
-        here = todo.pop()
-        try:
-            children = Path(f"/proc/{here}/task/{here}/children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
 def alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, dead and waiting to be reaped, does not)."""
     try:
@@ -357,7 +342,7 @@ def test_sigterm_lets_in_flight_requests_finish(gpt2_dir, tmp_path, engine_proce
             while sample(metrics(srv), "saker_requests_in_flight") < 6 and time.time() < deadline:
                 time.sleep(0.05)
             assert sample(metrics(srv), "saker_requests_in_flight") == 6  # 5 + this scrape
-            processes = descendants(srv.proc.pid)  # the worker (and its engine process)
+            processes = srv.worker_pids()  # the worker (and its engine process)
             # the worker; with the engine process also it and multiprocessing's resource tracker
             assert len(processes) == (3 if engine_process else 1)
             srv.proc.send_signal(signal.SIGTERM)  # what docker stop / kubelet / scancel send
