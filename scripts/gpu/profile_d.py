@@ -23,6 +23,7 @@ from app.settings import Settings
 parser = argparse.ArgumentParser()
 parser.add_argument("quantize", nargs="?", default=None)
 parser.add_argument("--device", default="cuda")
+parser.add_argument("--rows", type=int, default=1, help="prompts decoded together in the profiled request")
 parser.add_argument("--model", default=None, help="a model folder (default: the bench's 1B Llama shape)")
 args = parser.parse_args()
 cuda = args.device.startswith("cuda")
@@ -34,7 +35,14 @@ else:
     path = Path(args.model)
 dtype = "bfloat16" if cuda else "float32"
 w = Worker.from_settings(
-    Settings(model=str(path), device=args.device, dtype=dtype, compile=True, max_batch_rows=8, quantize=args.quantize)
+    Settings(
+        model=str(path),
+        device=args.device,
+        dtype=dtype,
+        compile=True,
+        max_batch_rows=max(8, args.rows),
+        quantize=args.quantize,
+    )
 )
 w.load()
 
@@ -68,26 +76,39 @@ def replay() -> None:
     runner.compiled_step(zeros, zeros.clone(), zeros.clone(), gather, pool.keys, pool.values)
 
 
-with torch.inference_mode():
-    for _ in range(5):
-        replay()
-    sync()
-    t = time.perf_counter()
-    for _ in range(50):
-        replay()
-    sync()
-    print(f"compiled step alone (bucket 1, {width} positions): {(time.perf_counter() - t) / 50 * 1000:.3f} ms")
-    if cuda:
-        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ev0.record()
+def replay_alone() -> None:
+    """The compiled step replayed from this thread: on CUDA inductor's graph trees live in the thread that
+    captured them (the engine's model thread), so there this raises and the profile below is what remains."""
+    with torch.inference_mode():
+        for _ in range(5):
+            replay()
+        sync()
+        t = time.perf_counter()
         for _ in range(50):
             replay()
-        ev1.record()
-        torch.cuda.synchronize()
-        print(f"  GPU time per step: {ev0.elapsed_time(ev1) / 50:.3f} ms")
+        sync()
+        print(f"compiled step alone (bucket 1, {width} positions): {(time.perf_counter() - t) / 50 * 1000:.3f} ms")
+        if cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            for _ in range(50):
+                replay()
+            ev1.record()
+            torch.cuda.synchronize()
+            print(f"  GPU time per step: {ev0.elapsed_time(ev1) / 50:.3f} ms")
+
+
+try:
+    replay_alone()
+except AssertionError:
+    print("compiled step alone: not replayable from this thread (its CUDA graphs belong to the model thread)")
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 with profile(activities=activities) as prof:
-    w.complete([ids], SamplingParams(max_tokens=min(33, context // 8), temperature=0.0, ignore_eos=True), context)
+    w.complete(
+        [[i + r for i in ids] for r in range(args.rows)],
+        SamplingParams(max_tokens=min(33, context // 8), temperature=0.0, ignore_eos=True),
+        context,
+    )
     sync()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 if cuda:

@@ -24,6 +24,7 @@ from app.bench.stats import latency_summary
 if TYPE_CHECKING:
     from app.bench.runner import Bench
 
+MAX_ID = 32_000  # the long prompts' random ids are drawn below this (the bench's vocabularies hold them)
 STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides. Chapter one:"
 
 
@@ -78,7 +79,7 @@ def measure(bench: Bench, url: str, name: str) -> dict:
         try:
             wait = min(1.0, plan.m_every / 2)  # the first one once the streams are decoding
             while not done.wait(wait):
-                ids = [rng.randrange(100, 32_000) for _ in range(plan.m_long)]
+                ids = [rng.randrange(100, MAX_ID) for _ in range(plan.m_long)]
                 body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True}
                 reply = client.complete(body)  # sent while the streams decode: its TTFT counts
                 if reply.ttft_s is not None:
