@@ -22,10 +22,11 @@ None for a plain causal block (the last query sees every key). Models whose atte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from app.engine import paged_attention
 from app.engine.blocks import BLOCK
 
 NAME = "saker"
@@ -47,6 +48,12 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if query.dtype == torch.float32 and paged_attention.supports(dim):
+        spans = _spans(attention_mask, batch, length, keys, is_causal)
+        if spans is not None:
+            return _kernel_attention(query, key, value, spans, scale), None
     q = query.double().view(batch, kv_heads, group, length, dim)
     mask = None
     if attention_mask is not None:  # (B|1, 1|Hq, Lq, Lk) -> (B|1, 1|Hkv, 1|group, Lq, Lk)
@@ -55,8 +62,6 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
             mask = mask.unsqueeze(2)
         else:
             mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-2], mask.shape[-1])
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
     causal = attention_mask is None and is_causal and length > 1
     out = torch.empty(batch, kv_heads, group, length, value.shape[-1], dtype=torch.float64, device=query.device)
     together = key.numel() <= HEADS_TOGETHER
@@ -87,6 +92,52 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
     # a row with every key masked (padding) gives NaN from softmax: zeros instead
     out = out.nan_to_num_(0.0).view(batch, heads, length, -1)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _spans(mask, batch: int, length: int, keys: int, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The keys each query of a plain forward sees, as ``[lo, hi)`` per query (batch x length,), from SDPA's mask
+    (boolean, or added to the scores) or causality; None when some query's keys are not one run (the float64 path
+    then computes it). A query that sees no key gets ``lo == hi``."""
+    device = None if mask is None else mask.device
+    if mask is None:
+        at = torch.arange(keys - length + 1, keys + 1) if is_causal and length > 1 else torch.full((length,), keys)
+        hi = at.repeat(batch)
+        return torch.zeros_like(hi), hi
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)).all()):
+            return None
+        mask = mask == 0
+    if mask.shape[1] != 1:  # one mask per head: only when every head's is the same
+        if not bool((mask == mask[:, :1]).all()):
+            return None
+    rows = mask[:, 0].expand(batch, length, keys).reshape(batch * length, keys)
+    seen = rows.any(-1)
+    lo = torch.where(seen, rows.int().argmax(-1), 0).long()
+    hi = torch.where(seen, keys - rows.flip(-1).int().argmax(-1), 0).long()
+    if not bool((rows.sum(-1) == hi - lo).all()):
+        return None
+    return lo.to(device), hi.to(device)
+
+
+def _kernel_attention(query, key, value, spans, scale: float) -> torch.Tensor:
+    """A plain forward's attention by ``paged_attention`` (the kernel the flat steps use, so a plain forward gives
+    every position what the engine gives it): keys and values laid out as a pool of one table per batch row.
+    Returns (B, Lq, Hq, D)."""
+    batch, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    blocks = -(-keys // BLOCK)
+
+    def pooled(x):
+        out = x.new_zeros(batch, blocks * BLOCK, kv_heads, dim, dtype=torch.float32)
+        out[:, :keys] = x.transpose(1, 2)
+        return out.view(batch * blocks * BLOCK, kv_heads, dim)
+
+    tables = torch.arange(batch * blocks).view(batch, blocks)
+    which = torch.arange(batch).repeat_interleave(length)
+    q = query.transpose(1, 2).reshape(batch * length, heads, dim)
+    lo, hi = spans
+    out = paged_attention.call(q, pooled(key), pooled(value), tables, which, lo, hi, scale)
+    return out.view(batch, length, heads, dim)
 
 
 def attention(
@@ -144,6 +195,30 @@ class FlatStep:
     chunks: tuple[tuple[torch.Tensor, int, int], ...] = ()
     batched: bool = False
     scratch: "Scratch | None" = None  # where blocks are read into (None: fresh tensors; a compiled step)
+    _spans: dict = field(default_factory=dict, repr=False)  # window -> ``spans``, made at the first layer
+
+    def spans(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's tokens for ``paged_attention``: ``(tables, which, lo, hi)``, the block tables (the decode rows'
+        ``gather``, then one per chunk), each token's table row and the positions it attends over, ``[lo, hi)``
+        (its own and those before it, the last ``window`` of them with a sliding window). Made once per step and
+        window (every layer's are the same)."""
+        if window not in self._spans:
+            tables, which, his = [], [], []
+            device = self.write.device
+            if self.rows:
+                tables.append(self.gather)
+                which.append(torch.arange(self.rows, device=device))
+                his.append(self.row_positions + 1)
+            for j, (blocks, start, count) in enumerate(self.chunks):
+                tables.append(blocks.view(1, -1))
+                which.append(torch.full((count,), self.rows + j, dtype=torch.long, device=device))
+                his.append(torch.arange(start + 1, start + count + 1, device=device))
+            width = max(t.shape[1] for t in tables)
+            tables = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]
+            hi = torch.cat(his)
+            lo = (hi - window).clamp_min(0) if window else torch.zeros_like(hi)
+            self._spans[window] = (torch.cat(tables), torch.cat(which), lo, hi)
+        return self._spans[window]
 
 
 class Scratch:
@@ -190,7 +265,14 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: i
         new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)
     keys.index_copy_(0, flat.write, new_keys.to(keys.dtype))
     values.index_copy_(0, flat.write, new_values.to(values.dtype))
-    inner = exact_attention if getattr(module, "_saker_exact", False) else _sdpa
+    exact = getattr(module, "_saker_exact", False)
+    if exact and keys.dtype == torch.float32:  # the float32 kernel (the pool is float64 where it is not built)
+        q = query[:, :, 0] if flat.batched else query[0].transpose(0, 1)  # (T, Hq, D)
+        tables, which, lo, hi = flat.spans(window)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        out = paged_attention.call(q, keys, values, tables, which, lo, hi, scale)
+        return (out.unsqueeze(1) if flat.batched else out.unsqueeze(0)), None
+    inner = exact_attention if exact else _sdpa
     parts = []
     rows = flat.rows
     if rows:

@@ -1,0 +1,129 @@
+"""The fixed-order float32 attention kernel (``app/engine/paged_attention.cpp``) against a float64 softmax
+attention written here, and its point: a query's output is the same bits whatever else is computed with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine import paged_attention
+from app.engine.attention import FlatStep, exact_attention
+from app.engine.blocks import BLOCK
+
+pytestmark = pytest.mark.skipif(not paged_attention.supports(64), reason="the kernel cannot be built here")
+
+HQ, HKV, D, BLOCKS = 6, 2, 64, 64
+
+
+def reference(q, keys, values, table, lo, hi, scale):
+    """One query (Hq, D) over positions [lo, hi) of the pool rows ``table`` names, in float64."""
+    slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)[lo:hi]
+    k, v = keys[slots].double(), values[slots].double()
+    group = q.shape[0] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(q.shape[0]):
+        if hi > lo:
+            weights = torch.softmax((q[h].double() @ k[:, h // group].T) * scale, -1)
+            out[h] = weights @ v[:, h // group]
+    return out
+
+
+@pytest.fixture
+def pool():
+    torch.manual_seed(0)
+    return torch.randn(BLOCKS * BLOCK, HKV, D), torch.randn(BLOCKS * BLOCK, HKV, D)
+
+
+def test_rows_and_chunks_read_in_place_equal_float64_attention(pool):
+    keys, values = pool
+    tables = torch.stack([torch.randperm(BLOCKS - 1)[:12] + 1 for _ in range(4)])
+    # two decode rows, then a 21-token chunk and a 3-token chunk of two prompts; one window
+    which = torch.tensor([0, 1] + [2] * 21 + [3] * 3)
+    hi = torch.cat([torch.tensor([5, 170]), torch.arange(100, 121) + 1, torch.arange(17, 20) + 1])
+    for lo in (torch.zeros_like(hi), (hi - 40).clamp_min(0)):
+        q = torch.randn(len(hi), HQ, D)
+        out = paged_attention.call(q, keys, values, tables, which, lo, hi, 0.125)
+        for i in range(len(hi)):
+            expected = reference(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
+            torch.testing.assert_close(out[i].double(), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_a_query_gets_the_same_bits_alone_in_a_tile_or_beside_other_rows(pool):
+    keys, values = pool
+    tables = torch.stack([torch.randperm(BLOCKS - 1)[:20] + 1 for _ in range(2)])
+    n = 40
+    q = torch.randn(n, HQ, D)
+    hi = torch.arange(250, 250 + n) + 1
+    together = paged_attention.call(q, keys, values, tables[:1], torch.zeros(n, dtype=torch.long), 0 * hi, hi, 0.1)
+    for i in (0, 7, 15, 16, 39):
+        alone = paged_attention.call(
+            q[i : i + 1], keys, values, tables[:1], torch.zeros(1).long(), 0 * hi[:1], hi[i : i + 1], 0.1
+        )
+        assert torch.equal(alone[0], together[i]), i
+    # beside a decode row of another sequence, in front of it
+    mixed = paged_attention.call(
+        torch.cat([torch.randn(1, HQ, D), q[5:9]]),
+        keys,
+        values,
+        tables,
+        torch.tensor([1, 0, 0, 0, 0]),
+        torch.zeros(5, dtype=torch.long),
+        torch.cat([torch.tensor([77]), hi[5:9]]),
+        0.1,
+    )
+    assert torch.equal(mixed[1:], together[5:9])
+
+
+def test_what_a_query_may_not_see_changes_nothing_and_no_position_gives_zeros(pool):
+    keys, values = pool
+    table = (torch.randperm(BLOCKS - 1)[:4] + 1).view(1, -1)
+    q = torch.randn(3, HQ, D)
+    lo, hi = torch.tensor([3, 5, 9]), torch.tensor([19, 19, 9])
+    args = (table, torch.zeros(3, dtype=torch.long), lo, hi, 0.125)
+    clean = paged_attention.call(q, keys, values, *args)
+    dirty_k, dirty_v = keys.clone(), values.clone()
+    slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)
+    for x in (dirty_k, dirty_v):
+        x[slots[19:]] = float("nan")  # the unwritten rest of the last block
+        x[slots[:3]] = float("inf")  # the positions before the queries' windows
+    torch.testing.assert_close(paged_attention.call(q, dirty_k, dirty_v, *args)[:2, :], clean[:2])
+    assert torch.equal(clean[2], torch.zeros(HQ, D))
+
+
+def test_the_flat_steps_spans_name_each_tokens_table_and_positions():
+    gather = torch.tensor([[3, 4, 0], [5, 0, 0]])
+    chunks = ((torch.tensor([7, 8, 9, 10]), 40, 3), (torch.tensor([11]), 0, 2))
+    flat = FlatStep([], [], torch.zeros(7, dtype=torch.long), 2, gather, None, torch.tensor([20, 2]), chunks)
+    tables, which, lo, hi = flat.spans()
+    assert tables.tolist() == [[3, 4, 0, 0], [5, 0, 0, 0], [7, 8, 9, 10], [11, 0, 0, 0]]
+    assert which.tolist() == [0, 1, 2, 2, 2, 3, 3]
+    assert hi.tolist() == [21, 3, 41, 42, 43, 1, 2] and lo.tolist() == [0] * 7
+    assert flat.spans(8)[2].tolist() == [13, 0, 33, 34, 35, 0, 0]
+
+
+def test_a_left_padded_plain_forward_equals_each_row_alone():
+    """generate()'s batches pad on the left: a padded row's queries give the bits of the same row unpadded."""
+    torch.manual_seed(3)
+    module = type("M", (), {"is_causal": True})()
+    q, k, v = torch.randn(2, HQ, 12, D), torch.randn(2, HKV, 12, D), torch.randn(2, HKV, 12, D)
+    pad = 5
+    mask = torch.ones(2, 1, 12, 12).tril().bool()
+    mask[1, :, :, :pad] = False
+    out, _ = exact_attention(module, q, k, v, mask)
+    alone, _ = exact_attention(module, q[1:, :, pad:], k[1:, :, pad:], v[1:, :, pad:], None)
+    assert torch.equal(out[1, pad:], alone[0])
+    assert torch.equal(out[1, :pad], torch.zeros(pad, HQ, D))  # queries that see no key
+
+
+def test_a_compiled_function_keeps_the_kernel_as_one_op(pool):
+    keys, values = pool
+    table = (torch.randperm(BLOCKS - 1)[:4] + 1).view(1, -1)
+    q = torch.randn(4, HQ, D)
+    positions = torch.tensor([3, 30, 31, 50])
+
+    def step(q, positions):
+        hi = positions + 1
+        return paged_attention.call(q, keys, values, table.expand(4, -1), torch.arange(4), 0 * hi, hi, 0.125)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, positions), step(q, positions))
