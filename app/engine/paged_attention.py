@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import sys
 import threading
 from pathlib import Path
 
@@ -39,6 +41,8 @@ def _build():
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path  # requirements.txt's ninja
     try:
         return load(
             name=f"saker_paged_attention_{digest}",
@@ -52,6 +56,8 @@ def _build():
             "exact attention in float64: the float32 kernel could not be built (%s: %s)", type(exc).__name__, exc
         )
         return None
+    finally:
+        os.environ["PATH"] = path
 
 
 def supports(head_dim: int) -> bool:

@@ -57,17 +57,19 @@ class City(BaseModel):
     country: str
 
 
-def instructor_flow(server, flow: str) -> dict:
+def instructor_flow(server, flow: str, model_errors: bool = False) -> dict:
     """tests/clients/instructor_flows.py run with the clients' virtualenv: its JSON report. A failure shows the
-    requests it sent and what the server answered."""
+    requests it sent and what the server answered. ``model_errors``: a report whose error is instructor's
+    validation of the model's answer is returned too (the caller judges it)."""
     if not CLIENTS_PYTHON.exists():
         pytest.skip("instructor's virtualenv is missing: make install-clients")
     script = ROOT / "tests" / "clients" / "instructor_flows.py"
     done = subprocess.run(
         [str(CLIENTS_PYTHON), str(script), server.url, MODEL, flow], capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    report = json.loads(done.stdout) if done.stdout.strip() else {}
+    validation = model_errors and "validation error" in report.get("error", "")
+    assert done.returncode == 0 or validation, done.stdout[-6000:] + done.stderr[-3000:]
     assert all(exchange["status"] == 200 for exchange in report["exchanges"]), report["exchanges"]
     return report
 
@@ -83,9 +85,18 @@ def instructor_flow(server, flow: str) -> dict:
 )
 def test_instructor_modes(server, flow, path):
     """instructor's ``create`` in each mode, one attempt (no re-ask): one request, its answer parsed into the
-    model."""
-    report = instructor_flow(server, flow)
+    model. In JSON mode the schema is only in instructor's system prompt and the request asks for
+    ``json_object``: the server promises a JSON object, and whether its keys are the schema's is the model's doing
+    (the embedded 135M model's greedy answer has been either), so that mode holds the server to the JSON object."""
+    report = instructor_flow(server, flow, model_errors=flow == "json")
     assert [exchange["path"] for exchange in report["exchanges"]] == [path]
+    if flow == "json":
+        [exchange] = report["exchanges"]
+        assert exchange["request"]["response_format"] == {"type": "json_object"}
+        content = json.loads(exchange["response"])["choices"][0]["message"]["content"]
+        assert isinstance(json.loads(content), dict), content
+        if "error" in report:
+            return
     UserDetail.model_validate(report["result"])
 
 
