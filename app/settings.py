@@ -212,7 +212,7 @@ class Settings(BaseSettings):
         "prompt's chunk per step.",
     )
     prefill_chunk_tokens: int = Field(
-        64,
+        32,
         ge=0,
         description="Most tokens of one prompt a scheduler step computes (a step "
         "with a chunk is the decoding rows' inter-token gap): a longer prompt is "

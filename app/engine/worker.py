@@ -70,7 +70,7 @@ class Worker:
         compile: bool | None = False,
         prefill_batch_tokens: int = 512,
         prefix_cache_tokens: int = 4096,
-        prefill_chunk_tokens: int = 64,
+        prefill_chunk_tokens: int = 32,
         kv_cache_tokens: int | None = None,
     ):
         self.names = names
