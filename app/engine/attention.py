@@ -1,19 +1,21 @@
-"""The attention function the engine runs on the CPU, registered with transformers' ``AttentionInterface``.
+"""The attention function the engine registers with transformers' ``AttentionInterface``: a flat step's attention
+over the block pool (``FlatStep``), and for a model that rounds its activations a fixed-order attention.
 
-Why not PyTorch's SDPA: its float32 kernels give a query a result that depends on how many queries came with it
-(a prompt prefilled at once, in chunks, or its last token alone after the prefix cache: blocked matrix products
-and the flash kernel's splits sum in different orders). The differences are a few float32 ulps, and in a float32
-model they stay there (2e-6 in logprobs). But the weight-only int4/int8 kernels (the default on the CPU) take
-their inputs in bfloat16: an ulp that moves a value across a bfloat16 rounding boundary becomes a 4e-3 change,
+Why not PyTorch's SDPA for those: its float32 kernels give a query a result that depends on how many queries came
+with it (a prompt prefilled at once, in chunks, or its last token alone after the prefix cache: blocked matrix
+products and the flash kernel's splits sum in different orders). The differences are a few float32 ulps, and in a
+float32 model they stay there (2e-6 in logprobs). But the weight-only int4/int8 kernels (the default on the CPU)
+take their inputs in bfloat16: an ulp that moves a value across a bfloat16 rounding boundary becomes a 4e-3 change,
 and over 30 layers the embedded model's first-token logprob moved by up to 0.24 between a whole prefill and the
 same prompt from the prefix cache, and its greedy answer changed.
 
-Here scores, softmax and the weighted sum are computed in float64 and rounded once to the model's dtype. Every
-other operation of the model is row-wise (norms, the MLP, the kernels: bit-identical for 1 to 64 rows), so a
-position's output no longer depends on the path that computed it: the same logits (to the bit, in practice)
-whether a prompt is prefilled whole, in chunks, from the prefix cache, alone or beside other rows. float64
-rounding to float32 could differ only where the float64 results differ by ~1e-16 across a float32 rounding
-midpoint. Queries go in tiles (``TILE``), so a long prompt never holds more than a tile's scores.
+So for such a model every query is computed in an order that depends on its own positions only: by the float32
+kernel of ``paged_attention.cpp`` (reading the pool in place; a plain forward's keys laid out as a pool), or, where
+it cannot be built, in float64 here (``exact_attention``'s own body: scores, softmax and the weighted sum in
+float64, rounded once; queries in tiles of ``TILE``). Every other operation of the model is row-wise (norms, the
+MLP, the kernels: bit-identical for 1 to 64 rows), so a position's output does not depend on the path that
+computed it: the same logits, to the bit, whether a prompt is prefilled whole, in chunks, from the prefix cache,
+alone or beside other rows.
 
 The masks are sdpa's (``sdpa_mask`` is registered under the same name): a boolean 4D mask where one is needed,
 None for a plain causal block (the last query sees every key). Models whose attention needs more than a mask
@@ -35,9 +37,10 @@ HEADS_TOGETHER = 2**17  # keys (elements) up to which every head goes in one pro
 
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **_) -> tuple:
-    """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype, computed in
-    float64. ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the last query sees every
-    key (or no mask at all with ``is_causal`` False).
+    """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype, in a fixed order:
+    by the float32 kernel (``paged_attention``) where it is built for this head dim and every query's keys are one
+    run, else in float64 (below). ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the
+    last query sees every key (or no mask at all with ``is_causal`` False).
 
     Each kv head's group of query heads are the rows of one product (grouped-query attention without copying keys).
     Keys and values may have any row stride: those the block pool gives are rows of (B, Lk, Hkv, D). Large ones go

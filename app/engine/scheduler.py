@@ -454,6 +454,10 @@ class Scheduler(Engine):
 
 
 def _drop_frames(exc: BaseException) -> None:
-    """Let go of what a failed forward's frames hold (activations, a KV cache) before memory is freed."""
+    """Let go of what a failed forward's frames hold (activations, a KV cache) before memory is freed. A failure
+    other than running out of memory is logged first with its traceback on this thread (the request that hears of
+    it gets the exception without these frames)."""
+    if not isinstance(exc, torch.OutOfMemoryError):
+        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
     traceback.clear_frames(exc.__traceback__)
     exc.__traceback__ = None

@@ -34,6 +34,7 @@ parser.add_argument("--model", default=None)
 parser.add_argument("--quick", action="store_true", help="short runs (the CPU smoke test)")
 parser.add_argument("--out", default=None, help="write the JSON here too")
 parser.add_argument("--only-m", action="store_true", help="part M alone")
+parser.add_argument("--no-m", action="store_true", help="the 1-row vs 32-row steps alone")
 parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
 args = parser.parse_args()
 cuda = args.device.startswith("cuda")
@@ -92,14 +93,15 @@ try:
         result["step_ratio"] = round(many / one, 2)
         print(f"{rows}-row step / 1-row step: {result['step_ratio']} (goal <= 2)", flush=True)
 
-    plan = Plan()
-    part_m.MAX_ID = 27_000  # the 1B shape's trained tokenizer holds 27,731 ids
-    if args.quick:
-        plan = replace(plan, m_clients=4, m_tokens=48, m_long=200, m_every=0.5)
-    else:  # 16 streams of 1,024 tokens; a 1,536-token prompt (the 1B shape holds 2,048 positions) every second
-        plan = replace(plan, m_clients=16, m_tokens=1024, m_long=1536, m_every=1.0)
-    result["M"] = part_m.measure(SimpleNamespace(plan=plan), server.url, "m")
-    print(f"M: {json.dumps(result['M'])}", flush=True)
+    if not args.no_m:
+        plan = Plan()
+        part_m.MAX_ID = 27_000  # the 1B shape's trained tokenizer holds 27,731 ids
+        if args.quick:
+            plan = replace(plan, m_clients=4, m_tokens=48, m_long=200, m_every=0.5)
+        else:  # 16 streams of 1,024 tokens; a 1,536-token prompt (the 1B shape holds 2,048 positions) every second
+            plan = replace(plan, m_clients=16, m_tokens=1024, m_long=1536, m_every=1.0)
+        result["M"] = part_m.measure(SimpleNamespace(plan=plan), server.url, "m")
+        print(f"M: {json.dumps(result['M'])}", flush=True)
 finally:
     server.stop()
     print(server.tail()[-3000:] if "ready_s" not in result else "", file=sys.stderr)
