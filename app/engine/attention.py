@@ -10,8 +10,8 @@ and over 30 layers the embedded model's first-token logprob moved by up to 0.24 
 same prompt from the prefix cache, and its greedy answer changed.
 
 So for such a model every query is computed in an order that depends on its own positions only: by the float32
-kernel of ``paged_attention.cpp`` (reading the pool in place; a plain forward's keys laid out as a pool), or, where
-it cannot be built, in float64 here (``exact_attention``'s own body: scores, softmax and the weighted sum in
+kernel of ``kernels/paged_attention.cpp`` (reading the pool in place; a plain forward's keys laid out as a pool),
+or, where it cannot be built, in float64 here (``exact_attention``'s own body: scores, softmax and the weighted sum in
 float64, rounded once; queries in tiles of ``TILE``). Every other operation of the model is row-wise (norms, the
 MLP, the kernels: bit-identical for 1 to 64 rows), so a position's output does not depend on the path that
 computed it: the same logits, to the bit, whether a prompt is prefilled whole, in chunks, from the prefix cache,
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine import paged_attention
+from app.engine import cpu_kernels
 from app.engine.blocks import BLOCK
 
 NAME = "saker"
@@ -38,7 +38,7 @@ HEADS_TOGETHER = 2**17  # keys (elements) up to which every head goes in one pro
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, is_causal=None, **_) -> tuple:
     """query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D) -> (B, Lq, Hq, D) in query's dtype, in a fixed order:
-    by the float32 kernel (``paged_attention``) where it is built for this head dim and every query's keys are one
+    by the float32 kernel (``cpu_kernels.call``) where it is built for this head dim and every query's keys are one
     run, else in float64 (below). ``attention_mask``: SDPA's (boolean, or added to the scores); None: causal, the
     last query sees every key (or no mask at all with ``is_causal`` False).
 
@@ -53,7 +53,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, is_
     scale = scaling if scaling is not None else dim**-0.5
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    if query.dtype == torch.float32 and paged_attention.supports(dim):
+    if query.dtype == torch.float32 and cpu_kernels.supports(dim):
         spans = _spans(attention_mask, batch, length, keys, is_causal)
         if spans is not None:
             return _kernel_attention(query, key, value, spans, scale), None
@@ -139,7 +139,7 @@ def _kernel_attention(query, key, value, spans, scale: float) -> torch.Tensor:
     which = torch.arange(batch).repeat_interleave(length)
     q = query.transpose(1, 2).reshape(batch * length, heads, dim)
     lo, hi = spans
-    out = paged_attention.call(q, pooled(key), pooled(value), tables, which, lo, hi, scale)
+    out = cpu_kernels.call(q, pooled(key), pooled(value), tables, which, lo, hi, scale)
     return out.view(batch, length, heads, dim)
 
 
@@ -273,7 +273,7 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: i
         q = query[:, :, 0] if flat.batched else query[0].transpose(0, 1)  # (T, Hq, D)
         tables, which, lo, hi = flat.spans(window)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = paged_attention.call(q, keys, values, tables, which, lo, hi, scale)
+        out = cpu_kernels.call(q, keys, values, tables, which, lo, hi, scale)
         return (out.unsqueeze(1) if flat.batched else out.unsqueeze(0)), None
     inner = exact_attention if exact else _sdpa
     parts = []

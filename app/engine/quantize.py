@@ -27,6 +27,8 @@ import logging
 import torch
 from torch import nn
 
+from app.engine import cpu_kernels
+
 log = logging.getLogger("saker.quantize")
 
 GROUP = 32  # int4: weights per (scale, zero) group along the input dimension
@@ -50,9 +52,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.to(KERNEL_DTYPE).to(device))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
 
+    float_logits = False  # the model's LM head on the CPU (``mark_head``): float32 outputs by saker's own kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(KERNEL_DTYPE), self.qweight, self.scales)
+        if self.float_logits and x.dtype == torch.float32 and self.qweight.device.type == "cpu":
+            out = cpu_kernels.int8_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(
+                x.reshape(-1, shape[-1]).to(KERNEL_DTYPE), self.qweight, self.scales
+            )
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
@@ -128,6 +137,15 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+
+
+def mark_head(model: nn.Module) -> None:
+    """An int8 LM head on the CPU computes its logits in float32 (``cpu_kernels.int8_linear``) where saker's CPU
+    kernels are built: PyTorch's int8 kernel returns bfloat16, whose grid (steps of 0.25-0.5 at a small model's
+    logit sizes) made logprobs move in such steps and tokens tie exactly."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, Int8Linear) and head.qweight.device.type == "cpu" and cpu_kernels.kernel() is not None:
+        head.float_logits = True
 
 
 def rounds_activations(model: nn.Module) -> bool:
@@ -210,6 +228,7 @@ def quantize_model(model: nn.Module, mode: str, gguf: str | None = None, device:
             else:
                 module = Int4Linear.from_weight(weight, bias, device=device)
         setattr(parent, name, module)
+    mark_head(model)
     return describe(mode, len(swaps), shipped, head is not None and any(c is head for _, _, c in swaps))
 
 
@@ -261,3 +280,4 @@ def restore_quantized(
         bias = tensors.get(f"{name}.bias")
         module.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
         setattr(parent, attr, module)
+    mark_head(model)

@@ -42,10 +42,10 @@ class ModelRunner:
                 "blocks of its KV pool, which needs plain (or sliding-window) attention layers"
             )
         if getattr(self.model, "_saker_exact", False):  # fixed-order attention: the float32 kernel's pool, or float64
-            from app.engine import paged_attention
+            from app.engine import cpu_kernels
 
             head_dim = self.probe_cache().layers[0].keys.shape[-1]
-            self.kv_dtype = torch.float32 if paged_attention.supports(head_dim) else torch.float64
+            self.kv_dtype = torch.float32 if cpu_kernels.supports(head_dim) else torch.float64
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(

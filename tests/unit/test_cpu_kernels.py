@@ -1,16 +1,17 @@
-"""The fixed-order float32 attention kernel (``app/engine/paged_attention.cpp``) against a float64 softmax
-attention written here, and its point: a query's output is the same bits whatever else is computed with it."""
+"""saker's CPU kernels (``app/engine/kernels/``) against float64 references written here, and their point: a
+query's (a row's) output is the same bits whatever else is computed with it. The attention kernel over the block
+pool; the int8 linear with float32 outputs that an int4/int8 model's LM head uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.engine import paged_attention
+from app.engine import cpu_kernels
 from app.engine.attention import FlatStep, exact_attention
 from app.engine.blocks import BLOCK
 
-pytestmark = pytest.mark.skipif(not paged_attention.supports(64), reason="the kernel cannot be built here")
+pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU kernels cannot be built here")
 
 HQ, HKV, D, BLOCKS = 6, 2, 64, 64
 
@@ -42,7 +43,7 @@ def test_rows_and_chunks_read_in_place_equal_float64_attention(pool):
     hi = torch.cat([torch.tensor([5, 170]), torch.arange(100, 121) + 1, torch.arange(17, 20) + 1])
     for lo in (torch.zeros_like(hi), (hi - 40).clamp_min(0)):
         q = torch.randn(len(hi), HQ, D)
-        out = paged_attention.call(q, keys, values, tables, which, lo, hi, 0.125)
+        out = cpu_kernels.call(q, keys, values, tables, which, lo, hi, 0.125)
         for i in range(len(hi)):
             expected = reference(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
             torch.testing.assert_close(out[i].double(), expected, atol=2e-6, rtol=1e-5)
@@ -54,14 +55,14 @@ def test_a_query_gets_the_same_bits_alone_in_a_tile_or_beside_other_rows(pool):
     n = 40
     q = torch.randn(n, HQ, D)
     hi = torch.arange(250, 250 + n) + 1
-    together = paged_attention.call(q, keys, values, tables[:1], torch.zeros(n, dtype=torch.long), 0 * hi, hi, 0.1)
+    together = cpu_kernels.call(q, keys, values, tables[:1], torch.zeros(n, dtype=torch.long), 0 * hi, hi, 0.1)
     for i in (0, 7, 15, 16, 39):
-        alone = paged_attention.call(
+        alone = cpu_kernels.call(
             q[i : i + 1], keys, values, tables[:1], torch.zeros(1).long(), 0 * hi[:1], hi[i : i + 1], 0.1
         )
         assert torch.equal(alone[0], together[i]), i
     # beside a decode row of another sequence, in front of it
-    mixed = paged_attention.call(
+    mixed = cpu_kernels.call(
         torch.cat([torch.randn(1, HQ, D), q[5:9]]),
         keys,
         values,
@@ -80,13 +81,13 @@ def test_what_a_query_may_not_see_changes_nothing_and_no_position_gives_zeros(po
     q = torch.randn(3, HQ, D)
     lo, hi = torch.tensor([3, 5, 9]), torch.tensor([19, 19, 9])
     args = (table, torch.zeros(3, dtype=torch.long), lo, hi, 0.125)
-    clean = paged_attention.call(q, keys, values, *args)
+    clean = cpu_kernels.call(q, keys, values, *args)
     dirty_k, dirty_v = keys.clone(), values.clone()
     slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)
     for x in (dirty_k, dirty_v):
         x[slots[19:]] = float("nan")  # the unwritten rest of the last block
         x[slots[:3]] = float("inf")  # the positions before the queries' windows
-    torch.testing.assert_close(paged_attention.call(q, dirty_k, dirty_v, *args)[:2, :], clean[:2])
+    torch.testing.assert_close(cpu_kernels.call(q, dirty_k, dirty_v, *args)[:2, :], clean[:2])
     assert torch.equal(clean[2], torch.zeros(HQ, D))
 
 
@@ -123,7 +124,40 @@ def test_a_compiled_function_keeps_the_kernel_as_one_op(pool):
 
     def step(q, positions):
         hi = positions + 1
-        return paged_attention.call(q, keys, values, table.expand(4, -1), torch.arange(4), 0 * hi, hi, 0.125)
+        return cpu_kernels.call(q, keys, values, table.expand(4, -1), torch.arange(4), 0 * hi, hi, 0.125)
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     assert torch.equal(compiled(q, positions), step(q, positions))
+
+
+@pytest.mark.parametrize("k", [576, 13])
+def test_the_int8_linear_is_the_float64_product_and_each_row_its_own(k):
+    torch.manual_seed(k)
+    weight = torch.randint(-127, 128, (300, k), dtype=torch.int8)
+    scales = torch.rand(300).to(torch.bfloat16).float()
+    x = torch.randn(17, k)
+    out = cpu_kernels.int8_linear(x, weight, scales)
+    expected = x.double() @ (weight.double() * scales.double()[:, None]).T
+    # float32 sums of k products: within a few float32 ulps of the largest output
+    torch.testing.assert_close(out.double(), expected, atol=4e-6 * float(expected.abs().max()), rtol=0)
+    for rows in (1, 3, 8, 9):
+        assert torch.equal(cpu_kernels.int8_linear(x[:rows], weight, scales), out[:rows]), rows
+    assert torch.equal(cpu_kernels.int8_linear(x[5:6], weight, scales), out[5:6])
+
+
+def test_an_int8_lm_head_gives_float32_logits(llama_dir):
+    """An int8 head (the int4 mode's too, where its shape allows): its logits are the product with its de-quantized
+    weights in float32, not rounded to bfloat16 (whose grid made two tokens' logprobs tie exactly)."""
+    from transformers import AutoModelForCausalLM
+
+    from app.engine.quantize import Int8Linear, quantize_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    quantize_model(model, "int8")
+    head = model.get_output_embeddings()
+    assert isinstance(head, Int8Linear) and head.float_logits
+    hidden = torch.randn(3, head.in_features)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), hidden.double() @ head.dequantized().double().T, atol=1e-5, rtol=1e-6)
+    assert not torch.equal(logits, logits.to(torch.bfloat16).float())

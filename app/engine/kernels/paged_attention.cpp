@@ -1,4 +1,4 @@
-// saker's CPU attention over the block pool, in float32, in a fixed order (built by app/engine/paged_attention.py).
+// saker's CPU attention over the block pool, in float32, in a fixed order (built by app/engine/cpu_kernels.py).
 //
 // Every query row (one query head of one token) computes its scores, softmax and weighted sum over its own
 // positions [lo, hi) in an order that depends on nothing but those positions: which other queries share its
@@ -26,51 +26,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "lanes.h"
+
+using saker::exp8;
+using saker::max8;
+using saker::reduce8;
+using saker::sum8;
+
 namespace {
 
 constexpr int64_t BLOCK = 16;  // positions per block (app/engine/blocks.py BLOCK)
 constexpr int64_t TILE = 16;   // queries of one table row computed together
-
-// e^x for 8 lanes (a Cephes-style polynomial after reduction by ln 2); lanes below -88.376 (masked ones: -inf)
-// are exactly 0. Elementwise: a lane's result depends on its input only.
-inline __m256 exp8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(-88.3762626647949f);
-  const __m256 gone = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), low);
-  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(gone, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
-// Lane t of the result: the 8 lanes of a[t] summed as ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)).
-inline __m256 reduce8(const __m256* a) {
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-}
-
-// The same tree for one vector's lanes.
-inline float sum8(__m256 v) {
-  const __m256 a[8] = {v, v, v, v, v, v, v, v};
-  return _mm256_cvtss_f32(reduce8(a));
-}
-
-inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
 
 template <int ND>  // head dim / 8
 void attend_tile(const float* q, const float* keys, const float* values, const int64_t* table, const int64_t* lo,
@@ -186,11 +152,11 @@ TileFn tile_fn(int64_t head_dim) {
 
 }  // namespace
 
-bool supports(int64_t head_dim) { return tile_fn(head_dim) != nullptr; }
+bool attention_supports(int64_t head_dim) { return tile_fn(head_dim) != nullptr; }
 
 // q (T, Hq, D); keys, values (slots, Hkv, D), slots in blocks of BLOCK; tables (R, B) block ids; which (T,) each
 // query's table row; lo, hi (T,) the positions each query attends over, [lo, hi). Returns (T, Hq, D).
-torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                      torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q, keys, values: (tokens|slots, heads, dim)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
@@ -230,9 +196,4 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     fn(qp, kp, vp, tp + wp[a] * B, lp, hp, op, a, b, item % Hkv, Hq, Hkv, sc);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "fixed-order float32 attention over the block pool");
-  m.def("supports", &supports, "whether a head dim is built");
 }

@@ -1,0 +1,119 @@
+"""saker's CPU kernels (``kernels/``): the fixed-order float32 attention over the block pool
+(``kernels/paged_attention.cpp``) and an int8 linear with float32 outputs (``kernels/int8_linear.cpp``, the LM
+head of the int4/int8 models). Built with PyTorch's C++ extension loader at the first use (about 20 s; then cached,
+keyed by the sources), and None where they cannot be (no C++ compiler or ninja, no AVX2 and FMA): attention then
+computes in float64 (``attention.py``) and the head keeps PyTorch's bfloat16 kernel.
+
+Both are also ``torch.library`` custom ops (``saker::paged_attention``, ``saker::int8_linear``), so that a compiled
+step keeps each as one opaque call."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("saker.worker")
+
+SOURCES = [Path(__file__).parent / "kernels" / f for f in ("paged_attention.cpp", "int8_linear.cpp", "bindings.cpp")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def kernel():
+    """The built extension, or None when it cannot be built here (said once in the log)."""
+    if "kernel" in _state:
+        return _state["kernel"]
+    with _lock:
+        if "kernel" not in _state:
+            _state["kernel"] = _build()
+    return _state["kernel"]
+
+
+def _build():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("no CPU kernels: this CPU lacks AVX2 (attention in float64, the LM head in bfloat16)")
+        return None
+    from torch.utils.cpp_extension import load
+
+    header = SOURCES[0].with_name("lanes.h")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, header]) + " ".join(FLAGS).encode())
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path  # requirements.txt's ninja
+    try:
+        return load(
+            name=f"saker_cpu_kernels_{digest.hexdigest()[:12]}",
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build
+        log.warning(
+            "no CPU kernels: they could not be built (%s: %s); attention in float64, the LM head in bfloat16",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    finally:
+        os.environ["PATH"] = path
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the attention kernel is built and handles this head dim (16, 32, 64 or 128)."""
+    ext = kernel()
+    return ext is not None and bool(ext.attention_supports(head_dim))
+
+
+@torch.library.custom_op("saker::paged_attention", mutates_args=())
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    which: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q (T, Hq, D) float32; keys, values (slots, Hkv, D): the pool's layer, slots in blocks of ``BLOCK``; tables
+    (R, B) block ids; which (T,) each query's table row; lo, hi (T,): the positions each query attends over,
+    ``[lo, hi)``. Returns (T, Hq, D) float32; a query with no position gets zeros."""
+    return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale)
+
+
+@attend.register_fake
+def _(q, keys, values, tables, which, lo, hi, scale):
+    return torch.empty_like(q)
+
+
+def call(q, keys, values, tables, which, lo, hi, scale: float) -> torch.Tensor:
+    """``attend``: through the custom op while compiling, straight into the extension otherwise (the op's dispatch
+    costs more than a small call)."""
+    if torch.compiler.is_compiling():
+        return attend(q, keys, values, tables, which, lo, hi, scale)
+    return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale)
+
+
+@torch.library.custom_op("saker::int8_linear", mutates_args=())
+def _int8_linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return kernel().int8_linear(x, weight, scales)
+
+
+@_int8_linear_op.register_fake
+def _(x, weight, scales):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ (weight (N, K) int8 x scales (N,)).T -> (M, N) float32, each output in a fixed order
+    (the same bits whatever M is); through the custom op ``saker::int8_linear`` while compiling."""
+    if torch.compiler.is_compiling():
+        return _int8_linear_op(x, weight, scales)
+    return kernel().int8_linear(x, weight, scales)

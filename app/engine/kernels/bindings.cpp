@@ -1,0 +1,13 @@
+// The Python module of saker's CPU kernels (app/engine/cpu_kernels.py builds it).
+#include <torch/extension.h>
+
+bool attention_supports(int64_t head_dim);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                              torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "fixed-order float32 attention over the block pool");
+  m.def("attention_supports", &attention_supports, "whether a head dim is built");
+  m.def("int8_linear", &int8_linear, "x @ (int8 w * scales).T in float32, fixed order");
+}
