@@ -1,6 +1,6 @@
 """saker's CPU kernels (``kernels/``): the fixed-order float32 attention over the block pool
 (``kernels/paged_attention.cpp``) and an int8 linear with float32 outputs (``kernels/int8_linear.cpp``, the LM
-head of the int4/int8 models). Built with PyTorch's C++ extension loader at the first use (about 20 s; then cached,
+head of the int4/int8 models). Built with PyTorch's C++ extension loader at the first use (about 40 s; then cached,
 keyed by the sources), and None where they cannot be (no C++ compiler or ninja, no AVX2 and FMA): attention then
 computes in float64 (``attention.py``) and the head keeps PyTorch's bfloat16 kernel.
 
