@@ -57,7 +57,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.float_logits and x.dtype == torch.float32 and self.qweight.device.type == "cpu":
-            out = cpu_kernels.int8_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales)
+            out = cpu_kernels.int8_linear(x.reshape(-1, shape[-1]), self.qweight, self.float_scales)
         else:
             out = torch.ops.aten._weight_int8pack_mm(
                 x.reshape(-1, shape[-1]).to(KERNEL_DTYPE), self.qweight, self.scales
@@ -145,6 +145,7 @@ def mark_head(model: nn.Module) -> None:
     logit sizes) made logprobs move in such steps and tokens tie exactly."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, Int8Linear) and head.qweight.device.type == "cpu" and cpu_kernels.kernel() is not None:
+        head.float_scales = head.scales.float()  # converted once, not at every step (a plain attribute: not saved)
         head.float_logits = True
 
 

@@ -23,11 +23,6 @@ inline __m256 weights8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
 
-inline float lanes_sum(__m256 v) {  // ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as reduce8
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-}
-
 template <int R>
 void rows(const float* x, const int8_t* w, const float* scales, float* out, int64_t m0, int64_t n0, int64_t n1,
           int64_t K, int64_t N) {
@@ -41,7 +36,7 @@ void rows(const float* x, const int8_t* w, const float* scales, float* out, int6
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (m0 + r) * K + k), wv, acc[r]);
     }
     for (int r = 0; r < R; ++r) {
-      float sum = lanes_sum(acc[r]);
+      float sum = saker::sum8(acc[r]);
       for (int64_t k = body; k < K; ++k) sum = std::fma(x[(m0 + r) * K + k], static_cast<float>(wn[k]), sum);
       out[(m0 + r) * N + n] = sum * scales[n];
     }

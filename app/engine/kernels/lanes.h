@@ -34,10 +34,10 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-// The same tree for one vector's lanes.
+// The same tree for one vector's lanes: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
 inline float sum8(__m256 v) {
-  const __m256 a[8] = {v, v, v, v, v, v, v, v};
-  return _mm256_cvtss_f32(reduce8(a));
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 
 inline float max8(__m256 v) {
