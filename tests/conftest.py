@@ -16,6 +16,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # before anything imports Triton: its kernels run in its interpreter, on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests/unit/test_cuda_kernels.py)
 
 from app.tiny_models import build_gpt2, build_llama
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine import cpu_kernels
+from app.engine import cpu_kernels, cuda_kernels
 from app.engine.blocks import BLOCK
 
 NAME = "saker"
@@ -278,7 +278,15 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: i
     inner = exact_attention if exact else _sdpa
     parts = []
     rows = flat.rows
-    if rows:
+    if rows and cuda_kernels.available(keys.device):  # each row over its own positions, read in place
+        q = query[:, :, 0] if flat.batched else query[0, :, :rows].transpose(0, 1)  # (rows, Hq, D)
+        tables, which, lo, hi = flat.spans(window)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        out = cuda_kernels.decode_attention(q, keys, values, tables, which[:rows], lo[:rows], hi[:rows], scale)
+        if flat.batched:
+            return out.unsqueeze(1), None
+        parts.append(out.unsqueeze(0))
+    elif rows:
         q = query if flat.batched else query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # (rows, Hq, 1, D)
         k = _read(keys, flat.gather, flat.scratch, "rows keys")  # (rows, Hkv, W, D)
         v = _read(values, flat.gather, flat.scratch, "rows values")

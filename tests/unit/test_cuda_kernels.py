@@ -1,0 +1,124 @@
+"""saker's CUDA kernel (``app/engine/cuda_kernels.py``, Triton): one query per row over the block pool, against a
+float64 attention written here. Without a GPU the kernel runs in Triton's interpreter (numpy, on the CPU), and the
+engine's decode steps are run through it on the tests' tiny Llama and checked against a plain forward; on a GPU the
+same checks run compiled, and once inside ``torch.compile`` (the way a CUDA graph holds it).
+
+Triton is not in PyTorch's CPU build: requirements-dev.txt installs it for these tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from app.engine import cuda_kernels  # noqa: E402
+from app.engine.blocks import BLOCK  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def jitted():
+    """The kernel as the engine runs it: compiled on a GPU, interpreted here (``TRITON_INTERPRET``, which
+    tests/conftest.py sets without a GPU before anything imports Triton)."""
+    import os
+
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported before TRITON_INTERPRET was set")
+    return cuda_kernels.kernel()
+
+
+def reference(q, keys, values, table, lo, hi, scale):
+    """One query (Hq, D) over positions [lo, hi) of the pool rows ``table`` names, in float64."""
+    slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)[lo:hi]
+    k, v = keys[slots].double(), values[slots].double()
+    group = q.shape[0] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(q.shape[0]):
+        if hi > lo:
+            weights = torch.softmax((q[h].double() @ k[:, h // group].T) * scale, -1)
+            out[h] = weights @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, dtype",
+    [(6, 2, 64, torch.float32), (4, 4, 32, torch.float32), (8, 2, 80, torch.float32), (4, 1, 64, torch.bfloat16)],
+)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rows_read_in_place_equal_float64_attention(jitted, heads, kv_heads, dim, dtype, per_head):
+    """Grouped and plain multi-head attention, a head dim that is not a power of two, a bfloat16 pool; rows of
+    several lengths (within one loop tile, across tiles, from a block's middle), sliding windows, a row that sees
+    nothing (zeros), rows sharing a table; a program per kv head's group of query heads, and one per query head."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    keys = torch.randn(BLOCKS * BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(BLOCKS * BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(BLOCKS - 1, generator=gen)[:14] + 1 for _ in range(3)])
+    which = torch.tensor([0, 1, 2, 2, 0, 1])
+    hi = torch.tensor([1, 17, 100, 223, 64, 40])
+    lo = torch.tensor([0, 0, 37, 200, 64, 8])
+    q = torch.randn(len(hi), heads, dim, generator=gen).to(dtype)
+    on = [t.to(DEVICE) for t in (q, keys, values, tables, which, lo, hi)]
+    out = cuda_kernels.decode_attention(*on, 0.125, jitted=jitted, per_head=per_head).cpu()
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    for i in range(len(hi)):
+        expected = reference(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
+        torch.testing.assert_close(out[i].double(), expected, atol=tolerance, rtol=tolerance)
+    assert not out[4].any()  # lo == hi
+
+
+@pytest.mark.skipif(not CUDA, reason="torch.compile of a Triton kernel needs a GPU")
+def test_the_kernel_compiles_inside_a_full_graph():
+    keys = torch.randn(BLOCKS * BLOCK, 2, 64, device="cuda")
+    values = torch.randn_like(keys)
+    tables = torch.arange(1, 9, device="cuda").view(2, 4)
+    which, lo, hi = (torch.tensor(x, device="cuda") for x in ([0, 1], [0, 0], [50, 9]))
+    q = torch.randn(2, 4, 64, device="cuda")
+
+    def step(q, keys, values, tables, which, lo, hi):
+        return cuda_kernels.decode_attention(q * 2, keys, values, tables, which, lo, hi, 0.1) + 1
+
+    compiled = torch.compile(step, fullgraph=True)
+    args = (q, keys, values, tables, which, lo, hi)
+    torch.testing.assert_close(compiled(*args), step(*args))
+
+
+def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(jitted, llama_dir, reference, monkeypatch):
+    """The engine with the kernel for its decode rows (batched decode steps, and decode rows beside a prompt's
+    chunks in a flat step): each greedy token is a plain float32 forward's argmax and its logprob that forward's
+    log-softmax within 1e-4 (1e-3 on a GPU, whose float32 products differ from the CPU's). Here the kernel is
+    interpreted on the CPU; on a GPU it is the compiled one."""
+    from tests.conftest import make_settings, make_worker
+
+    from app.engine.params import SamplingParams
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    real = cuda_kernels.decode_attention
+    monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
+    monkeypatch.setattr(cuda_kernels, "decode_attention", counted)
+    monkeypatch.setitem(cuda_kernels._state, "kernel", jitted)
+    worker = make_worker(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32", prefill_chunk_tokens=8))
+    model, tok = reference(llama_dir)
+    prompts = [tok("Once upon a time").input_ids, tok("The quick brown fox jumps over the lazy dog " * 3).input_ids]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
+    outputs, _ = worker.complete(prompts, params, 256)
+    assert calls and max(calls) > 1  # rows went through the kernel, several at a time
+    for ids, output in zip(prompts, outputs):
+        for choice in output.choices:
+            got = choice.logprobs.token_logprobs
+            full = ids + list(choice.token_ids)
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([full])).logits[0].double(), -1)
+            for k, token in enumerate(choice.token_ids):
+                row = lp[len(ids) - 1 + k]
+                assert token == int(row.argmax()), k
+                assert got[k] == pytest.approx(float(row[token]), abs=1e-3 if CUDA else 1e-4)  # the GPU's fp32
