@@ -92,7 +92,7 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(jitted, ll
     chunks in a flat step): each greedy token is a plain float32 forward's argmax and its logprob that forward's
     log-softmax within 1e-4 (1e-3 on a GPU, whose float32 products differ from the CPU's). Here the kernel is
     interpreted on the CPU; on a GPU it is the compiled one."""
-    from tests.conftest import make_settings, make_worker
+    from tests.conftest import make_settings
 
     from app.engine.params import SamplingParams
 
@@ -106,7 +106,11 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(jitted, ll
     monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
     monkeypatch.setattr(cuda_kernels, "decode_attention", counted)
     monkeypatch.setitem(cuda_kernels._state, "kernel", jitted)
-    worker = make_worker(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32", prefill_chunk_tokens=8))
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+
+    loaded = load_model(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32"))
+    worker = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8)  # the long prompt's chunks beside decode rows
     model, tok = reference(llama_dir)
     prompts = [tok("Once upon a time").input_ids, tok("The quick brown fox jumps over the lazy dog " * 3).input_ids]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
