@@ -96,6 +96,35 @@ class _PrefixCacheCounters:
         )
 
 
+class _SpeculationCounters:
+    """Speculative decoding's acceptance (SAKER_SPECULATIVE), under vLLM's ``spec_decode`` names: rows that carried
+    guesses into a step, the tokens guessed, those kept, and those kept at each position of a guess."""
+
+    def __init__(self, metrics: "Metrics", model_name: str):
+        self.metrics, self.model_name = metrics, model_name
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = getattr(getattr(self.metrics.worker, "scheduler", None), "speculation_counts", None)
+        if not counts:
+            return
+        for name, doc, key in (
+            ("vllm:spec_decode_num_drafts", "Rows that carried guessed tokens into a step", "drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Tokens guessed", "draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Guessed tokens kept", "accepted_tokens"),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], counts[key])
+            yield family
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Guessed tokens kept, by their position in the guess",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(counts["accepted_per_position"]):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
+
+
 class _VllmAliases:
     """The gauges and counters routers and autoscalers written for vLLM read (the Gateway API Inference
     Extension's endpoint picker, vLLM's production-stack router, KEDA/HPA rules), under vLLM's names, with its
@@ -215,6 +244,7 @@ class Metrics:
         ).set_function(lambda: getattr(self.worker, "kv_cache_tokens", None) or 0)
         r.register(_AdmissionCounters(self))
         r.register(_PrefixCacheCounters(self))
+        r.register(_SpeculationCounters(self, model_name))
         Gauge("saker_model_load_seconds", "Time the model took to load (0 until loaded)", registry=r).set_function(
             lambda: self.worker.load_seconds or 0.0
         )

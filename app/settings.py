@@ -242,6 +242,28 @@ class Settings(BaseSettings):
         "start-up so that no request pays for it. Unset: on with CUDA, off on the CPU (where it "
         "pays at one request only, and compiling every bucket and window takes minutes).",
     )
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description="Speculative decoding: ngram = prompt lookup (a sequence's last tokens "
+        "looked up among its earlier ones; what followed them is the guess). One forward "
+        "checks a row's next token and its guesses, and keeps the guesses the row's own "
+        "sampler picks: the tokens, logprobs and seeded samples are those without it.",
+    )
+    speculative_tokens: int = Field(
+        4, ge=1, le=15, description="Most guessed tokens a row checks in one step (speculative on)."
+    )
+    speculative_ngram_min: int = Field(
+        2, ge=1, description="Shortest run of a sequence's last tokens prompt lookup matches (speculative ngram)."
+    )
+    speculative_ngram_max: int = Field(
+        4, ge=1, description="Longest run of a sequence's last tokens prompt lookup matches; the longest match wins."
+    )
+    speculative_max_rows: int = Field(
+        4,
+        ge=1,
+        description="Speculate only while the batch has at most this many rows: a wider step "
+        "costs more to widen than the guesses save.",
+    )
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest request body; larger gets 413.")
     max_queue: int = Field(
         8,
@@ -368,6 +390,8 @@ class Settings(BaseSettings):
             raise ValueError("gguf_file needs model: the directory or hub repo that holds the GGUF file")
         if self.max_input_tokens and self.max_total_tokens and self.max_input_tokens > self.max_total_tokens:
             raise ValueError("max_input_tokens cannot exceed max_total_tokens")
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError("speculative_ngram_min cannot exceed speculative_ngram_max")
         if self.api_key_file:
             path = Path(self.api_key_file).expanduser()
             if not path.is_file():

@@ -78,6 +78,7 @@ class BlockBatch:
         self.prompts = 0  # prompts holding blocks while they are prefilled
         self.scratch = Scratch()  # the buffers steps read blocks into (given back with the pool)
         self.parked: dict[int, tuple[torch.Tensor, SamplingRows]] = {}  # preempted groups' rows, by arrival
+        self.speculation = None  # SAKER_SPECULATIVE: ``speculative.Speculation`` (None: off)
 
     # -- blocks ---------------------------------------------------------------------------------------------------
     def _pool(self) -> KVPool:
@@ -292,6 +293,59 @@ class BlockBatch:
         write[:n] = self.tables[np.arange(n), column] * BLOCK + lengths % BLOCK
         return write, self.tables[:rows, : width // BLOCK], self.lengths[:rows]
 
+    def fit_guesses(self, guesses: list[list[int]]) -> list[list[int]]:
+        """``guesses`` (row order) cut to the blocks the pool can hand out now: the step writes a row's guesses at
+        its next positions, so a guess that would need more blocks than are free (beside those the rows' own next
+        tokens take) is cut back to the blocks its row holds."""
+        n = self.n
+        free = self.free_blocks() - self.blocks_wanted()
+        lengths, counts = self.lengths[:n], self.counts[:n]
+        held = np.maximum(counts, lengths // BLOCK + 1)  # blocks each row has after its own next token
+        out = []
+        for row, guess in enumerate(guesses):
+            more = int((lengths[row] + len(guess)) // BLOCK + 1 - held[row]) if guess else 0
+            if more > free:
+                guess = guess[: int(held[row] * BLOCK - 1 - lengths[row])]
+                more = 0
+            free -= more
+            out.append(guess)
+        return out
+
+    def _guess_inputs(self, guesses: list[list[int]], device) -> tuple[torch.Tensor, np.ndarray, ...]:
+        """The rows' tokens when rows carry guesses (``guesses``: row order, fitted by ``fit_guesses``): each row
+        computes its next token and its guesses at its next positions. Returns the tokens (T,), their positions,
+        their pool slots, and each token's row's blocks (T, blocks), after giving each row the blocks its tokens
+        reach."""
+        n = self.n
+        extra = np.fromiter((len(g) for g in guesses), dtype=np.int64, count=n)
+        need = (self.lengths[:n] + extra) // BLOCK + 1
+        self._room(n, int(need.max()))
+        for row in np.nonzero(need > self.counts[:n])[0].tolist():
+            fresh = self._allocate(int(need[row] - self.counts[row]))
+            self.tables[row, self.counts[row] : need[row]] = fresh
+            self.counts[row] = need[row]
+        per_row = extra + 1
+        which = np.repeat(np.arange(n), per_row)
+        starts = np.cumsum(per_row) - per_row
+        positions = self.lengths[:n][which] + (np.arange(which.size) - starts[which])
+        write = self.tables[which, positions // BLOCK] * BLOCK + positions % BLOCK
+        tokens = torch.empty(which.size, dtype=torch.long, device=device)
+        first = np.zeros(which.size, dtype=bool)
+        first[starts] = True
+        tokens[_on(starts, device)] = self.next_tokens
+        guessed = [t for g in guesses for t in g]
+        if guessed:
+            tokens[_on(np.nonzero(~first)[0], device)] = torch.tensor(guessed, dtype=torch.long, device=device)
+        return tokens, positions, write, self.tables[which, : int(need.max())]
+
+    def advance(self, steps: np.ndarray) -> None:
+        """After a step whose rows carried guesses: each row holds ``steps`` more positions (its next token and the
+        guesses it kept); the blocks they filled go to the prefix cache."""
+        n = self.n
+        before = self.lengths[:n].copy()
+        self.lengths[:n] += steps
+        self._register_filled(n, before)
+
     def forward(self) -> torch.Tensor:
         """One decode step for every row; float32 logits (B, V) in row order. A forward that runs out of memory
         with several groups in the batch raises ``BatchOutOfMemory``: nothing moved (lengths advance only after
@@ -332,24 +386,36 @@ class BlockBatch:
         return logits[:n] if rows > n else logits
 
     def forward_with_chunks(
-        self, chunks: list[tuple[list[int], list[int], int, str]], with_rows: bool = True
+        self,
+        chunks: list[tuple[list[int], list[int], int, str]],
+        with_rows: bool = True,
+        guesses: list[list[int]] | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """One flat forward (``attention.FlatStep``) for every row's next token (``with_rows``) and chunks of
         prompts being prefilled, each ``(table, ids, start, logits)``: ``ids`` at positions ``start..`` of the
         prompt whose blocks are ``table``. The prompts ride in the decode step instead of stalling it in forwards of
         their own. Returns the rows' float32 logits (rows, V) in row order (None without rows) and each chunk's: at
         each of its positions (``logits == "all"``: prompt scoring), at its last only (``"last"``: it ends the
-        prompt), or none (``"none"``)."""
+        prompt), or none (``"none"``).
+
+        ``guesses`` (speculative decoding; row order, fitted by ``fit_guesses``): each row computes its next token and
+        its guesses at its next positions, and the rows' logits are every one of those tokens' (T, V), a row's in a
+        run; the rows' lengths then advance by what the caller keeps (``advance``), not here."""
         from app.engine.attention import FlatStep
 
         pool = self._pool()
         device = pool.keys[0].device
         rows = self.n if with_rows else 0
         ids, at, writes, wanted, spans, gather, mask, row_positions = [], [], [], [], [], None, None, None
-        if rows:
+        if rows and guesses is not None:
+            tokens, positions, write, gather = self._guess_inputs(guesses, device)
+            rows = tokens.shape[0]  # a row's tokens are decode rows of their own from here: one query each
+        elif rows:
             longest = int(self.lengths[:rows].max()) + 1
             write, gather, positions = self._rows_inputs(rows, -(-longest // BLOCK) * BLOCK)
-            ids, at, writes = [self.next_tokens], [positions], [write]
+            tokens = self.next_tokens
+        if rows:
+            ids, at, writes = [tokens], [positions], [write]
             gather, row_positions = _on(gather, device), _on(positions, device)
             width = gather.shape[1] * BLOCK
             mask = (torch.arange(width, device=device).view(1, -1) <= row_positions.view(-1, 1)).view(rows, 1, 1, width)
@@ -388,17 +454,23 @@ class BlockBatch:
         per_chunk = [logits[a:b] for a, b in spans]
         if not rows:
             return None, per_chunk
-        self.lengths[:rows] += 1
-        self._register_filled(rows)
+        if guesses is None:
+            self.lengths[:rows] += 1
+            self._register_filled(rows)
         return logits[:rows], per_chunk
 
-    def _register_filled(self, n: int) -> None:
+    def _register_filled(self, n: int, before: np.ndarray | None = None) -> None:
         """Rows whose last step filled a block (prompt tail and generated tokens) keep it in the prefix cache, chained
         to the row's previous full block: a conversation that sends an answer back in its next prompt finds the
-        answer's blocks too."""
+        answer's blocks too. ``before``: the rows' lengths before the step (a step of one position each when None;
+        a step moves a row by at most ``BLOCK`` positions, so it fills at most one block)."""
         if not self.blocks.cached_limit:
             return
-        filled = set(np.nonzero(self.lengths[:n] % BLOCK == 0)[0].tolist())
+        lengths = self.lengths[:n]
+        if before is None:
+            filled = set(np.nonzero(lengths % BLOCK == 0)[0].tolist())
+        else:
+            filled = set(np.nonzero(lengths // BLOCK > before // BLOCK)[0].tolist())
         row = 0
         for group in self.groups:
             if not filled:
@@ -407,10 +479,12 @@ class BlockBatch:
             for seq in group.running:
                 if row in filled:
                     filled.discard(row)
-                    end = int(self.lengths[row])  # the block's positions: [end - BLOCK, end)
-                    if end > len(prompt):  # a block of the prompt's own was registered when it was computed
-                        start = end - BLOCK
-                        fed = prompt[start:] + seq.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
+                    end = int(self.lengths[row]) // BLOCK * BLOCK  # the block's positions: [end - BLOCK, end)
+                    start = end - BLOCK
+                    fed = prompt[start:] + seq.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
+                    # a block of the prompt's own was registered when it was computed; one shorter than a block is
+                    # that of a row that ended within a speculative step's tokens (not kept)
+                    if end > len(prompt) and len(fed) == BLOCK:
                         key = (int(self.chains[row]), self.runner.prefix_salt(group.params.adapter), tuple(fed))
                         self.blocks.register(int(self.tables[row, end // BLOCK - 1]), key)
                         self.chains[row] = hash(key)

@@ -35,11 +35,13 @@ class Ended:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def of(cls, group: RequestGroup) -> "Ended":
         t = group.timings
-        return cls(t.queue_s, t.prefill_s, t.decode_s, t.cached_tokens)
+        return cls(t.queue_s, t.prefill_s, t.decode_s, t.cached_tokens, t.draft_tokens, t.accepted_tokens)
 
 
 class Ticket:
@@ -146,6 +148,7 @@ class Ticket:
                                 item.decode_s,
                                 item.cached_tokens,
                             )
+                            t.draft_tokens, t.accepted_tokens = item.draft_tokens, item.accepted_tokens
                 elif isinstance(item, BaseException):
                     failure = item
                     break

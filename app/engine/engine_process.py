@@ -80,7 +80,8 @@ def engine_main(settings, conn) -> None:
     runner, scheduler = worker.runner, worker.scheduler
 
     def stats() -> tuple:
-        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, scheduler.queue_snapshot()
+        counts = scheduler.speculation_counts
+        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, scheduler.queue_snapshot(), counts
 
     scheduler.deliver = lambda outputs: send(("outputs", _picklable(outputs), stats()))
     send(
@@ -145,6 +146,7 @@ class EngineClient(Engine):
         self.kv_usage = 0.0
         self.steps = 0
         self.preemptions = 0
+        self.speculation_counts: dict | None = None  # SAKER_SPECULATIVE's counters, as of the last message
         self.max_rows_seen = 0
         self._queue = {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}
         self.facts: EngineFacts | None = None
@@ -196,7 +198,7 @@ class EngineClient(Engine):
                 self._engine_gone()
                 return
             _, outputs, stats = message  # "outputs"
-            self.kv_usage, self.steps, self.preemptions, self._queue = stats
+            self.kv_usage, self.steps, self.preemptions, self._queue, self.speculation_counts = stats
             self.route(outputs)
 
     def queue_snapshot(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from app.engine.blocks import BLOCK
@@ -19,7 +20,7 @@ from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbe
 from app.engine.grammar import grammars_for
 from app.engine.logprobs import raw_logprobs
 from app.engine.params import SamplingParams, Timings
-from app.engine.runner import ModelRunner
+from app.engine.runner import MIXED, ModelRunner
 from app.engine.sampler import RowSpec, SamplingRows, StepNumbers, sample, sequence_seed
 from app.engine.stopping import StoppingCriteria
 from app.engine.batches import (  # noqa: F401 - BUCKETS and bucket re-exported for the engine's users
@@ -67,6 +68,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # eos, stop_token, length, complete (the engine's); stop, abort (the output
     # side's stop string, the client gone)
+    draft: object = None  # speculative decoding's state for it (``speculative.NgramState``), made at its first guess
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason
@@ -232,31 +234,36 @@ class RequestGroup:
         seeds = [seq.seed for seq in self.running]
         return SamplingRows.for_prompt(spec, seeds, self.prompt_ids, vocab, device, self.grammars)
 
-    def settle(self, numbers: StepNumbers, offset: int) -> tuple[list[TokenNumbers], list[int]]:
+    def settle(
+        self, numbers: StepNumbers, offset: int, runs: list[list[int]] | None = None
+    ) -> tuple[list[TokenNumbers], list[int]]:
         """Host side of a step for this group's rows (``offset`` is where they start in the step): token-level
-        stop rules and the numbers to hand out. Returns the events and the rows (indices into this group's
-        rows) that go on."""
+        stop rules and the numbers to hand out. ``runs`` (speculative decoding): each row's tokens, as indices into
+        ``numbers``, in order (its row's own token, then the guesses it kept); a row that ends drops the rest. Returns
+        the events and the rows (indices into this group's rows) that go on."""
         events, keep, tokens = [], [], numbers.tokens
         k, prompt_len, stopping = self.k, len(self.prompt_ids), self.stopping
         want_lp = numbers.logprobs is not None and self.want_candidate_logprob
         complete = numbers.complete
         for row, seq in enumerate(self.running):
-            at = offset + row
-            token_id = tokens[at]
-            seq.output_ids.append(token_id)
-            generated = len(seq.output_ids)
-            seq.num_computed_tokens = prompt_len + generated - 1  # the new token is computed by the next step
-            ended = stopping.ended_by(token_id, generated, prompt_len + generated, at in complete)
-            events.append(
-                TokenNumbers(
-                    seq.index,
-                    token_id,
-                    numbers.logprobs[at] if want_lp else None,
-                    numbers.top_ids[at][:k] if k and self.want_logprobs else None,
-                    numbers.top_values[at][:k] if k and self.want_logprobs else None,
-                    ended,
+            for at in runs[row] if runs is not None else (offset + row,):
+                token_id = tokens[at]
+                seq.output_ids.append(token_id)
+                generated = len(seq.output_ids)
+                seq.num_computed_tokens = prompt_len + generated - 1  # the new token is computed by the next step
+                ended = stopping.ended_by(token_id, generated, prompt_len + generated, at in complete)
+                events.append(
+                    TokenNumbers(
+                        seq.index,
+                        token_id,
+                        numbers.logprobs[at] if want_lp else None,
+                        numbers.top_ids[at][:k] if k and self.want_logprobs else None,
+                        numbers.top_values[at][:k] if k and self.want_logprobs else None,
+                        ended,
+                    )
                 )
-            )
+                if ended is not None:
+                    break
             if ended is None:
                 keep.append(row)
             else:
@@ -282,6 +289,38 @@ def sample_step(
         out.append(group.settle(numbers, offset))
         offset += group.rows
     return out, tokens
+
+
+def verify_step(
+    batch: BlockBatch, groups: list[RequestGroup], logits: torch.Tensor, guesses: list[list[int]]
+) -> tuple[list[tuple[list[TokenNumbers], list[int]]], torch.Tensor]:
+    """A step whose rows carried guesses (``logits``: each row's next token's, then its guesses', a row's in a
+    run). The sampler runs at every one of those positions as the row would stand there (``SamplingRows.expand``:
+    its own draw for that step, the guesses before it in its history); a row keeps its guesses while each is what
+    the sampler picked at the position before it, and makes those tokens plus the sampler's pick after the last
+    one kept. So its tokens, logprobs and seeded samples are what they are without guesses (sample-and-match).
+    Returns each group's (events, rows that go on) and each row's next token (B,) on the device."""
+    picked, numbers = sample(logits, batch.sampling.expand(guesses))
+    per_row = np.fromiter((1 + len(g) for g in guesses), dtype=np.int64, count=len(guesses))
+    starts = np.cumsum(per_row) - per_row
+    width = int(per_row.max()) - 1
+    chosen = np.asarray(numbers.tokens, dtype=np.int64)
+    guessed = np.full((len(guesses), width), -1, dtype=np.int64)
+    for row, guess in enumerate(guesses):
+        guessed[row, : len(guess)] = guess
+    # the sampler's pick at each position before a guess (clipped where the row has no such guess: -1 never matches)
+    before = chosen[np.minimum(starts.reshape(-1, 1) + np.arange(width), chosen.size - 1)]
+    accepted = np.cumprod(before == guessed, axis=1).sum(axis=1)
+    runs = [list(range(start, start + kept + 1)) for start, kept in zip(starts.tolist(), accepted.tolist())]
+    batch.speculation.verified(groups, guesses, accepted.tolist())
+    out, row = [], 0
+    for group in groups:
+        out.append(group.settle(numbers, 0, runs[row : row + group.rows]))
+        row += group.rows
+    batch.sampling.record_runs([chosen[run].tolist() for run in runs])
+    batch.advance(accepted + 1)
+    last = torch.from_numpy(starts + accepted).to(picked.device)
+    return out, picked.index_select(0, last)
 
 
 Event = PromptNumbers | TokenNumbers
@@ -475,13 +514,17 @@ def _join(
 
 
 def compute_chunks(
-    batch: BlockBatch, jobs: list[tuple[ChunkedPrefill, list[int]]], with_rows: bool = True
+    batch: BlockBatch,
+    jobs: list[tuple[ChunkedPrefill, list[int]]],
+    with_rows: bool = True,
+    guesses: list[list[int]] | None = None,
 ) -> torch.Tensor | None:
     """One flat forward for chunks of prompts being prefilled (each job with its next tokens), with every running
-    row's next token (``with_rows``; their logits are returned) or alone. Each job takes its chunk's numbers."""
+    row's next token (``with_rows``; their logits are returned; with ``guesses``, each row's guessed tokens too) or
+    alone. Each job takes its chunk's numbers."""
     begun = time.perf_counter()
     logits, outs = batch.forward_with_chunks(
-        [(job.table, chunk, job.done, job.logits_wanted(len(chunk))) for job, chunk in jobs], with_rows
+        [(job.table, chunk, job.done, job.logits_wanted(len(chunk))) for job, chunk in jobs], with_rows, guesses
     )
     seconds = time.perf_counter() - begun
     for (job, chunk), out in zip(jobs, outs):
@@ -494,10 +537,19 @@ def decode_step(
 ) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``jobs``:
     prompts being prefilled whose next chunks ride in the same forward (each job's ``remaining`` tells whether it
-    is in)."""
-    logits = compute_chunks(batch, jobs) if jobs else batch.forward()
+    is in). With speculative decoding the rows' guesses ride in it too (``verify_step``)."""
+    guesses = None
+    if batch.speculation is not None and batch.adapter is not MIXED:
+        guesses = batch.speculation.guesses(batch.groups)
+        if guesses is not None:
+            guesses = batch.fit_guesses(guesses)
     groups = list(batch.groups)
-    results, tokens = sample_step(groups, logits, batch.sampling)
+    if guesses is not None and any(guesses):
+        logits = compute_chunks(batch, jobs, guesses=guesses)
+        results, tokens = verify_step(batch, groups, logits, guesses)
+    else:
+        logits = compute_chunks(batch, jobs) if jobs else batch.forward()
+        results, tokens = sample_step(groups, logits, batch.sampling)
     keep_rows, offset, out = [], 0, []
     for group, (events, keep) in zip(groups, results):
         keep_rows += [offset + r for r in keep]

@@ -61,6 +61,8 @@ class Timings:
     decode_s: float = 0.0
     generated_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    draft_tokens: int = 0  # speculative decoding: tokens guessed for its rows
+    accepted_tokens: int = 0  # of which its rows kept
 
     @property
     def tokens_per_second(self) -> float:

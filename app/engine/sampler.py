@@ -261,6 +261,51 @@ class SamplingRows:
             grammars=[g for p in parts for g in (p.grammars or [None] * len(p))],
         )
 
+    def expand(self, guesses: list[list[int]]) -> "SamplingRows":
+        """Speculative decoding: one row per token a row computes (its next token, then each of its ``guesses``),
+        each as its row would stand at that token if the guesses before it were its own: its draw counter ``j``
+        steps on, and the guesses before it in its penalty history. A row's sampler at each of its positions is
+        then one batch-wide pass (``sample``), and a guess is kept while it is what that pass picks. Constrained rows
+        guess nothing (their matcher is shared, not copied)."""
+        per_row = [1 + len(g) for g in guesses]
+        which = [row for row, count in enumerate(per_row) for _ in range(count)]
+        index = torch.tensor(which, dtype=torch.long, device=self.device)
+        ahead = torch.tensor([j for count in per_row for j in range(count)], dtype=torch.long, device=self.device)
+
+        def pick(t):
+            return t.index_select(0, index) if t is not None else None
+
+        out = SamplingRows(
+            [self.specs[i] for i in which],
+            [self.seed_list[i] for i in which],
+            self.vocab,
+            self.device,
+            steps=self.steps.index_select(0, index) + ahead,
+            counts=pick(self.counts),
+            seen=pick(self.seen),
+            grammars=[self.grammars[i] for i in which] if self.grammars else None,
+        )
+        out._add_history([guess[:j] for guess in guesses for j in range(len(guess) + 1)])
+        return out
+
+    def record_runs(self, runs: list[list[int]]) -> None:
+        """After a speculative step: each row made the tokens of its run (history and draw counter, as ``record``
+        for one token each)."""
+        self.steps += torch.tensor([len(run) for run in runs], dtype=torch.long, device=self.device)
+        self._add_history(runs)
+
+    def _add_history(self, runs: list[list[int]]) -> None:
+        """Each row's ``runs`` tokens join its penalty history (the counts and seen masks, where kept)."""
+        if self.counts is None and self.seen is None:
+            return
+        width = max(1, max(len(run) for run in runs))
+        ids = torch.tensor([run + [0] * (width - len(run)) for run in runs], dtype=torch.long, device=self.device)
+        real = torch.tensor([[i < len(run) for i in range(width)] for run in runs], device=self.device)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, ids, real.float())
+        if self.seen is not None:
+            self.seen |= torch.zeros_like(self.seen).scatter_(1, ids, real)
+
     def record(self, tokens: torch.Tensor) -> None:
         """After a step: every row has one more token (history for penalties, the counter for draws)."""
         self.steps += 1

@@ -43,6 +43,7 @@ from app.engine.generate import (
     preempt,
 )
 from app.engine.runner import MIXED, ModelRunner
+from app.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger("saker.scheduler")
 
@@ -70,6 +71,7 @@ class Scheduler(Engine):
         max_running_requests: int | None = None,
         max_queue: int | None = None,
         queue_timeout: float | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         super().__init__()
         self.runner = runner
@@ -82,6 +84,7 @@ class Scheduler(Engine):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self.batch = BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens)
+        self.batch.speculation = speculative.build() if speculative is not None else None
         # the one waiting queue: every request's prompts in order of arrival (preempted ones back at its head); the
         # requests holding a running slot (``admission``: at most max_running_requests) are always its front
         self._pending: collections.deque[RequestGroup] = collections.deque()
@@ -256,6 +259,11 @@ class Scheduler(Engine):
             with self._cond:
                 self._pending.appendleft(group)
             log.info("KV blocks ran out: the newest request waits with its blocks given back (%d)", self.preemptions)
+
+    @property
+    def speculation_counts(self) -> dict | None:
+        """Speculative decoding's counters (``speculative.Speculation``), None when it is off."""
+        return self.batch.speculation.counts() if self.batch.speculation is not None else None
 
     @property
     def kv_usage(self) -> float:

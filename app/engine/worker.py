@@ -19,6 +19,7 @@ from app.engine.oom import out_of_memory_guard
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
+from app.engine.speculative import SpeculativeConfig
 from app.errors import ConfigError
 
 log = logging.getLogger("saker.worker")
@@ -72,6 +73,7 @@ class Worker:
         prefix_cache_tokens: int = 4096,
         prefill_chunk_tokens: int = 32,
         kv_cache_tokens: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.names = names
         self._loader = loader
@@ -81,6 +83,7 @@ class Worker:
         self.prefill_chunk_tokens = prefill_chunk_tokens  # a prompt's tokens per step while rows decode (0: all)
         self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)
         self.compile = compile  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
+        self.speculative = speculative  # SAKER_SPECULATIVE* (None: off)
         self.scheduler: Scheduler | None = None
         # how many requests run at once (None: as many as the batch has rows), how many may wait and how long
         self.max_running_requests = max_running_requests or max_batch_rows
@@ -112,6 +115,7 @@ class Worker:
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
             kv_cache_tokens=settings.kv_cache_tokens,
             compile=settings.compile,
+            speculative=SpeculativeConfig.of(settings),
         )
 
     @classmethod
@@ -176,6 +180,7 @@ class Worker:
             max_running_requests=self.max_running_requests,
             max_queue=self.max_queue,
             queue_timeout=self.queue_timeout,
+            speculative=self.speculative,
         )
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
             self.compile_decode_step()
@@ -348,6 +353,8 @@ class Worker:
                     else ticket.generated_tokens
                 )
                 timings.cached_tokens += sum(g.timings.cached_tokens for g in groups)
+                timings.draft_tokens += sum(g.timings.draft_tokens for g in groups)
+                timings.accepted_tokens += sum(g.timings.accepted_tokens for g in groups)
 
     def stream(
         self,

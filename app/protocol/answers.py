@@ -28,3 +28,5 @@ class Timing(BaseModel):
     decode_ms: float
     tokens_per_second: float
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (SAKER_PREFIX_CACHE_TOKENS)
+    speculative_draft_tokens: int = 0  # tokens guessed for it (SAKER_SPECULATIVE)
+    speculative_accepted_tokens: int = 0  # of which it kept

@@ -153,4 +153,6 @@ def timing_of(timings: Timings) -> Timing:
         decode_ms=round(timings.decode_s * 1000, 3),
         tokens_per_second=round(timings.tokens_per_second, 3),
         cached_prompt_tokens=timings.cached_tokens,
+        speculative_draft_tokens=timings.draft_tokens,
+        speculative_accepted_tokens=timings.accepted_tokens,
     )

@@ -1,0 +1,203 @@
+"""Speculative decoding (``SAKER_SPECULATIVE``) changes nothing but speed. The references are independent of the
+engine: a plain greedy loop of whole-sequence forwards (its argmax and log-softmax), and for seeded sampling the same
+request with speculation off (its tokens come from the sampler's own counter-based draws, whatever the batch).
+
+A proposer that always guesses right (an oracle that knows the answer) and one that always guesses wrong both give
+the plain answer; prompt lookup (``NgramProposer``) gives it on prompts it can copy from, with penalties, stop rules,
+``n`` and other traffic in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.params import SamplingParams
+from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Speculation
+from conftest import make_settings
+
+
+# -- the proposer, no model --------------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_earlier_match_longest_first():
+    proposer, state = NgramProposer(min_n=2, max_n=3), NgramState()
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # [1, 2, 3] ends earlier at position 3 (followed by 4, 5, ...); [2, 3] later at 8 (followed by 7): longest wins
+    assert proposer.propose(state, tokens, 3) == [4, 5, 9]
+    assert proposer.propose(NgramState(), tokens, 1) == [4]
+    assert proposer.propose(NgramState(), [*tokens[:-1], 6], 3) == []  # [1, 2, 6] and [2, 6] never occurred
+    # the index grows with the sequence: the newest occurrence of [2, 3] now is followed by 4
+    grown = [*tokens, 4, 0, 2, 3]
+    assert proposer.propose(state, grown, 2) == [4, 0]
+    assert proposer.propose(state, grown, 0) == []
+
+
+def test_a_sequence_whose_guesses_fail_pauses_and_one_that_hits_goes_on():
+    proposer, state = NgramProposer(), NgramState()
+    tokens = [1, 2, 3, 1, 2]
+    for _ in range(MISSES_TO_PAUSE):
+        assert proposer.propose(state, tokens, 2) == [3, 1]
+        proposer.record(state, 2, 0)
+    assert [proposer.propose(state, tokens, 2) for _ in range(PAUSE)] == [[]] * PAUSE
+    assert proposer.propose(state, tokens, 2) == [3, 1]
+    proposer.record(state, 2, 1)
+    assert state.misses == 0 and (state.proposed, state.accepted) == (2 * (MISSES_TO_PAUSE + 1), 1)
+
+
+# -- the engine ---------------------------------------------------------------------------------------------------
+class Oracle:
+    """Guesses from known answers: ``answers`` maps a prompt (tuple) to the tokens that follow it; ``wrong`` shifts
+    every guess to a token the answer does not have there."""
+
+    name = "oracle"
+
+    def __init__(self, answers: dict[tuple, list[int]], vocab: int, wrong: bool = False):
+        self.answers, self.vocab, self.wrong = answers, vocab, wrong
+
+    def propose(self, state, tokens, k):
+        for prompt, answer in self.answers.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                made = len(tokens) - len(prompt)
+                guess = answer[made : made + k]
+                return [(t + 1) % self.vocab for t in guess] if self.wrong else guess
+        return []
+
+    def record(self, state, proposed, accepted):
+        pass
+
+
+def greedy_reference(model, prompt: list[int], tokens: int) -> list[tuple[int, float]]:
+    ids, out = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(tokens):
+            logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+            token = int(logprobs.argmax())
+            out.append((token, float(logprobs[token])))
+            ids.append(token)
+    return out
+
+
+def worker_with(path, speculation=None, **kwargs):
+    from app.engine.loader import load_model
+    from app.engine.worker import Worker
+
+    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(path))), max_batch_rows=8, **kwargs)
+    if speculation is not None:
+        worker.scheduler.batch.speculation = speculation
+    return worker
+
+
+def prompts_of(tok) -> list[list[int]]:
+    """Prompts prompt lookup can copy from (a repeated list), and one it mostly cannot."""
+    return [
+        tok("red green blue red green blue red green blue red green").input_ids,
+        tok("one two three four five six seven eight nine").input_ids,
+    ]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("proposer", ["ngram", "right", "wrong"])
+def test_greedy_answers_equal_a_plain_forward_whatever_the_guesses(request, reference, kind, proposer):
+    path = request.getfixturevalue(f"{kind}_dir")
+    model, tok = reference(path)
+    prompts, tokens = prompts_of(tok), 24
+    expected = [greedy_reference(model, p, tokens) for p in prompts]
+    vocab = model.config.vocab_size
+    answers = {tuple(p): [t for t, _ in e] for p, e in zip(prompts, expected)}
+    chosen = {
+        "ngram": NgramProposer(min_n=1, max_n=3),
+        "right": Oracle(answers, vocab),
+        "wrong": Oracle(answers, vocab, wrong=True),
+    }[proposer]
+    speculation = Speculation(chosen, 5, 8)
+    worker = worker_with(path, speculation)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
+    outputs, _ = worker.complete(prompts, params, 256)
+    for output, want in zip(outputs, expected):
+        for choice in output.choices:
+            assert choice.token_ids == [t for t, _ in want]
+            assert choice.logprobs.token_logprobs == pytest.approx([lp for _, lp in want], abs=1e-4)
+    assert speculation.draft_tokens > 0
+    if proposer == "right":  # every guess kept: a row made up to 6 tokens a step
+        assert speculation.accepted_tokens == speculation.draft_tokens
+        assert worker.scheduler.steps <= 2 * -(-tokens // 6) + 4
+    elif proposer == "wrong":
+        assert speculation.accepted_tokens == 0
+
+
+def test_seeded_samples_with_penalties_equal_those_without_speculation(llama_dir, reference):
+    """Sampled rows with a seed (temperature, top-p, repetition and presence penalties, logprobs 3): an oracle that
+    guesses the unspeculated answer has every guess kept, so each token is drawn at a position computed in a wider
+    step, with the guesses before it in its penalty history; a wrong one has none kept. Both equal the answer
+    without speculation."""
+    _, tok = reference(llama_dir)
+    prompts = prompts_of(tok)
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=0.9,
+        top_p=0.95,
+        seed=11,
+        repetition_penalty=1.2,
+        presence_penalty=0.4,
+        logprobs=3,
+        ignore_eos=True,
+        n=2,
+    )
+    plain, _ = worker_with(llama_dir).complete(prompts, params, 256)
+    answers = {tuple(p): list(o.choices[0].token_ids) for p, o in zip(prompts, plain)}
+    for wrong in (False, True):
+        speculation = Speculation(Oracle(answers, 10_000, wrong=wrong), 4, 8)
+        got, _ = worker_with(llama_dir, speculation).complete(prompts, params, 256)
+        for a, b in zip(got, plain):
+            for x, y in zip(a.choices, b.choices):
+                assert x.token_ids == y.token_ids
+                assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=1e-5)
+                for u, v in zip(x.logprobs.top_logprobs, y.logprobs.top_logprobs):
+                    assert u.keys() == v.keys() and list(u.values()) == pytest.approx(list(v.values()), abs=1e-5)
+        assert speculation.draft_tokens > 0
+        assert (speculation.accepted_tokens > 0) is not wrong
+
+
+def test_stop_rules_cut_a_run_of_kept_guesses(gpt2_dir, reference):
+    """``max_tokens``, a stop token and a stop string inside a run of kept guesses end the answer where they do
+    without speculation."""
+    model, tok = reference(gpt2_dir)
+    prompt = prompts_of(tok)[0]
+    want = [t for t, _ in greedy_reference(model, prompt, 30)]
+    speculation = Speculation(Oracle({tuple(prompt): want}, model.config.vocab_size), 6, 8)
+    worker = worker_with(gpt2_dir, speculation)
+    (short,), _ = worker.complete([prompt], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True), 256)
+    assert short.choices[0].token_ids == want[:9] and short.choices[0].finish_reason == "length"
+    stop_at = 13
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(want[stop_at],), ignore_eos=True)
+    (stopped,), _ = worker.complete([prompt], params, 256)
+    first = want.index(want[stop_at])
+    assert stopped.choices[0].token_ids == want[: first + 1] and stopped.choices[0].finish_reason == "stop"
+    cut = tok.decode(want[:20])[len(tok.decode(want[:12])) :].strip()[:3]
+    assert cut
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop=(cut,), ignore_eos=True)
+    (plain,), _ = worker_with(gpt2_dir).complete([prompt], params, 256)
+    (spec,), _ = worker.complete([prompt], params, 256)
+    assert plain.choices[0].finish_reason == "stop"
+    assert (spec.choices[0].text, spec.choices[0].finish_reason) == (plain.choices[0].text, "stop")
+
+
+def test_no_guesses_above_the_row_limit_without_room_or_for_constrained_rows(gpt2_dir, reference):
+    """A batch wider than ``max_rows`` guesses nothing; nor does a row whose answer has no room for a guess, nor
+    a constrained row (structured outputs), whose answer is the unspeculated one."""
+    from app.engine.params import Constraint
+
+    model, tok = reference(gpt2_dir)
+    prompts = prompts_of(tok)
+    speculation = Speculation(NgramProposer(min_n=1), 4, 1)
+    worker = worker_with(gpt2_dir, speculation)
+    worker.complete(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2), 256)
+    assert speculation.draft_tokens == 0
+    speculation.max_rows = 8
+    worker.complete(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 256)
+    assert speculation.draft_tokens == 0
+    params = SamplingParams(max_tokens=12, temperature=0.0, constraint=Constraint("regex", "(red|green|blue| )+"))
+    (constrained,), _ = worker.complete(prompts[:1], params, 256)
+    (plain,), _ = worker_with(gpt2_dir).complete(prompts[:1], params, 256)
+    assert constrained.choices[0].token_ids == plain.choices[0].token_ids
+    assert speculation.draft_tokens == 0
+    worker.complete(prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), 256)
+    assert speculation.draft_tokens > 0  # the same prompt unconstrained does guess
