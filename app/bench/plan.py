@@ -32,6 +32,11 @@ GOALS = {
     "V mixed tokens/s": (">=", 1.2),
     "V mixed TTFT p99": ("<=", 0.8),
     "V mixed ITL p99": ("<=", 1.0),
+    # P: speculative decoding (ngram) / off, output tokens/s: 1 client on an input-grounded and a free-form task, and
+    # 32 clients of the free-form one
+    "P grounded": (">=", 2.0),
+    "P free": (">=", 0.97),
+    "P 32 clients": (">=", 1.0),
 }
 
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
@@ -93,6 +98,11 @@ class Plan:
     m_tokens: int = 256  # M: greedy tokens per stream (ignore_eos)
     m_long: int = 2048  # M: tokens of each long prompt
     m_every: float = 4.0  # M: seconds between two long prompts
+    p_tokens: int = 256  # P: most tokens of the 1-client answers (greedy; they end where the model ends them)
+    p_reps: int = 3  # P: requests per task and server at 1 client (alternating)
+    p_clients: int = 32  # P: closed-loop clients of the wide run, one request each
+    p_wide_tokens: int = 64  # P: most tokens of the wide run's answers
+    p_wide_rounds: int = 5  # P: rounds of the wide run per server (the median of the rounds' ratios counts)
     v_levels: tuple[int, ...] = (1, 8, 32)  # V: clients (vllm bench serve --max-concurrency), each server in turn
     v_min_prompts: int = 16  # V: requests per level: max(v_min_prompts, v_prompts_per_client x clients)
     v_prompts_per_client: int = 4
@@ -162,6 +172,11 @@ class Plan:
             m_tokens=64,
             m_long=384,
             m_every=1.0,
+            p_tokens=64,
+            p_reps=1,
+            p_clients=4,
+            p_wide_tokens=16,
+            p_wide_rounds=1,
             v_min_prompts=8,
             v_prompts_per_client=1,
             v_input=64,

@@ -201,3 +201,32 @@ def test_no_guesses_above_the_row_limit_without_room_or_for_constrained_rows(gpt
     assert speculation.draft_tokens == 0
     worker.complete(prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), 256)
     assert speculation.draft_tokens > 0  # the same prompt unconstrained does guess
+
+
+@pytest.mark.slow
+def test_the_default_configuration_gives_the_same_bits_with_speculation(saker_cache):
+    """The embedded SmolLM2 as served (int4, the fixed-order attention kernel): a JSON rewrite of a record given in
+    the prompt (prompt lookup keeps most guesses) gives the tokens and logprobs of a plain forward loop over the same
+    modules (within 1e-5: the reference's log-softmax is in float64), though most positions were computed in steps
+    of up to 5 tokens."""
+    from app.bench.parts.p import TASKS
+    from app.engine.loader import load_model
+    from app.engine.speculative import SpeculativeConfig
+    from app.engine.worker import Worker
+
+    loaded = load_model(make_settings(cache_dir=str(saker_cache)))
+    worker = Worker.from_loaded(("m",), loaded, speculative=SpeculativeConfig("ngram", 4, 4))
+    assert "int4" in worker.info.precision
+    messages = [{"role": "user", "content": TASKS["grounded"]}]
+    prompt = list(
+        worker.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    tokens = 48
+    expected = greedy_reference(worker.runner.model, prompt, tokens)
+    (output,), timings = worker.complete([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=1), 8192)
+    choice = output.choices[0]
+    assert choice.token_ids == [t for t, _ in expected][: len(choice.token_ids)]
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        [lp for _, lp in expected][: len(choice.token_ids)], abs=1e-5
+    )
+    assert timings.accepted_tokens >= tokens // 2, timings

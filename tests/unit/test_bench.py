@@ -28,8 +28,8 @@ def parts_of(only=None, gpu=False):
 
 
 def test_parts_include_s():
-    assert "S" in parts_of() and parts_of()[-3:] == ("S", "M", "V")
-    assert parts_of(gpu=True)[-4:] == ("S", "M", "V", "D")
+    assert "S" in parts_of() and parts_of()[-4:] == ("S", "M", "P", "V")
+    assert parts_of(gpu=True)[-5:] == ("S", "M", "P", "V", "D")
     assert parts_of("s, a") == ("A", "S")
     with pytest.raises(SystemExit):
         parts_of("S,X")
@@ -53,6 +53,33 @@ def test_part_m_reads_its_goal_from_the_gaps():
     [itl, ttft] = m.rows(result)
     assert itl[2] == "8" and itl[4] == "<= 3: NOT met" and ttft[2] == "6.5"
     assert plan.check_goal("M", 2.5) is True
+
+
+def test_part_p_summarizes_each_server_and_judges_its_goals():
+    from app.bench.client import Reply
+    from app.bench.parts import p
+
+    def reply(tokens, seconds, text, drafted=0, kept=0):
+        timing = {"speculative_draft_tokens": drafted, "speculative_accepted_tokens": kept}
+        return Reply(seconds, tokens, text, timing=timing)
+
+    grounded = p.summarize(
+        {"off": [reply(100, 2.0, "a"), reply(100, 1.0, "a")], "ngram": [reply(100, 0.5, "a", 80, 60)] * 2}
+    )
+    assert grounded["off"]["tokens_per_s"] == 75.0 and grounded["ngram"]["tokens_per_s"] == 200.0
+    assert grounded["ratio"] == round(200 / 75, 3) and grounded["ngram"]["acceptance"] == 0.75
+    assert grounded["same_text"] and grounded["off"]["acceptance"] is None
+    free = p.summarize({"off": [reply(50, 1.0, "b")], "ngram": [reply(50, 1.1, "c", 10, 0)]})
+    assert not free["same_text"] and free["ratio"] == round((50 / 1.1) / 50, 3)
+    assert plan.GOALS["P grounded"] == (">=", 2.0) and plan.GOALS["P free"] == (">=", 0.97)
+    wide = {"off": {"tokens_per_s": 400.0}, "ngram": {"tokens_per_s": 404.0}, "ratio": 1.01}
+    result = {"tasks": {"grounded": grounded, "free": free}, "32 clients": wide}
+    result["goals"] = {
+        key: {"value": value, "goal": plan.GOALS[f"P {key}"][1], "met": plan.check_goal(f"P {key}", value)}
+        for key, value in (("grounded", grounded["ratio"]), ("free", free["ratio"]), ("32 clients", 1.01))
+    }
+    judged = [row[4] for row in p.rows(result) if row[4]]
+    assert judged == [">= 2: met", ">= 0.97: NOT met", ">= 1: met"]
 
 
 def test_plan_s_full_and_quick():

