@@ -242,12 +242,18 @@ class Settings(BaseSettings):
         "start-up so that no request pays for it. Unset: on with CUDA, off on the CPU (where it "
         "pays at one request only, and compiling every bucket and window takes minutes).",
     )
-    speculative: Literal["off", "ngram"] = Field(
+    speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="Speculative decoding: ngram = prompt lookup (a sequence's last tokens "
-        "looked up among its earlier ones; what followed them is the guess). One forward "
+        "looked up among its earlier ones; what followed them is the guess); draft = a smaller "
+        "model with the same tokenizer guesses (speculative_model). One forward "
         "checks a row's next token and its guesses, and keeps the guesses the row's own "
         "sampler picks: the tokens, logprobs and seeded samples are those without it.",
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="The draft model (speculative draft): a folder or hub id of a causal LM "
+        "with the served model's tokenizer, loaded like it (dtype, device, quantize).",
     )
     speculative_tokens: int = Field(
         4, ge=1, le=15, description="Most guessed tokens a row checks in one step (speculative on)."
@@ -392,6 +398,8 @@ class Settings(BaseSettings):
             raise ValueError("max_input_tokens cannot exceed max_total_tokens")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError("speculative_ngram_min cannot exceed speculative_ngram_max")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative draft needs speculative_model: the draft model's folder or hub id")
         if self.api_key_file:
             path = Path(self.api_key_file).expanduser()
             if not path.is_file():

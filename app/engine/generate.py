@@ -68,7 +68,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # eos, stop_token, length, complete (the engine's); stop, abort (the output
     # side's stop string, the client gone)
-    draft: object = None  # speculative decoding's state for it (``speculative.NgramState``), made at its first guess
+    draft: object = None  # speculative decoding's state for it (``speculative.ProposerState``), made at its first guess
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason

@@ -2,10 +2,13 @@
 of the target checks (``generate.decode_step``: a row with ``k`` guesses computes ``1 + k`` positions in the step's
 flat forward, and keeps the guesses its own sampler would have picked).
 
-``NgramProposer`` is prompt lookup: the sequence's last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) are
-looked up among its earlier tokens (the prompt and the answer so far), and the tokens that followed their latest
-earlier occurrence are the guess. No model, no device memory: an index of the sequence's n-grams, kept up to date
-token by token (``NgramState``, on the ``Sequence``).
+- ``NgramProposer`` is prompt lookup: the sequence's last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) are
+  looked up among its earlier tokens (the prompt and the answer so far), and the tokens that followed their latest
+  earlier occurrence are the guess. No model, no device memory: an index of the sequence's n-grams, kept up to date
+  token by token (``NgramState``, on the ``Sequence``).
+- ``DraftProposer`` is a draft model: a smaller causal LM with the target's vocabulary (``SAKER_SPECULATIVE_MODEL``)
+  guesses greedily, ``k`` tokens one forward each, over a KV cache of its own per sequence (``DraftState``). A
+  sequence's cache is cut back to the tokens the sequence kept before the next guess.
 
 Acceptance is tracked per sequence: one whose guesses keep failing stops being proposed for (``MISSES_TO_PAUSE``
 steps in a row with nothing accepted pause it for ``PAUSE`` steps, doubling while it keeps failing). ``Speculation``
@@ -16,6 +19,7 @@ and records what was accepted (the counters ``/metrics`` shows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 MISSES_TO_PAUSE = 3
 PAUSE = 8
@@ -23,11 +27,9 @@ MAX_PAUSE = 256
 
 
 @dataclass
-class NgramState:
-    """One sequence's n-gram index and acceptance record (plain data, kept on its ``Sequence``)."""
+class ProposerState:
+    """One sequence's acceptance record (plain data, kept on its ``Sequence``)."""
 
-    index: dict = field(default_factory=dict)  # n-gram (tuple) -> position of the token that followed it last
-    indexed: int = 0  # positions p whose preceding n-grams are in ``index`` are those below this
     misses: int = 0  # steps in a row whose guesses were all refused
     paused: int = 0  # steps left without guesses
     pause: int = PAUSE  # the next pause's length
@@ -35,23 +37,56 @@ class NgramState:
     accepted: int = 0  # of which accepted
 
 
-class NgramProposer:
-    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last ``n``
-    tokens, for ``n`` from ``max_n`` down to ``min_n`` (the longest match wins)."""
+class Proposer:
+    """What every proposer shares: no guesses while a sequence is paused, and the acceptance record."""
 
-    name = "ngram"
+    state_type = ProposerState
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
-        self.min_n, self.max_n = min_n, max_n
-
-    def propose(self, state: NgramState, tokens: list[int], k: int) -> list[int]:
+    def propose(self, state: ProposerState, tokens: list[int], k: int) -> list[int]:
         """At most ``k`` guesses of what follows ``tokens`` (the sequence's prompt and output so far; the last one is
-        the token the step feeds). Empty while the sequence is paused or nothing matches."""
+        the token the step feeds). Empty while the sequence is paused or there is no guess."""
         if k <= 0:
             return []
         if state.paused:
             state.paused -= 1
             return []
+        return self.guess(state, tokens, k)
+
+    def guess(self, state, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    @staticmethod
+    def record(state: ProposerState, proposed: int, accepted: int) -> None:
+        """A verified guess: ``accepted`` of its ``proposed`` tokens were the sampler's."""
+        state.proposed += proposed
+        state.accepted += accepted
+        if accepted:
+            state.misses, state.pause = 0, PAUSE
+            return
+        state.misses += 1
+        if state.misses >= MISSES_TO_PAUSE:
+            state.paused, state.misses = state.pause, 0
+            state.pause = min(2 * state.pause, MAX_PAUSE)
+
+
+@dataclass
+class NgramState(ProposerState):
+    """A sequence's n-gram index."""
+
+    index: dict = field(default_factory=dict)  # n-gram (tuple) -> position of the token that followed it last
+    indexed: int = 0  # positions p whose preceding n-grams are in ``index`` are those below this
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last ``n``
+    tokens, for ``n`` from ``max_n`` down to ``min_n`` (the longest match wins)."""
+
+    state_type = NgramState
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def guess(self, state: NgramState, tokens: list[int], k: int) -> list[int]:
         index, end = state.index, len(tokens)
         # n-grams ending just before each position p < end (the token at p followed them); the latest wins
         for p in range(max(1, state.indexed), end):
@@ -66,18 +101,49 @@ class NgramProposer:
                     return tokens[at : at + k]
         return []
 
-    @staticmethod
-    def record(state: NgramState, proposed: int, accepted: int) -> None:
-        """A verified guess: ``accepted`` of its ``proposed`` tokens were the sampler's."""
-        state.proposed += proposed
-        state.accepted += accepted
-        if accepted:
-            state.misses, state.pause = 0, PAUSE
-            return
-        state.misses += 1
-        if state.misses >= MISSES_TO_PAUSE:
-            state.paused, state.misses = state.pause, 0
-            state.pause = min(2 * state.pause, MAX_PAUSE)
+
+@dataclass
+class DraftState(ProposerState):
+    """A sequence's draft-model KV cache and the tokens whose keys and values it holds."""
+
+    cache: object = None  # transformers' DynamicCache
+    held: list = field(default_factory=list)
+
+
+class DraftProposer(Proposer):
+    """A draft model's greedy guesses: the sequence's tokens the draft's cache lacks in one forward (the whole prompt
+    at the first guess; after that the tokens kept since the last one), then one forward per further guess. The cache
+    is cut back to the longest prefix it shares with the sequence, so refused guesses leave nothing behind."""
+
+    state_type = DraftState
+
+    def __init__(self, model):
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+
+    def guess(self, state: DraftState, tokens: list[int], k: int) -> list[int]:
+        import numpy as np
+        import torch
+        from transformers import DynamicCache
+
+        held = state.held
+        same = min(len(held), len(tokens) - 1)  # the last token is always fed: its logits give the first guess
+        if same:
+            differ = np.nonzero(np.asarray(held[:same]) != np.asarray(tokens[:same]))[0]
+            same = int(differ[0]) if differ.size else same
+        if state.cache is None or not same:
+            state.cache, same = DynamicCache(config=self.model.config), 0
+        elif same < len(held):
+            state.cache.crop(same - len(held))  # (transformers' crop takes the count to remove, negated)
+        out: list[int] = []
+        ids = torch.tensor([tokens[same:]], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for _ in range(k):
+                logits = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1).logits
+                out.append(int(logits[0, -1].argmax()))
+                ids = torch.tensor([out[-1:]], dtype=torch.long, device=self.device)
+        state.held = tokens + out[:-1]  # the last guess was never fed
+        return out
 
 
 @dataclass(frozen=True)
@@ -89,20 +155,45 @@ class SpeculativeConfig:
     max_rows: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
+    draft: Callable[[], object] | None = None  # loads the draft model (``loader.LoadedModel``)
 
     @classmethod
     def of(cls, settings) -> "SpeculativeConfig":
+        draft = None
+        if settings.speculative == "draft":
+            from app.engine.loader import load_model
+
+            draft_settings = settings.model_copy(
+                update={"model": settings.speculative_model, "gguf_file": None, "tokenizer": None, "peft_weights": None}
+            )
+
+            def draft():
+                return load_model(draft_settings)
+
         return cls(
             settings.speculative,
             settings.speculative_tokens,
             settings.speculative_max_rows,
             settings.speculative_ngram_min,
             settings.speculative_ngram_max,
+            draft,
         )
 
-    def build(self) -> "Speculation | None":
+    def build(self, tokenizer) -> "Speculation | None":
+        """The batch's ``Speculation`` (None: off); a draft model is loaded here and must share ``tokenizer``'s
+        vocabulary (ConfigError otherwise)."""
         if self.method == "ngram":
             return Speculation(NgramProposer(self.ngram_min, self.ngram_max), self.tokens, self.max_rows)
+        if self.method == "draft":
+            from app.errors import ConfigError
+
+            loaded = self.draft()
+            if loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise ConfigError(
+                    f"the speculative model ({loaded.source}) has another vocabulary than the served model's: a draft "
+                    "model must use the same tokenizer"
+                )
+            return Speculation(DraftProposer(loaded.model), self.tokens, self.max_rows)
         return None
 
 
@@ -142,7 +233,7 @@ class Speculation:
                     out.append([])
                     continue
                 if seq.draft is None:
-                    seq.draft = NgramState()
+                    seq.draft = self.proposer.state_type()
                 out.append(self.proposer.propose(seq.draft, seq.prompt_ids + seq.output_ids, room))
         return out if any(out) else None
 

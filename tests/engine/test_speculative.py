@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Speculation
+from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Proposer, Speculation
 from conftest import make_settings
 
 
@@ -43,25 +43,20 @@ def test_a_sequence_whose_guesses_fail_pauses_and_one_that_hits_goes_on():
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
-class Oracle:
+class Oracle(Proposer):
     """Guesses from known answers: ``answers`` maps a prompt (tuple) to the tokens that follow it; ``wrong`` shifts
     every guess to a token the answer does not have there."""
-
-    name = "oracle"
 
     def __init__(self, answers: dict[tuple, list[int]], vocab: int, wrong: bool = False):
         self.answers, self.vocab, self.wrong = answers, vocab, wrong
 
-    def propose(self, state, tokens, k):
+    def guess(self, state, tokens, k):
         for prompt, answer in self.answers.items():
             if tuple(tokens[: len(prompt)]) == prompt:
                 made = len(tokens) - len(prompt)
                 guess = answer[made : made + k]
                 return [(t + 1) % self.vocab for t in guess] if self.wrong else guess
         return []
-
-    def record(self, state, proposed, accepted):
-        pass
 
 
 def greedy_reference(model, prompt: list[int], tokens: int) -> list[tuple[int, float]]:
@@ -76,6 +71,7 @@ def greedy_reference(model, prompt: list[int], tokens: int) -> list[tuple[int, f
 
 
 def worker_with(path, speculation=None, **kwargs):
+    """A worker on ``path``'s model; ``speculation``: the batch's (a test's proposer), or ``speculative=`` config."""
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
@@ -201,6 +197,81 @@ def test_no_guesses_above_the_row_limit_without_room_or_for_constrained_rows(gpt
     assert speculation.draft_tokens == 0
     worker.complete(prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), 256)
     assert speculation.draft_tokens > 0  # the same prompt unconstrained does guess
+
+
+def truncated(path, out):
+    """A draft with the target's tokenizer: the target's first layer alone (its embeddings, head and layer 0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.transformer.h = model.transformer.h[:1]
+    model.config.n_layer = 1
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("draft", ["itself", "its first layer"])
+def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, draft):
+    """A draft model (``DraftProposer``): the target itself (its greedy guesses are the target's answer: every one
+    kept) and the target's first layer alone (guesses often refused, so its cache is cut back and fed again). Both
+    give a plain forward's greedy tokens and logprobs, for two prompts with two candidates each, and sampled rows
+    with a seed give the unspeculated answer."""
+    from app.engine.loader import load_model
+    from app.engine.speculative import SpeculativeConfig
+
+    model, tok = reference(gpt2_dir)
+    source = gpt2_dir if draft == "itself" else truncated(gpt2_dir, tmp_path / "draft")
+    config = SpeculativeConfig("draft", 4, 8, draft=lambda: load_model(make_settings(model=str(source))))
+    worker = worker_with(gpt2_dir, speculative=config)
+    speculation = worker.scheduler.batch.speculation
+    prompts, tokens = prompts_of(tok), 24
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
+    outputs, _ = worker.complete(prompts, params, 256)
+    for prompt, output in zip(prompts, outputs):
+        want = greedy_reference(model, prompt, tokens)
+        for choice in output.choices:
+            assert choice.token_ids == [t for t, _ in want]
+            assert choice.logprobs.token_logprobs == pytest.approx([lp for _, lp in want], abs=1e-4)
+    if draft == "itself":
+        assert speculation.accepted_tokens >= 0.9 * speculation.draft_tokens > 0
+    else:
+        assert 0 < speculation.accepted_tokens < speculation.draft_tokens
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=4, logprobs=2, ignore_eos=True, n=2)
+    got, _ = worker.complete(prompts, sampled, 256)
+    plain, _ = worker_with(gpt2_dir).complete(prompts, sampled, 256)
+    for a, b in zip(got, plain):
+        assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
+
+
+def test_a_draft_cache_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt2_dir, reference):
+    """``DraftProposer``: after guesses the sequence did not keep, the draft's cache is cut back to what the
+    sequence holds, so its next guess is the one a fresh cache over the same tokens gives."""
+    from app.engine.speculative import DraftProposer, DraftState
+
+    model, tok = reference(gpt2_dir)
+    proposer = DraftProposer(model)
+    tokens = prompts_of(tok)[0]
+    state = DraftState()
+    first = proposer.propose(state, tokens, 4)
+    assert len(first) == 4 and len(state.held) == len(tokens) + 3
+    for taken in ([first[0], (first[1] + 1) % 400], [(first[0] + 7) % 400], first + [first[0]]):
+        tokens = tokens + taken
+        assert proposer.propose(state, tokens, 3) == proposer.propose(DraftState(), tokens, 3)
+        assert state.held[: len(tokens)] == tokens
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(gpt2_dir, llama_dir):
+    from app.engine.loader import load_model
+    from app.engine.speculative import SpeculativeConfig
+    from app.errors import ConfigError
+
+    config = SpeculativeConfig("draft", draft=lambda: load_model(make_settings(model=str(llama_dir))))
+    target = load_model(make_settings(model=str(gpt2_dir)))
+    with pytest.raises(ConfigError, match="another vocabulary"):
+        config.build(target.tokenizer)
+    with pytest.raises(ValueError, match="speculative_model"):
+        make_settings(speculative="draft")
 
 
 @pytest.mark.slow
