@@ -5,8 +5,13 @@ with the same fields and values: the answer repeats much of the prompt) and a fr
 task: each server's output tokens/s (completion tokens / the request's wall time, median of the repetitions), their
 ratio, the acceptance (guessed tokens kept / guessed) and whether both servers answered the same text. Then 32
 closed-loop clients of the free-form task on each server in turn: output tokens/s and their ratio. Goals: >= 2x
-on the grounded task, >= 0.97x on the free-form one, >= 1.0x at 32 clients. No draft-model proposer is built yet:
-the part has no draft-model row. Not with ``--url``."""
+on the grounded task, >= 0.97x on the free-form one, >= 1.0x at 32 clients.
+
+A third server speculates with a draft model (``SAKER_SPECULATIVE=draft``) at 1 client, without a goal. The only
+draft with SmolLM2's tokenizer that can be built offline is a cut of SmolLM2 itself: its first ``DRAFT_LAYERS``
+layers, with its embeddings, final norm and head, built once into the bench's cache. Such a draft keeps almost none
+of its guesses: its row shows the draft path end to end and what a poor draft costs, not what a trained draft would
+give. Not with ``--url``."""
 
 from __future__ import annotations
 
@@ -42,13 +47,18 @@ TASKS = {
 CHAT = "/v1/chat/completions"
 
 
+DRAFT_LAYERS = 4  # the draft: SmolLM2's first layers, its embeddings, final norm and head
+
+
 def run(bench: Bench) -> dict:
     plan = bench.plan
     path = smol_path(bench)
     servers = {}
     try:
-        for mode in ("off", "ngram"):
+        for mode in ("off", "ngram", "draft"):
             extra = {**batch_env(plan.p_clients), "SAKER_SPECULATIVE": mode}
+            if mode == "draft":
+                extra["SAKER_SPECULATIVE_MODEL"] = str(draft_path(bench, path))
             if "SAKER_QUANTIZE" not in bench.server_env():
                 extra["SAKER_QUANTIZE"] = "int4"
             servers[mode] = bench.start_server(path, f"{SMOL_NAME}-P-{mode}", extra_env=extra)
@@ -56,6 +66,20 @@ def run(bench: Bench) -> dict:
     finally:
         for server in servers.values():
             bench.stop_server(server)
+
+
+def draft_path(bench: Bench, source):
+    """A draft with SmolLM2's tokenizer, built once into the bench's cache: its first ``DRAFT_LAYERS`` layers."""
+    out = bench.cache_dir / f"smollm2-draft-{DRAFT_LAYERS}-layers"
+    if not (out / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+        model.model.layers = model.model.layers[:DRAFT_LAYERS]
+        model.config.num_hidden_layers = DRAFT_LAYERS
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
 
 
 def body(name: str, task: str, tokens: int) -> dict:
@@ -86,7 +110,7 @@ def measure(bench: Bench, servers: dict[str, tuple[str, str]]) -> dict:
 
             bench.repeat(one, plan.p_reps, 0, 0.0)
             result["tasks"][task] = summarize(per_mode)
-        result["32 clients"] = wide(bench, servers)
+        result["32 clients"] = wide(bench, {mode: servers[mode] for mode in ("off", "ngram")})
     finally:
         for client in clients.values():
             client.close()
@@ -119,6 +143,8 @@ def summarize(per_mode: dict[str, list]) -> dict:
             "acceptance": round(kept / drafted, 3) if drafted else None,
         }
     out["ratio"] = round(out["ngram"]["tokens_per_s"] / out["off"]["tokens_per_s"], 3)
+    if "draft" in out:
+        out["draft_ratio"] = round(out["draft"]["tokens_per_s"] / out["off"]["tokens_per_s"], 3)
     out["same_text"] = len({r.text for replies in per_mode.values() for r in replies}) == 1
     return out
 
@@ -152,12 +178,14 @@ def rows(result: dict) -> list[Row]:
 
     out: list[Row] = []
     for task, numbers in result["tasks"].items():
-        for mode in ("off", "ngram"):
-            out.append(
-                ("P", f"{task}, 1 client: tokens/s, speculative {mode}", f"{numbers[mode]['tokens_per_s']:g}", "", "")
-            )
+        for mode in [m for m in ("off", "ngram", "draft") if m in numbers]:
+            rate = f"{numbers[mode]['tokens_per_s']:g}"
+            out.append(("P", f"{task}, 1 client: tokens/s, speculative {mode}", rate, "", ""))
         note = f"acceptance {numbers['ngram']['acceptance']}, same text: {numbers['same_text']}"
         out.append(("P", f"{task}, 1 client: ngram / off ({note})", f"{numbers['ratio']:g}", "", judged(task)))
+        if "draft_ratio" in numbers:
+            note = f"acceptance {numbers['draft']['acceptance']}, a {DRAFT_LAYERS}-layer cut of SmolLM2"
+            out.append(("P", f"{task}, 1 client: draft / off ({note})", f"{numbers['draft_ratio']:g}", "", ""))
     wide = result["32 clients"]
     for mode in ("off", "ngram"):
         out.append(("P", f"free, 32 clients: tokens/s, speculative {mode}", f"{wide[mode]['tokens_per_s']:g}", "", ""))
