@@ -81,6 +81,8 @@ def test_timing_headers_and_request_id(server):
         "decode_ms",
         "tokens_per_second",
         "cached_prompt_tokens",
+        "speculative_draft_tokens",
+        "speculative_accepted_tokens",
     }
 
 
