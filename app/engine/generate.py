@@ -300,7 +300,11 @@ def verify_step(
     the sampler picked at the position before it, and makes those tokens plus the sampler's pick after the last
     one kept. So its tokens, logprobs and seeded samples are what they are without guesses (sample-and-match).
     Returns each group's (events, rows that go on) and each row's next token (B,) on the device."""
-    picked, numbers = sample(logits, batch.sampling.expand(guesses))
+    rows = batch.sampling
+    masks = {}  # constrained rows with guesses: the masks of their positions
+    if rows.grammars is not None:
+        masks = {row: rows.grammars[row].masks_along(guesses[row]) for row in rows.constrained if guesses[row]}
+    picked, numbers = sample(logits, rows.expand(guesses, masks), advance=False)
     per_row = np.fromiter((1 + len(g) for g in guesses), dtype=np.int64, count=len(guesses))
     starts = np.cumsum(per_row) - per_row
     width = int(per_row.max()) - 1
@@ -312,12 +316,14 @@ def verify_step(
     before = chosen[np.minimum(starts.reshape(-1, 1) + np.arange(width), chosen.size - 1)]
     accepted = np.cumprod(before == guessed, axis=1).sum(axis=1)
     runs = [list(range(start, start + kept + 1)) for start, kept in zip(starts.tolist(), accepted.tolist())]
+    made = [chosen[run].tolist() for run in runs]
+    numbers.complete = rows.advance_grammar_runs(made, starts.tolist())
     batch.speculation.verified(groups, guesses, accepted.tolist())
     out, row = [], 0
     for group in groups:
         out.append(group.settle(numbers, 0, runs[row : row + group.rows]))
         row += group.rows
-    batch.sampling.record_runs([chosen[run].tolist() for run in runs])
+    rows.record_runs(made)
     batch.advance(accepted + 1)
     last = torch.from_numpy(starts + accepted).to(picked.device)
     return out, picked.index_select(0, last)

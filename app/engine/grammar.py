@@ -197,6 +197,40 @@ class RowGrammar:
         self.ended = not ok or self.matcher.is_stopped()
         return self.ended
 
+    def allows(self, tokens: list[int]) -> int:
+        """Speculative decoding: how many of ``tokens``, in order, the matcher would take now (its state unchanged)."""
+        if self.ended or not tokens:
+            return 0
+        self.current_mask()  # the grammar thread is done with the matcher
+        return self.matcher.validate_tokens(tokens)
+
+    def masks_along(self, tokens: list[int]) -> list[torch.Tensor]:
+        """Speculative decoding: the masks of the row's next ``1 + len(tokens)`` positions had it taken ``tokens``
+        (which ``allows`` says it would): the current mask, then the mask after each token. The row's state is put
+        back as it was (the matcher rolled back, the digit run and the current mask restored)."""
+        masks = [self.current_mask().clone()]
+        run, ended = self.run, self.ended
+        for token in tokens:
+            self.advance(token)
+            if not self.ended:  # past a token that completes the output nothing is kept: any mask will do
+                self._fill()
+            masks.append(self.mask.clone())
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        self.run, self.ended, self.mask, self._fresh = run, ended, masks[0].clone(), True
+        return masks
+
+
+class FixedMask:
+    """A position's mask computed ahead (``RowGrammar.masks_along``), standing in for a row's grammar in the sampler's
+    pass over a speculative step's positions."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def current_mask(self) -> torch.Tensor:
+        return self.mask
+
 
 def prefetch(rows: list[RowGrammar]) -> None:
     """Compute these rows' next masks on the grammar thread (the model thread runs the next forward meanwhile)."""

@@ -261,12 +261,13 @@ class SamplingRows:
             grammars=[g for p in parts for g in (p.grammars or [None] * len(p))],
         )
 
-    def expand(self, guesses: list[list[int]]) -> "SamplingRows":
+    def expand(self, guesses: list[list[int]], masks: dict[int, list] | None = None) -> "SamplingRows":
         """Speculative decoding: one row per token a row computes (its next token, then each of its ``guesses``),
         each as its row would stand at that token if the guesses before it were its own: its draw counter ``j``
         steps on, and the guesses before it in its penalty history. A row's sampler at each of its positions is
-        then one batch-wide pass (``sample``), and a guess is kept while it is what that pass picks. Constrained rows
-        guess nothing (their matcher is shared, not copied)."""
+        then one batch-wide pass (``sample``), and a guess is kept while it is what that pass picks. A constrained row
+        with guesses takes the masks of its positions from ``masks`` (row -> ``RowGrammar.masks_along``); one
+        without keeps its grammar."""
         per_row = [1 + len(g) for g in guesses]
         which = [row for row, count in enumerate(per_row) for _ in range(count)]
         index = torch.tensor(which, dtype=torch.long, device=self.device)
@@ -283,10 +284,45 @@ class SamplingRows:
             steps=self.steps.index_select(0, index) + ahead,
             counts=pick(self.counts),
             seen=pick(self.seen),
-            grammars=[self.grammars[i] for i in which] if self.grammars else None,
+            grammars=self._position_grammars(per_row, masks or {}) if self.grammars else None,
         )
         out._add_history([guess[:j] for guess in guesses for j in range(len(guess) + 1)])
         return out
+
+    def _position_grammars(self, per_row: list[int], masks: dict[int, list]) -> list:
+        """The grammars of ``expand``'s positions: a constrained row's masks ahead, one per position, where it
+        guessed; its own grammar where it did not."""
+        from app.engine.grammar import FixedMask
+
+        out = []
+        for row, count in enumerate(per_row):
+            grammar = self.grammars[row]
+            if grammar is not None and count > 1:
+                out += [FixedMask(mask) for mask in masks[row]]
+            else:
+                out += [grammar] * count
+        return out
+
+    def advance_grammar_runs(self, runs: list[list[int]], starts: list[int]) -> set[int]:
+        """After a speculative step: each constrained row's matcher takes the tokens of its run, in order. Returns the
+        positions (``starts[row] + j``, in the step's numbering) at which a row's output became complete; the others'
+        next masks start on the grammar thread."""
+        if self.grammars is None:
+            return set()
+        complete, going = set(), []
+        for row in self.constrained:
+            grammar = self.grammars[row]
+            if grammar.ended:
+                complete.add(starts[row])
+                continue
+            for j, token in enumerate(runs[row]):
+                if grammar.advance(token):
+                    complete.add(starts[row] + j)
+                    break
+            else:
+                going.append(grammar)
+        prefetch(going)
+        return complete
 
     def record_runs(self, runs: list[list[int]]) -> None:
         """After a speculative step: each row made the tokens of its run (history and draw counter, as ``record``
@@ -412,15 +448,17 @@ class StepNumbers:
     complete: set[int] = frozenset()
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, StepNumbers]:
+def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tuple[torch.Tensor, StepNumbers]:
     """One step for every row of ``logits`` (B, V) float32: tokens (on the device, to feed the next forward) and
-    the numbers the output side needs, brought to the host in one transfer."""
+    the numbers the output side needs, brought to the host in one transfer. ``advance``: constrained rows' matchers
+    take their tokens (not for a speculative step's positions: ``SamplingRows.advance_grammar_runs`` does that for
+    the tokens kept)."""
     scores = shape_scores(logits, rows)
     tokens = choose(scores, rows)
     rows.record(tokens)
     if not rows.wants_logprob:
         numbers = StepNumbers(tokens.tolist())
-        numbers.complete = rows.advance_grammars(numbers.tokens)
+        numbers.complete = rows.advance_grammars(numbers.tokens) if advance else set()
         return tokens, numbers
     lp = torch.log_softmax(logits, dim=-1)
     if rows.processed is not None:  # logprobs_mode processed_logprobs: what the row sampled from
@@ -433,7 +471,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, Step
         parts += [top.values.double(), top.indices.double()]
     host = torch.cat(parts, dim=1).tolist()  # float64 holds float32 values and token ids exactly
     numbers = StepNumbers([int(r[0]) for r in host], [r[1] for r in host])
-    numbers.complete = rows.advance_grammars(numbers.tokens)
+    numbers.complete = rows.advance_grammars(numbers.tokens) if advance else set()
     if k:
         numbers.top_values = [r[2 : 2 + k] for r in host]
         numbers.top_ids = [[int(i) for i in r[2 + k :]] for r in host]

@@ -218,9 +218,9 @@ class Speculation:
         }
 
     def guesses(self, groups) -> list[list[int]] | None:
-        """Each running row's guesses (row order; empty where it has none), or None when no row has any. Rows of a
-        constrained group guess nothing (their matcher would have to check each guess), nor does a row with no room
-        left (``max_tokens``, the context) for a token past the one it makes anyway."""
+        """Each running row's guesses (row order; empty where it has none), or None when no row has any. A
+        constrained row's guesses are cut to those its grammar allows, in order; a row with no room left
+        (``max_tokens``, the context) for a token past the one it makes anyway guesses nothing."""
         rows = sum(group.rows for group in groups)
         if rows > self.max_rows:
             return None
@@ -229,12 +229,15 @@ class Speculation:
             for seq in group.running:
                 made = len(seq.output_ids)
                 room = min(self.tokens, group.max_new - made - 1, group.max_length - len(seq.prompt_ids) - made - 1)
-                if group.grammars is not None or room <= 0:
+                if room <= 0:
                     out.append([])
                     continue
                 if seq.draft is None:
                     seq.draft = self.proposer.state_type()
-                out.append(self.proposer.propose(seq.draft, seq.prompt_ids + seq.output_ids, room))
+                guess = self.proposer.propose(seq.draft, seq.prompt_ids + seq.output_ids, room)
+                if guess and group.grammars is not None:
+                    guess = guess[: group.grammars[seq.index].allows(guess)]
+                out.append(guess)
         return out if any(out) else None
 
     def verified(self, groups, guesses: list[list[int]], accepted: list[int]) -> None:

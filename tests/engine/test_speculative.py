@@ -176,11 +176,8 @@ def test_stop_rules_cut_a_run_of_kept_guesses(gpt2_dir, reference):
     assert (spec.choices[0].text, spec.choices[0].finish_reason) == (plain.choices[0].text, "stop")
 
 
-def test_no_guesses_above_the_row_limit_without_room_or_for_constrained_rows(gpt2_dir, reference):
-    """A batch wider than ``max_rows`` guesses nothing; nor does a row whose answer has no room for a guess, nor
-    a constrained row (structured outputs), whose answer is the unspeculated one."""
-    from app.engine.params import Constraint
-
+def test_no_guesses_above_the_row_limit_or_without_room(gpt2_dir, reference):
+    """A batch wider than ``max_rows`` guesses nothing; nor does a row whose answer has no room for a guess."""
     model, tok = reference(gpt2_dir)
     prompts = prompts_of(tok)
     speculation = Speculation(NgramProposer(min_n=1), 4, 1)
@@ -190,13 +187,37 @@ def test_no_guesses_above_the_row_limit_without_room_or_for_constrained_rows(gpt
     speculation.max_rows = 8
     worker.complete(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 256)
     assert speculation.draft_tokens == 0
-    params = SamplingParams(max_tokens=12, temperature=0.0, constraint=Constraint("regex", "(red|green|blue| )+"))
-    (constrained,), _ = worker.complete(prompts[:1], params, 256)
-    (plain,), _ = worker_with(gpt2_dir).complete(prompts[:1], params, 256)
-    assert constrained.choices[0].token_ids == plain.choices[0].token_ids
-    assert speculation.draft_tokens == 0
     worker.complete(prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), 256)
-    assert speculation.draft_tokens > 0  # the same prompt unconstrained does guess
+    assert speculation.draft_tokens > 0  # the same prompt with room does guess
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_constrained_rows_guess_what_their_grammar_allows_and_answer_as_without(gpt2_dir, reference, wrong):
+    """Structured outputs under speculation: a constrained row's guesses are cut to those its grammar allows, each
+    guessed position is sampled under the mask the row would have there, and its matcher takes the tokens kept. An
+    oracle that guesses the unspeculated answer has every guess kept (greedy and seeded sampling, ``n=2``); a wrong
+    one has its guesses cut or refused. Both give the unspeculated answers."""
+    from app.engine.params import Constraint
+
+    _, tok = reference(gpt2_dir)
+    prompts = prompts_of(tok)
+    constraint = Constraint("regex", "(red|green|blue)( (red|green|blue)){5,30}")
+    for params in (
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=1, constraint=constraint),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=2, logprobs=1, n=2, constraint=constraint),
+    ):
+        plain, _ = worker_with(gpt2_dir).complete(prompts, params, 256)
+        answers = {tuple(p): list(o.choices[0].token_ids) for p, o in zip(prompts, plain)}
+        speculation = Speculation(Oracle(answers, 400, wrong=wrong), 4, 8)
+        got, _ = worker_with(gpt2_dir, speculation).complete(prompts, params, 256)
+        for a, b in zip(got, plain):
+            for x, y in zip(a.choices, b.choices):
+                assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+                assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=1e-4)
+        if wrong:
+            assert speculation.accepted_tokens == 0
+        else:
+            assert speculation.accepted_tokens > 0 and speculation.draft_tokens > 0
 
 
 def truncated(path, out):

@@ -16,6 +16,12 @@ BODIES = [
     {"prompt": "a b c d a b c d a b c", "max_tokens": 24, "temperature": 0.8, "seed": 5, "n": 2, "logprobs": 1},
     {"prompt": "one two one two one two", "max_tokens": 24, "temperature": 0, "stop": ["two one"]},
     {"prompt": ["x y z x y z x", "hello hello hello"], "max_tokens": 16, "temperature": 0, "presence_penalty": 0.5},
+    {
+        "prompt": "red green blue red green blue red",
+        "max_tokens": 30,
+        "temperature": 0,
+        "structured_outputs": {"json": {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]}}}},
+    },
 ]
 
 
