@@ -105,3 +105,43 @@ def test_digits_a_grammar_requires_are_kept(grammars):
         row.advance(digit)
     left = allowed(row, tok)
     assert digit in left and all(tok.decode([t])[:1].isdigit() for t in left)
+
+
+def test_grammar_work_off_the_model_thread_starts_no_openmp_team(grammars):
+    """Making a grammar's tables, a row's matcher and its masks (the digit rule included) happens on request threads
+    and the grammar thread. A torch operation large enough to run in parallel would give such a thread an OpenMP
+    team of its own (more OS threads), and the model thread's forwards then ran 2x slower on 2 cores. Counted here
+    as the process's native threads (its OS threads less its Python threads) while a fresh thread holds the work's
+    result: no more than before."""
+    import os
+    import threading
+
+    from app.engine.grammar import DigitTokens
+
+    tok, compiled = grammars
+    torch.zeros(1 << 16).sum()  # this thread's own team exists before counting
+
+    def native() -> int:
+        return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+    counts, done, release = [], threading.Event(), threading.Event()
+
+    def work():
+        pieces = [str(t).encode() if t % 3 else b"ab" for t in range(1 << 16)]
+        DigitTokens(pieces, (1 << 16) // 32)  # a vocabulary as large as SmolLM2's, built anew
+        row = compiled.row(Constraint("regex", "[0-9]{40}x"))
+        for _ in range(DIGIT_RUN + 2):
+            row.current_mask()
+            row.advance(tok.convert_tokens_to_ids("7"))
+        row.current_mask()  # past DIGIT_RUN: the digit rule's mask
+        done.set()
+        release.wait()
+
+    before = native()
+    worker = threading.Thread(target=work)
+    worker.start()
+    done.wait()
+    counts.append(native())
+    release.set()
+    worker.join()
+    assert counts == [before]
