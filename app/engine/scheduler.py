@@ -84,7 +84,7 @@ class Scheduler(Engine):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._prefilling: collections.deque[ChunkedPrefill] = collections.deque()
         self.batch = BlockBatch(runner, kv_cache_tokens, prefix_cache_tokens)
-        self.batch.speculation = speculative.build(runner.tokenizer) if speculative is not None else None
+        self.batch.speculation = speculative.build(runner) if speculative is not None else None
         # the one waiting queue: every request's prompts in order of arrival (preempted ones back at its head); the
         # requests holding a running slot (``admission``: at most max_running_requests) are always its front
         self._pending: collections.deque[RequestGroup] = collections.deque()

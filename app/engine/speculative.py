@@ -117,8 +117,8 @@ class DraftProposer(Proposer):
 
     state_type = DraftState
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, vocab: int):
+        self.model, self.vocab = model, vocab  # the served model's vocabulary: no guess outside it
         self.device = model.get_input_embeddings().weight.device
 
     def guess(self, state: DraftState, tokens: list[int], k: int) -> list[int]:
@@ -140,7 +140,7 @@ class DraftProposer(Proposer):
         with torch.inference_mode():
             for _ in range(k):
                 logits = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1).logits
-                out.append(int(logits[0, -1].argmax()))
+                out.append(int(logits[0, -1, : self.vocab].argmax()))
                 ids = torch.tensor([out[-1:]], dtype=torch.long, device=self.device)
         state.held = tokens + out[:-1]  # the last guess was never fed
         return out
@@ -179,21 +179,21 @@ class SpeculativeConfig:
             draft,
         )
 
-    def build(self, tokenizer) -> "Speculation | None":
-        """The batch's ``Speculation`` (None: off); a draft model is loaded here and must share ``tokenizer``'s
-        vocabulary (ConfigError otherwise)."""
+    def build(self, runner) -> "Speculation | None":
+        """The batch's ``Speculation`` (None: off); a draft model is loaded here and must share the served model's
+        (``runner``'s) tokenizer vocabulary (ConfigError otherwise)."""
         if self.method == "ngram":
             return Speculation(NgramProposer(self.ngram_min, self.ngram_max), self.tokens, self.max_rows)
         if self.method == "draft":
             from app.errors import ConfigError
 
             loaded = self.draft()
-            if loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
+            if loaded.tokenizer.get_vocab() != runner.tokenizer.get_vocab():
                 raise ConfigError(
                     f"the speculative model ({loaded.source}) has another vocabulary than the served model's: a draft "
                     "model must use the same tokenizer"
                 )
-            return Speculation(DraftProposer(loaded.model), self.tokens, self.max_rows)
+            return Speculation(DraftProposer(loaded.model, runner.vocab_size), self.tokens, self.max_rows)
         return None
 
 

@@ -142,3 +142,27 @@ def test_the_engine_process_keeps_the_one_queue_and_its_answers_cross_the_pipe(g
         assert after.completion_tokens == 2  # the slot came back
     finally:
         worker.scheduler.close()
+
+
+def test_speculation_in_the_engine_process_answers_as_in_process_and_reports_acceptance(workers, gpt2_dir):
+    """SAKER_SPECULATIVE=ngram with the engine in its own process: the answers equal the in-process engine's
+    without speculation, the request's timing carries its guesses, and the client sees the engine's counters
+    (what /metrics shows)."""
+    from app.engine.worker import Worker
+
+    _, local = workers
+    settings = make_settings(model=str(gpt2_dir), engine_process=True, speculative="ngram", speculative_ngram_min=1)
+    remote = Worker.from_settings(settings)
+    remote.load()
+    try:
+        prompts = [remote.encode("red green blue red green blue red green blue red")]
+        params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True)
+        (got,), timings = remote.complete(prompts, params, 256)
+        (want,), _ = local.complete(prompts, params, 256)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs, abs=TOL)
+        counts = remote.scheduler.speculation_counts
+        assert timings.draft_tokens > 0 and counts["draft_tokens"] == timings.draft_tokens
+        assert counts["accepted_tokens"] == timings.accepted_tokens
+    finally:
+        remote.scheduler.close()

@@ -271,7 +271,7 @@ def test_a_draft_cache_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt
     from app.engine.speculative import DraftProposer, DraftState
 
     model, tok = reference(gpt2_dir)
-    proposer = DraftProposer(model)
+    proposer = DraftProposer(model, model.config.vocab_size)
     tokens = prompts_of(tok)[0]
     state = DraftState()
     first = proposer.propose(state, tokens, 4)
@@ -280,6 +280,8 @@ def test_a_draft_cache_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt
         tokens = tokens + taken
         assert proposer.propose(state, tokens, 3) == proposer.propose(DraftState(), tokens, 3)
         assert state.held[: len(tokens)] == tokens
+    # a draft whose vocabulary is larger than the served model's never guesses past the served one's
+    assert all(t < 50 for t in DraftProposer(model, 50).propose(DraftState(), tokens, 4))
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(gpt2_dir, llama_dir):
@@ -287,10 +289,12 @@ def test_a_draft_model_with_another_vocabulary_is_refused(gpt2_dir, llama_dir):
     from app.engine.speculative import SpeculativeConfig
     from app.errors import ConfigError
 
+    from types import SimpleNamespace
+
     config = SpeculativeConfig("draft", draft=lambda: load_model(make_settings(model=str(llama_dir))))
     target = load_model(make_settings(model=str(gpt2_dir)))
     with pytest.raises(ConfigError, match="another vocabulary"):
-        config.build(target.tokenizer)
+        config.build(SimpleNamespace(tokenizer=target.tokenizer, vocab_size=target.model.config.vocab_size))
     with pytest.raises(ValueError, match="speculative_model"):
         make_settings(speculative="draft")
 
