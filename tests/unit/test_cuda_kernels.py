@@ -87,11 +87,15 @@ def test_the_kernel_compiles_inside_a_full_graph():
     torch.testing.assert_close(compiled(*args), step(*args))
 
 
-def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(jitted, llama_dir, reference, monkeypatch):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(
+    jitted, llama_dir, reference, monkeypatch, speculative
+):
     """The engine with the kernel for its decode rows (batched decode steps, and decode rows beside a prompt's
-    chunks in a flat step): each greedy token is a plain float32 forward's argmax and its logprob that forward's
-    log-softmax within 1e-4 (1e-3 on a GPU, whose float32 products differ from the CPU's). Here the kernel is
-    interpreted on the CPU; on a GPU it is the compiled one."""
+    chunks in a flat step; with speculative decoding, rows that check guesses, one query per guessed position): each
+    greedy token is a plain float32 forward's argmax and its logprob that forward's log-softmax within 1e-4 (1e-3
+    on a GPU, whose float32 products differ from the CPU's). Here the kernel is interpreted on the CPU; on a GPU it
+    is the compiled one."""
     from tests.conftest import make_settings
 
     from app.engine.params import SamplingParams
@@ -109,13 +113,19 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(jitted, ll
     from app.engine.loader import load_model
     from app.engine.worker import Worker
 
+    from app.engine.speculative import SpeculativeConfig
+
     loaded = load_model(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32"))
-    worker = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8)  # the long prompt's chunks beside decode rows
+    extra = {"speculative": SpeculativeConfig("ngram", 4, 8, 1, 3)} if speculative else {}
+    # the long prompt's chunks beside decode rows
+    worker = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8, **extra)
     model, tok = reference(llama_dir)
     prompts = [tok("Once upon a time").input_ids, tok("The quick brown fox jumps over the lazy dog " * 3).input_ids]
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
-    outputs, _ = worker.complete(prompts, params, 256)
+    params = SamplingParams(max_tokens=12 if speculative else 6, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
+    outputs, timings = worker.complete(prompts, params, 256)
     assert calls and max(calls) > 1  # rows went through the kernel, several at a time
+    if speculative:
+        assert timings.draft_tokens > 0 and max(calls) > 4  # the rows' guessed positions too
     for ids, output in zip(prompts, outputs):
         for choice in output.choices:
             got = choice.logprobs.token_logprobs
