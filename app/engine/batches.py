@@ -68,6 +68,7 @@ class BlockBatch:
         self.pool: KVPool | None = None
         self.static = False  # compiled on CUDA: the pool never moves (set by ``warm_up``)
         self.capacity = 0  # compiled: the longest window a step attends over (set by ``warm_up``)
+        self.top_rows = 0  # compiled: the widest bucket warmed up (a wider step runs eagerly)
         self.n = 0  # rows
         self.tables = np.zeros((0, 0), dtype=np.int64)  # per row: its blocks in order, 0 (the null block) after
         self.counts = np.zeros(0, dtype=np.int64)  # per row: blocks in its table
@@ -311,32 +312,41 @@ class BlockBatch:
             out.append(guess)
         return out
 
-    def _guess_inputs(self, guesses: list[list[int]], device) -> tuple[torch.Tensor, np.ndarray, ...]:
+    def _guess_inputs(
+        self, guesses: list[list[int]], device, rows: int = 0, width: int = 0
+    ) -> tuple[torch.Tensor, np.ndarray, ...]:
         """The rows' tokens when rows carry guesses (``guesses``: row order, fitted by ``fit_guesses``): each row
-        computes its next token and its guesses at its next positions. Returns the tokens (T,), their positions,
-        their pool slots, and each token's row's blocks (T, blocks), after giving each row the blocks its tokens
-        reach."""
+        computes its next token and its guesses at its next positions, each token a query of its own. Returns the
+        tokens (T,), their positions, their pool slots, and each token's row's blocks (T, blocks), after giving each
+        row the blocks its tokens reach. ``rows``, ``width``: padded to that many queries (the null block's) and
+        positions (a compiled step's bucket and window; 0: as many as needed)."""
         n = self.n
         extra = np.fromiter((len(g) for g in guesses), dtype=np.int64, count=n)
         need = (self.lengths[:n] + extra) // BLOCK + 1
-        self._room(n, int(need.max()))
+        columns = width // BLOCK if width else int(need.max())
+        self._room(n, columns)
         for row in np.nonzero(need > self.counts[:n])[0].tolist():
             fresh = self._allocate(int(need[row] - self.counts[row]))
             self.tables[row, self.counts[row] : need[row]] = fresh
             self.counts[row] = need[row]
         per_row = extra + 1
         which = np.repeat(np.arange(n), per_row)
+        count = which.size
+        rows = max(rows, count)
         starts = np.cumsum(per_row) - per_row
-        positions = self.lengths[:n][which] + (np.arange(which.size) - starts[which])
-        write = self.tables[which, positions // BLOCK] * BLOCK + positions % BLOCK
-        tokens = torch.empty(which.size, dtype=torch.long, device=device)
-        first = np.zeros(which.size, dtype=bool)
+        positions, write = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        positions[:count] = self.lengths[:n][which] + (np.arange(count) - starts[which])
+        write[:count] = self.tables[which, positions[:count] // BLOCK] * BLOCK + positions[:count] % BLOCK
+        gather = np.zeros((rows, columns), dtype=np.int64)
+        gather[:count] = self.tables[which, :columns]
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        first = np.zeros(count, dtype=bool)
         first[starts] = True
         tokens[_on(starts, device)] = self.next_tokens
         guessed = [t for g in guesses for t in g]
         if guessed:
             tokens[_on(np.nonzero(~first)[0], device)] = torch.tensor(guessed, dtype=torch.long, device=device)
-        return tokens, positions, write, self.tables[which, : int(need.max())]
+        return tokens, positions, write, gather
 
     def advance(self, steps: np.ndarray) -> None:
         """After a step whose rows carried guesses: each row holds ``steps`` more positions (its next token and the
@@ -346,7 +356,7 @@ class BlockBatch:
         self.lengths[:n] += steps
         self._register_filled(n, before)
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, guesses: list[list[int]] | None = None) -> torch.Tensor:
         """One decode step for every row; float32 logits (B, V) in row order. A forward that runs out of memory
         with several groups in the batch raises ``BatchOutOfMemory``: nothing moved (lengths advance only after
         a step), so the step can be retried once a group has left.
@@ -354,21 +364,35 @@ class BlockBatch:
         Eager, the rows attend over a window just past the longest row. Compiled (SAKER_COMPILE), the step runs over
         a bucket of rows (padding rows point at the null block) and, on the CPU, a window bucket (``window``: 256,
         512, ... positions, up to the capacity; on CUDA the whole capacity), so that the shapes come from a fixed set
-        whatever rows join and leave, each warmed up at start (``warm_up``)."""
+        whatever rows join and leave, each warmed up at start (``warm_up``).
+
+        ``guesses`` (speculative decoding, fitted by ``fit_guesses``): each row's next token and its guesses are
+        queries of their own, a guessed token a row of the step on its row's blocks at its own position (its keys
+        and values written before any query reads them), so that a step checking guesses is the same decode-only
+        step, compiled and captured as the others are, while its queries fit the warmed-up buckets. The logits are
+        every query's (T, V), a row's in a run; the rows' lengths then advance by what the caller keeps
+        (``advance``)."""
         runner, n = self.runner, self.n
-        longest = int(self.lengths[:n].max()) + 1
+        queries, reach = n, self.lengths[:n]
+        if guesses is not None:
+            extra = np.fromiter((len(g) for g in guesses), dtype=np.int64, count=n)
+            queries, reach = n + int(extra.sum()), reach + extra
+        longest = int(reach.max()) + 1
         mixed = self.adapter is MIXED
-        compiled = runner.compiled_step if not mixed else None
+        compiled = runner.compiled_step if not mixed and bucket(queries) <= self.top_rows else None
         if compiled is not None:
-            rows = bucket(n)
+            rows = bucket(queries)
             width = self.capacity if self.static else window(longest, self.capacity)
         else:
-            rows, width = n, -(-longest // BLOCK) * BLOCK
-        write, gather, positions = self._rows_inputs(rows, width)
+            rows, width = queries, -(-longest // BLOCK) * BLOCK
         device = self.next_tokens.device
-        tokens = self.next_tokens
-        if rows > n:
-            tokens = torch.cat([tokens, tokens.new_zeros(rows - n)])
+        if guesses is None:
+            write, gather, positions = self._rows_inputs(rows, width)
+            tokens = self.next_tokens
+            if rows > n:
+                tokens = torch.cat([tokens, tokens.new_zeros(rows - n)])
+        else:
+            tokens, positions, write, gather = self._guess_inputs(guesses, device, rows, width)
         extra = {} if compiled is not None else {"scratch": self.scratch}
         if mixed:
             extra["adapter_names"] = [g.params.adapter or "__base__" for g in self.groups for _ in range(g.rows)]
@@ -381,9 +405,10 @@ class BlockBatch:
             if len(self.groups) < 2:
                 raise
             raise BatchOutOfMemory(exc) from None
-        self.lengths[:n] += 1
-        self._register_filled(n)
-        return logits[:n] if rows > n else logits
+        if guesses is None:
+            self.lengths[:n] += 1
+            self._register_filled(n)
+        return logits[:queries] if rows > queries else logits
 
     def forward_with_chunks(
         self,
@@ -495,7 +520,7 @@ class BlockBatch:
         window as well) over padding rows, so that no request pays a compile or a graph capture (torch.compile makes
         the rows and the window dynamic at their second value: a few graphs in all). On CUDA the window is the whole
         ``capacity`` and each bucket is one recorded CUDA graph."""
-        top = bucket(max_rows)
+        top = self.top_rows = bucket(max_rows)
         self.capacity = -(-capacity // BLOCK) * BLOCK
         pool = self._pool()
         device = pool.keys[0].device

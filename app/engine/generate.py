@@ -551,7 +551,7 @@ def decode_step(
             guesses = batch.fit_guesses(guesses)
     groups = list(batch.groups)
     if guesses is not None and any(guesses):
-        logits = compute_chunks(batch, jobs, guesses=guesses)
+        logits = compute_chunks(batch, jobs, guesses=guesses) if jobs else batch.forward(guesses)
         results, tokens = verify_step(batch, groups, logits, guesses)
     else:
         logits = compute_chunks(batch, jobs) if jobs else batch.forward()

@@ -138,6 +138,35 @@ def test_n_candidates_fill_one_bucket(workers, reference, gpt2_dir, monkeypatch)
     )
 
 
+def test_steps_that_check_guesses_run_compiled_and_answer_as_eager(workers, reference, gpt2_dir, monkeypatch):
+    """Speculative decoding on the compiled step: a row that checks a guess is two queries of the decode-only step
+    (its next token and the guess, each on the row's blocks at its own position), so it runs in the warmed-up
+    bucket of 2, compiles nothing new, and gives the eager engine's answer without speculation (greedy text,
+    logprobs within 1e-4)."""
+    from app.engine.speculative import Proposer, Speculation
+
+    compiled, eager = workers
+    _, tok = reference(gpt2_dir)
+    ids = tok("Hello there").input_ids
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    (want,) = run(eager, [(ids, params)])
+    answer = list(want.choices[0].token_ids)
+
+    class Right(Proposer):  # guesses the unspeculated answer's next token
+        def guess(self, state, tokens, k):
+            return answer[len(tokens) - len(ids) : len(tokens) - len(ids) + k]
+
+    speculation = Speculation(Right(), 1, 1)
+    monkeypatch.setattr(compiled.scheduler.batch, "speculation", speculation)
+    calls = count_calls(compiled, monkeypatch)
+    with no_new_graphs():
+        (got,) = run(compiled, [(ids, params)])
+    assert got.choices[0].text == want.choices[0].text
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs, abs=TOL)
+    assert speculation.accepted_tokens == speculation.draft_tokens > 0
+    assert calls.get(2) and calls[2] <= 6  # 11 tokens after the prefill's, up to 2 a step
+
+
 def test_an_int4_model_compiles_to_few_graphs_and_answers_as_eager(llama_dir, tmp_path):
     """SAKER_QUANTIZE=int4 with SAKER_COMPILE: the int4 kernel's op sits inside the compiled step (no graph
     break), the batch buckets and attention windows share a few graphs that joins and leaves do not recompile,
