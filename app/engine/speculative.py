@@ -24,6 +24,7 @@ from typing import Callable
 MISSES_TO_PAUSE = 3
 PAUSE = 8
 MAX_PAUSE = 256
+INDEX_PER_STEP = 512  # prompt lookup: earlier positions a sequence's n-gram index takes in per guess
 
 
 @dataclass
@@ -71,10 +72,11 @@ class Proposer:
 
 @dataclass
 class NgramState(ProposerState):
-    """A sequence's n-gram index."""
+    """A sequence's n-gram index: the positions ``[low, high)`` are in it (made from the newest end back)."""
 
     index: dict = field(default_factory=dict)  # n-gram (tuple) -> position of the token that followed it last
-    indexed: int = 0  # positions p whose preceding n-grams are in ``index`` are those below this
+    low: int = -1  # -1: nothing indexed yet
+    high: int = 0
 
 
 class NgramProposer(Proposer):
@@ -88,12 +90,23 @@ class NgramProposer(Proposer):
 
     def guess(self, state: NgramState, tokens: list[int], k: int) -> list[int]:
         index, end = state.index, len(tokens)
-        # n-grams ending just before each position p < end (the token at p followed them); the latest wins
-        for p in range(max(1, state.indexed), end):
+        # n-grams ending just before each position p < end (the token at p followed them); the latest wins. The
+        # positions the sequence made since the last guess go in first (they are the newest); then at most
+        # INDEX_PER_STEP older ones, from the newest back (never over a newer one), so that a long prompt's index
+        # is made over several steps instead of stalling one (8,000 positions take about 25 ms)
+        if state.low < 0:
+            state.low = state.high = end
+        for p in range(state.high, end):
             for n in range(self.min_n, self.max_n + 1):
                 if p >= n:
                     index[tuple(tokens[p - n : p])] = p
-        state.indexed = max(state.indexed, end)
+        state.high = end
+        stop = max(1, state.low - INDEX_PER_STEP)
+        for p in range(state.low - 1, stop - 1, -1):
+            for n in range(self.min_n, self.max_n + 1):
+                if p >= n:
+                    index.setdefault(tuple(tokens[p - n : p]), p)
+        state.low = min(state.low, stop)
         for n in range(self.max_n, self.min_n - 1, -1):
             if end >= n:
                 at = index.get(tuple(tokens[end - n :]))

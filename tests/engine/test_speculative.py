@@ -30,6 +30,21 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match_longest_first():
     assert proposer.propose(state, grown, 0) == []
 
 
+def test_a_long_sequence_is_indexed_over_several_guesses_newest_first(monkeypatch):
+    """A long prompt's n-grams go into the index a bounded number of positions per guess, from the newest back, so
+    no step stalls on it; an older occurrence indexed later never replaces a newer one."""
+    from app.engine import speculative
+
+    monkeypatch.setattr(speculative, "INDEX_PER_STEP", 4)
+    proposer, state = NgramProposer(min_n=2, max_n=2), NgramState()
+    tokens = [1, 2, 3, *range(10, 30), 1, 2, 4, *range(40, 50), 1, 2]  # [1, 2] followed by 3, later by 4
+    guesses = [proposer.propose(state, tokens, 2) for _ in range(12)]
+    assert guesses[0] == []  # only the newest positions are in the index yet
+    first = next(i for i, g in enumerate(guesses) if g)
+    assert 0 < first < 12 and all(g == [4, 40] for g in guesses[first:])  # the newer occurrence, kept
+    assert state.low == 1 and len(state.index) == len(tokens) - 3  # every bigram in by now ([1, 2] twice)
+
+
 def test_a_sequence_whose_guesses_fail_pauses_and_one_that_hits_goes_on():
     proposer, state = NgramProposer(), NgramState()
     tokens = [1, 2, 3, 1, 2]
