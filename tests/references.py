@@ -17,6 +17,22 @@ def ref_greedy(model, tok, prompt_ids, max_new):
     return out[0].tolist()
 
 
+def pool_attention(q, keys, values, table, lo, hi, scale):
+    """One query (Hq, D) over positions [lo, hi) of the block-pool rows ``table`` names (keys, values: (slots, Hkv,
+    D)), in float64: the attention kernels' reference."""
+    from app.engine.blocks import BLOCK
+
+    slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)[lo:hi]
+    k, v = keys[slots].double(), values[slots].double()
+    group = q.shape[0] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(q.shape[0]):
+        if hi > lo:
+            weights = torch.softmax((q[h].double() @ k[:, h // group].T) * scale, -1)
+            out[h] = weights @ v[:, h // group]
+    return out
+
+
 def ref_logprobs(model, ids):
     """A plain forward's log-softmax over ``ids`` (on the model's device; the result on the CPU)."""
     device = model.get_input_embeddings().weight.device

@@ -348,9 +348,9 @@ class BlockBatch:
             tokens[_on(np.nonzero(~first)[0], device)] = torch.tensor(guessed, dtype=torch.long, device=device)
         return tokens, positions, write, gather
 
-    def advance(self, steps: np.ndarray) -> None:
-        """After a step whose rows carried guesses: each row holds ``steps`` more positions (its next token and the
-        guesses it kept); the blocks they filled go to the prefix cache."""
+    def advance(self, steps: np.ndarray | int) -> None:
+        """After a step: each row holds ``steps`` more positions (its next token, and the guesses it kept when it
+        carried some); the blocks they filled go to the prefix cache."""
         n = self.n
         before = self.lengths[:n].copy()
         self.lengths[:n] += steps
@@ -375,8 +375,8 @@ class BlockBatch:
         runner, n = self.runner, self.n
         queries, reach = n, self.lengths[:n]
         if guesses is not None:
-            extra = np.fromiter((len(g) for g in guesses), dtype=np.int64, count=n)
-            queries, reach = n + int(extra.sum()), reach + extra
+            guessed = np.fromiter((len(g) for g in guesses), dtype=np.int64, count=n)
+            queries, reach = n + int(guessed.sum()), reach + guessed
         longest = int(reach.max()) + 1
         mixed = self.adapter is MIXED
         compiled = runner.compiled_step if not mixed and bucket(queries) <= self.top_rows else None
@@ -406,8 +406,7 @@ class BlockBatch:
                 raise
             raise BatchOutOfMemory(exc) from None
         if guesses is None:
-            self.lengths[:n] += 1
-            self._register_filled(n)
+            self.advance(1)
         return logits[:queries] if rows > queries else logits
 
     def forward_with_chunks(
@@ -480,22 +479,17 @@ class BlockBatch:
         if not rows:
             return None, per_chunk
         if guesses is None:
-            self.lengths[:rows] += 1
-            self._register_filled(rows)
+            self.advance(1)
         return logits[:rows], per_chunk
 
-    def _register_filled(self, n: int, before: np.ndarray | None = None) -> None:
+    def _register_filled(self, n: int, before: np.ndarray) -> None:
         """Rows whose last step filled a block (prompt tail and generated tokens) keep it in the prefix cache, chained
         to the row's previous full block: a conversation that sends an answer back in its next prompt finds the
-        answer's blocks too. ``before``: the rows' lengths before the step (a step of one position each when None;
-        a step moves a row by at most ``BLOCK`` positions, so it fills at most one block)."""
+        answer's blocks too. ``before``: the rows' lengths before the step (a step moves a row by at most ``BLOCK``
+        positions, so it fills at most one block)."""
         if not self.blocks.cached_limit:
             return
-        lengths = self.lengths[:n]
-        if before is None:
-            filled = set(np.nonzero(lengths % BLOCK == 0)[0].tolist())
-        else:
-            filled = set(np.nonzero(lengths // BLOCK > before // BLOCK)[0].tolist())
+        filled = set(np.nonzero(self.lengths[:n] // BLOCK > before // BLOCK)[0].tolist())
         row = 0
         for group in self.groups:
             if not filled:
@@ -506,10 +500,12 @@ class BlockBatch:
                     filled.discard(row)
                     end = int(self.lengths[row]) // BLOCK * BLOCK  # the block's positions: [end - BLOCK, end)
                     start = end - BLOCK
-                    fed = prompt[start:] + seq.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
                     # a block of the prompt's own was registered when it was computed; one shorter than a block is
                     # that of a row that ended within a speculative step's tokens (not kept)
-                    if end > len(prompt) and len(fed) == BLOCK:
+                    fed = []
+                    if end > len(prompt):
+                        fed = prompt[start:] + seq.output_ids[max(0, start - len(prompt)) : end - len(prompt)]
+                    if len(fed) == BLOCK:
                         key = (int(self.chains[row]), self.runner.prefix_salt(group.params.adapter), tuple(fed))
                         self.blocks.register(int(self.tables[row, end // BLOCK - 1]), key)
                         self.chains[row] = hash(key)

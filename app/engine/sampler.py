@@ -303,10 +303,10 @@ class SamplingRows:
                 out += [grammar] * count
         return out
 
-    def advance_grammar_runs(self, runs: list[list[int]], starts: list[int]) -> set[int]:
-        """After a speculative step: each constrained row's matcher takes the tokens of its run, in order. Returns the
-        positions (``starts[row] + j``, in the step's numbering) at which a row's output became complete; the others'
-        next masks start on the grammar thread."""
+    def advance_grammar_runs(self, runs: list[list[int]], starts) -> set[int]:
+        """Each constrained row's matcher takes the tokens of its run, in order (one token each after a plain step;
+        the tokens a row kept after a speculative one). Returns the positions (``starts[row] + j``, in the step's
+        numbering) at which a row's output became complete; the others' next masks start on the grammar thread."""
         if self.grammars is None:
             return set()
         complete, going = set(), []
@@ -352,19 +352,11 @@ class SamplingRows:
             self.seen.scatter_(1, column, True)
 
     def advance_grammars(self, tokens: list[int]) -> set[int]:
-        """Constrained rows consume their tokens; the rows whose output is now complete. The others' next masks
-        start on the grammar thread."""
+        """Constrained rows consume their tokens (one each); the rows whose output is now complete. The others' next
+        masks start on the grammar thread."""
         if self.grammars is None:
             return set()
-        complete, going = set(), []
-        for row in self.constrained:
-            grammar = self.grammars[row]
-            if grammar.ended or grammar.advance(tokens[row]):
-                complete.add(row)
-            else:
-                going.append(grammar)
-        prefetch(going)
-        return complete
+        return self.advance_grammar_runs([[token] for token in tokens], range(len(tokens)))
 
 
 # -- the pass ----------------------------------------------------------------------------------------------------

@@ -10,23 +10,11 @@ import torch
 from app.engine import cpu_kernels
 from app.engine.attention import FlatStep, exact_attention
 from app.engine.blocks import BLOCK
+from references import pool_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU kernels cannot be built here")
 
 HQ, HKV, D, BLOCKS = 6, 2, 64, 64
-
-
-def reference(q, keys, values, table, lo, hi, scale):
-    """One query (Hq, D) over positions [lo, hi) of the pool rows ``table`` names, in float64."""
-    slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)[lo:hi]
-    k, v = keys[slots].double(), values[slots].double()
-    group = q.shape[0] // k.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for h in range(q.shape[0]):
-        if hi > lo:
-            weights = torch.softmax((q[h].double() @ k[:, h // group].T) * scale, -1)
-            out[h] = weights @ v[:, h // group]
-    return out
 
 
 @pytest.fixture
@@ -45,7 +33,7 @@ def test_rows_and_chunks_read_in_place_equal_float64_attention(pool):
         q = torch.randn(len(hi), HQ, D)
         out = cpu_kernels.call(q, keys, values, tables, which, lo, hi, 0.125)
         for i in range(len(hi)):
-            expected = reference(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
+            expected = pool_attention(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
             torch.testing.assert_close(out[i].double(), expected, atol=2e-6, rtol=1e-5)
 
 

@@ -14,6 +14,7 @@ triton = pytest.importorskip("triton")
 
 from app.engine import cuda_kernels  # noqa: E402
 from app.engine.blocks import BLOCK  # noqa: E402
+from references import pool_attention  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -29,19 +30,6 @@ def jitted():
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton was imported before TRITON_INTERPRET was set")
     return cuda_kernels.kernel()
-
-
-def reference(q, keys, values, table, lo, hi, scale):
-    """One query (Hq, D) over positions [lo, hi) of the pool rows ``table`` names, in float64."""
-    slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)[lo:hi]
-    k, v = keys[slots].double(), values[slots].double()
-    group = q.shape[0] // k.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for h in range(q.shape[0]):
-        if hi > lo:
-            weights = torch.softmax((q[h].double() @ k[:, h // group].T) * scale, -1)
-            out[h] = weights @ v[:, h // group]
-    return out
 
 
 @pytest.mark.parametrize(
@@ -66,7 +54,7 @@ def test_rows_read_in_place_equal_float64_attention(jitted, heads, kv_heads, dim
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2
     for i in range(len(hi)):
-        expected = reference(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
+        expected = pool_attention(q[i], keys, values, tables[which[i]], int(lo[i]), int(hi[i]), 0.125)
         torch.testing.assert_close(out[i].double(), expected, atol=tolerance, rtol=tolerance)
     assert not out[4].any()  # lo == hi
 
