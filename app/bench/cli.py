@@ -98,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra environment for our server, e.g. SAKER_COMPILE=1 (repeatable)",
     )
     parser.add_argument(
+        "--speculative-modes",
+        default="off,ngram,draft",
+        metavar="MODES",
+        help="P's servers, comma-separated SAKER_SPECULATIVE values (off and ngram always; default off,ngram,draft)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after A and C, record the server with py-spy "

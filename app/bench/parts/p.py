@@ -58,7 +58,7 @@ def run(bench: Bench) -> dict:
     path = smol_path(bench)
     servers = {}
     try:
-        for mode in ("off", "ngram", "draft"):
+        for mode in modes(bench):
             extra = {**batch_env(plan.p_clients), "SAKER_SPECULATIVE": mode}
             if mode == "draft":
                 extra["SAKER_SPECULATIVE_MODEL"] = str(draft_path(bench, path))
@@ -69,6 +69,12 @@ def run(bench: Bench) -> dict:
     finally:
         for server in servers.values():
             bench.stop_server(server)
+
+
+def modes(bench: Bench) -> list[str]:
+    """The servers to start: off and ngram always, draft unless ``--speculative-modes`` leaves it out."""
+    chosen = {m.strip() for m in bench.args.speculative_modes.split(",")}
+    return ["off", "ngram"] + (["draft"] if "draft" in chosen else [])
 
 
 def draft_path(bench: Bench, source):
