@@ -250,6 +250,16 @@ class Settings(BaseSettings):
         "checks a row's next token and its guesses, and keeps the guesses the row's own "
         "sampler picks: the tokens, logprobs and seeded samples are those without it.",
     )
+    batch_invariant: bool | None = Field(
+        None,
+        description="CUDA: every linear, RMSNorm and attention in fixed-order Triton kernels "
+        "(one tiling whatever the number of rows), so that a position's logits are the same bits "
+        "whether its step computes it alone or among others: with speculative decoding a row's "
+        "guessed positions then get the numbers its plain steps would, and a request's answer "
+        "does not depend on the batch it rides in. Costs speed, prompts most (no cuBLAS, no "
+        "flash attention). Unset: on with speculative decoding. No effect on the CPU, whose "
+        "kernels for the quantized default are row-invariant already.",
+    )
     speculative_model: str | None = Field(
         None,
         description="The draft model (speculative draft): a folder or hub id of a causal LM "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.engine.speculative import Proposer
+
 
 def ref_greedy(model, tok, prompt_ids, max_new):
     out = model.generate(
@@ -86,3 +88,19 @@ def check_reference(result, model, tok, ids, params, tol: float = 1e-4):
         if plain and not (params.presence_penalty or params.frequency_penalty or params.constraint):
             best = lp.max(dim=-1).values
             assert all(lp[i, t].item() >= best[i].item() - tol for i, t in enumerate(chosen)), "not the argmax"
+
+
+class Oracle(Proposer):
+    """A speculative proposer for tests that guesses from known answers: ``answers`` maps a prompt (tuple) to the
+    tokens that follow it; ``wrong`` shifts every guess to a token the answer does not have there."""
+
+    def __init__(self, answers: dict[tuple, list[int]], vocab: int, wrong: bool = False):
+        self.answers, self.vocab, self.wrong = answers, vocab, wrong
+
+    def guess(self, state, tokens, k):
+        for prompt, answer in self.answers.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                made = len(tokens) - len(prompt)
+                guess = answer[made : made + k]
+                return [(t + 1) % self.vocab for t in guess] if self.wrong else guess
+        return []

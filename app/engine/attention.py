@@ -269,16 +269,20 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: i
     keys.index_copy_(0, flat.write, new_keys.to(keys.dtype))
     values.index_copy_(0, flat.write, new_values.to(values.dtype))
     exact = getattr(module, "_saker_exact", False)
-    if exact and keys.dtype == torch.float32:  # the float32 kernel (the pool is float64 where it is not built)
+    on_cuda = cuda_kernels.available(keys.device)
+    # every query through one fixed-order kernel: the CPU's float32 one (the pool is float64 where it is not built),
+    # or on CUDA in fixed order (SAKER_BATCH_INVARIANT), where prompt chunks' queries are rows of their own too
+    if (exact and keys.dtype == torch.float32) or (on_cuda and cuda_kernels.fixed_order()):
         q = query[:, :, 0] if flat.batched else query[0].transpose(0, 1)  # (T, Hq, D)
         tables, which, lo, hi = flat.spans(window)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = cpu_kernels.call(q, keys, values, tables, which, lo, hi, scale)
+        attend = cuda_kernels.decode_attention if on_cuda else cpu_kernels.call
+        out = attend(q, keys, values, tables, which, lo, hi, scale)
         return (out.unsqueeze(1) if flat.batched else out.unsqueeze(0)), None
     inner = exact_attention if exact else _sdpa
     parts = []
     rows = flat.rows
-    if rows and cuda_kernels.available(keys.device):  # each row over its own positions, read in place
+    if rows and on_cuda:  # each row over its own positions, read in place
         q = query[:, :, 0] if flat.batched else query[0, :, :rows].transpose(0, 1)  # (rows, Hq, D)
         tables, which, lo, hi = flat.spans(window)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5

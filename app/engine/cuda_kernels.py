@@ -18,6 +18,8 @@ keeps ``attention._read`` + SDPA."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -114,11 +116,77 @@ if triton is not None:
         )
 
 
+if triton is not None:
+
+    def _linear(  # jitted by ``jit("linear")``
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        IEEE: tl.constexpr,
+        SUMMED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inner = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):  # every row's sum over K in the same tiles, in the same order
+            at = start + inner
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K), other=0.0
+            )
+            b = tl.load(
+                w_ptr + cols[None, :] * stride_wn + at[:, None], mask=(cols[None, :] < N) & (at[:, None] < K), other=0.0
+            )
+            if SUMMED:  # Triton's interpreter: its tl.dot is numpy's BLAS, whose bits for a row depend on its place
+                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)  # in the tile
+            elif IEEE:  # float32 inputs: float32 products, not TF32 (PyTorch's default for float32 products)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + rows[:, None] * stride_om + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(rows[:, None] < M) & (cols[None, :] < N),
+        )
+
+    def _rms_norm(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):  # ``jit("rms_norm")``
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        mean = tl.sum(x * x, axis=0) / N
+        normed = x * tl.rsqrt((mean + eps).to(tl.float32))  # torch.compile passes a Python float as float64
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to the input's dtype, as Llama's norm
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_KERNELS = {"kernel": "_decode_attention", "linear": "_linear", "rms_norm": "_rms_norm"}
+
+
+def jit(name: str = "kernel"):
+    """A jitted kernel (made at its first use; the tests may put an interpreted one in ``_state``)."""
+    if name not in _state:
+        _state[name] = triton.jit(globals()[_KERNELS[name]])
+    return _state[name]
+
+
 def kernel():
-    """The jitted kernel (made at the first use)."""
-    if "kernel" not in _state:
-        _state["kernel"] = triton.jit(_decode_attention)
-    return _state["kernel"]
+    """The jitted attention kernel."""
+    return jit("kernel")
 
 
 def decode_attention(
@@ -136,8 +204,8 @@ def decode_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     tables = tables.contiguous()
-    if per_head is None:
-        per_head = tokens < PER_HEAD_BELOW
+    if per_head is None:  # in fixed order (``set_fixed_order``) one launch for every width: a query's bits
+        per_head = bool(_state.get("fixed_order")) or tokens < PER_HEAD_BELOW
     launch = PER_HEAD_LAUNCH if per_head else GROUP_LAUNCH
     block_n, warps = block_n or launch[0], warps or launch[1]
     each = 1 if per_head else group
@@ -170,3 +238,64 @@ def decode_attention(
         num_warps=warps,
     )
     return out
+
+
+# -- fixed-order ("batch-invariant") products and norms --------------------------------------------------------------
+# cuBLAS picks its algorithm by the product's shape (split-K for one row, other tiles for more), so the same position
+# gets other bits when its step computes 1 query than when it computes 8: for a bfloat16 1B Llama on an H200 the
+# logits moved by up to 0.11 and a greedy token changed (scripts/gpu/profile_p.py). These kernels tile every product
+# one way whatever the number of rows (no split-K; each row's sum over K in the same BLOCK_K tiles, in order), and
+# normalize each row in one program, so a row's result never depends on the others (vLLM's batch-invariant mode
+# replaces the same operations for the same reason). Fixed launches: changing one changes the bits.
+LINEAR_LAUNCH = (16, 32, 64, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, warps
+
+
+def set_fixed_order(on: bool) -> None:
+    """Attention in one launch choice for every width (``decode_attention``), for ``optimize.make_batch_invariant``."""
+    _state["fixed_order"] = on
+
+
+def fixed_order() -> bool:
+    return bool(_state.get("fixed_order"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in fixed order: x (..., K), weight (N, K); the result in x's dtype."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    weight = weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps = LINEAR_LAUNCH
+    jit("linear")[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x,
+        weight,
+        weight if bias is None else bias,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+        SUMMED=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+    return out.view(*shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm (``weight * (x / rms(x)).to(x.dtype)``, the statistics in float32), one program per row."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    jit("rms_norm")[(x.shape[0],)](
+        x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1])
+    )
+    return out.view(shape)

@@ -115,6 +115,82 @@ def fuse_gelu_tanh(model: nn.Module) -> int:
     return count
 
 
+class FixedOrderLinear(nn.Module):
+    """An ``nn.Linear`` through ``cuda_kernels.linear`` (the same weight and bias tensors)."""
+
+    def __init__(self, module: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = module.in_features, module.out_features
+        self.weight, self.bias = module.weight, module.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from app.engine import cuda_kernels
+
+        return cuda_kernels.linear(x, self.weight, self.bias)
+
+
+class FixedOrderRMSNorm(nn.Module):
+    """Llama's RMSNorm (and its copies: Qwen2, Mistral, ...) through ``cuda_kernels.rms_norm``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.weight, self.variance_epsilon = module.weight, float(module.variance_epsilon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from app.engine import cuda_kernels
+
+        return cuda_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _fixed_order_swap(module: nn.Module) -> nn.Module | None:
+    if type(module) is nn.Linear and module.weight.is_floating_point():  # exact type: quantized layers subclass it
+        return FixedOrderLinear(module)
+    name = type(module).__name__
+    if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and not name.startswith("Gemma"):
+        return FixedOrderRMSNorm(module)  # Gemma's scales by 1 + weight
+    return None
+
+
+def make_batch_invariant(model: nn.Module, force: bool = False) -> int:
+    """CUDA, ``SAKER_BATCH_INVARIANT``: every float ``nn.Linear`` and Llama-style RMSNorm through the fixed-order
+    Triton kernels of ``cuda_kernels``, attention in one launch choice for every width, and inductor's element-wise
+    code rounding where eager PyTorch does (``emulate_precision_casts``), so that a position's logits are the same
+    bits whether its step computes it alone or among others (a decode row, a row's guessed positions, a wider
+    batch). Returns the modules swapped, checked like the other passes (a short forward before and after must agree
+    to the dtype's rounding). ``force``: on any device (the tests, through Triton's interpreter)."""
+    from app.engine import cuda_kernels
+
+    device = next(model.parameters()).device
+    if not (force or cuda_kernels.available(device)) or cuda_kernels.triton is None:
+        return 0
+    swaps = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (swapped := _fixed_order_swap(child)) is not None:
+                swaps.append((parent, name, child, swapped))
+    if not swaps:
+        return 0
+    try:
+        before = _probe(model)
+        for parent, name, _, swapped in swaps:
+            setattr(parent, name, swapped)
+        after = _probe(model)
+        low = next(model.parameters()).dtype != torch.float32
+        scale = (5e-2 if low else 1e-3) * (1.0 + before.abs().max().item())
+        if after.shape != before.shape or not torch.allclose(after, before, rtol=0, atol=scale):
+            raise ValueError(f"logits moved by {(after - before).abs().max().item():.3g}")
+    except Exception as exc:
+        for parent, name, original, _ in swaps:
+            setattr(parent, name, original)
+        log.warning("batch-invariant kernels not applied: %s: %s", type(exc).__name__, exc)
+        return 0
+    cuda_kernels.set_fixed_order(True)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    return len(swaps)
+
+
 def optimize_for_inference(model: nn.Module) -> list[str]:
     """Apply every pass that fits; the names of those applied (logged)."""
     applied = []

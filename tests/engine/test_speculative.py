@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Proposer, Speculation
+from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Speculation
 from conftest import make_settings
+from references import Oracle
 
 
 # -- the proposer, no model --------------------------------------------------------------------------------------
@@ -58,22 +59,6 @@ def test_a_sequence_whose_guesses_fail_pauses_and_one_that_hits_goes_on():
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
-class Oracle(Proposer):
-    """Guesses from known answers: ``answers`` maps a prompt (tuple) to the tokens that follow it; ``wrong`` shifts
-    every guess to a token the answer does not have there."""
-
-    def __init__(self, answers: dict[tuple, list[int]], vocab: int, wrong: bool = False):
-        self.answers, self.vocab, self.wrong = answers, vocab, wrong
-
-    def guess(self, state, tokens, k):
-        for prompt, answer in self.answers.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
-                made = len(tokens) - len(prompt)
-                guess = answer[made : made + k]
-                return [(t + 1) % self.vocab for t in guess] if self.wrong else guess
-        return []
-
-
 def greedy_reference(model, prompt: list[int], tokens: int) -> list[tuple[int, float]]:
     ids, out = list(prompt), []
     with torch.inference_mode():

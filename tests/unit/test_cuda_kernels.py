@@ -124,3 +124,98 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(
                 row = lp[len(ids) - 1 + k]
                 assert token == int(row.argmax()), k
                 assert got[k] == pytest.approx(float(row[token]), abs=1e-3 if CUDA else 1e-4)  # the GPU's fp32
+
+
+# -- fixed order (SAKER_BATCH_INVARIANT) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fixed_order_linear_gives_a_row_the_same_bits_whatever_the_other_rows(jitted, dtype, bias):
+    """``cuda_kernels.linear`` is ``x @ W.T + b`` (a float64 product's value to the dtype's rounding), and a row's
+    result is the same bits computed alone, among a few rows or among many (rows across two row tiles, an inner size
+    that is not a multiple of the tile's)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 150, generator=gen).to(dtype)
+    w = (torch.randn(70, 150, generator=gen) / 10).to(dtype)
+    b = torch.randn(70, generator=gen).to(dtype) if bias else None
+
+    def run(x):
+        return cuda_kernels.linear(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)).cpu()
+
+    full = run(x)
+    assert full.dtype == dtype and full.shape == (37, 70)
+    expected = x.double() @ w.double().T + (b.double() if bias else 0.0)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(full.double(), expected, atol=tolerance, rtol=tolerance)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 8), slice(16, 37)):
+        assert torch.equal(run(x[rows]), full[rows]), rows
+    assert torch.equal(run(x.view(1, 37, 150))[0], full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_order_rms_norm_is_llamas_norm_row_by_row(jitted, dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(9, 96, generator=gen)).to(dtype)
+
+    def run(x):
+        return cuda_kernels.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), norm.variance_epsilon).cpu()
+
+    got = run(x)
+    with torch.no_grad():
+        want = norm(x)
+    assert got.dtype == want.dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # an ulp of the rounded normalized value, times the weight
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance * 4, rtol=tolerance)
+    assert torch.equal(run(x[4:5]), got[4:5]) and torch.equal(run(x[2:7]), got[2:7])
+
+
+def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, monkeypatch):
+    """With the model in fixed order (``optimize.make_batch_invariant``), a row's guessed positions are computed with
+    the numbers its plain steps would have: an oracle's guesses (the unspeculated answer) are all kept, and every
+    token, logprob and top logprob is the same bits as without speculation, for two prompts (one prefilled in
+    chunks beside the other's decoding). Here the kernels run in Triton's interpreter on float32; on a GPU compiled,
+    where cuBLAS would otherwise give a row other bits in a wider step."""
+    import torch._inductor.config as inductor_config
+
+    from app.engine import optimize
+    from app.engine.loader import load_model
+    from app.engine.params import SamplingParams
+    from app.engine.speculative import Speculation
+    from app.engine.worker import Worker
+    from references import Oracle
+    from tests.conftest import make_settings
+
+    monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
+    monkeypatch.setitem(cuda_kernels._state, "kernel", jitted)
+    monkeypatch.setitem(cuda_kernels._state, "fixed_order", False)  # the pass turns it on; restored after the test
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
+    products = []
+    real = cuda_kernels.linear
+    monkeypatch.setattr(cuda_kernels, "linear", lambda x, *a: products.append(x.shape[0]) or real(x, *a))
+
+    def worker(speculation=None):
+        loaded = load_model(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32"))
+        assert optimize.make_batch_invariant(loaded.model, force=True) == 2 * 7 + 1 + 2 * 2 + 1
+        made = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8)
+        made.scheduler.batch.speculation = speculation
+        return made
+
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(llama_dir)
+    prompts = [tok("red green blue red green blue red").input_ids, tok("The quick brown fox " * 4).input_ids]
+    params = SamplingParams(max_tokens=14, temperature=0.0, logprobs=2, ignore_eos=True)
+    plain, _ = worker().complete(prompts, params, 256)
+    assert cuda_kernels.fixed_order() and max(products) > 1
+    answers = {tuple(p): list(o.choices[0].token_ids) for p, o in zip(prompts, plain)}
+    speculation = Speculation(Oracle(answers, 10_000), 4, 8)
+    got, _ = worker(speculation).complete(prompts, params, 256)
+    assert speculation.draft_tokens > 0 and speculation.accepted_tokens == speculation.draft_tokens
+    for a, b in zip(got, plain):
+        x, y = a.choices[0], b.choices[0]
+        assert x.token_ids == y.token_ids
+        assert x.logprobs.token_logprobs == y.logprobs.token_logprobs  # the same bits, not approximately
+        assert x.logprobs.top_logprobs == y.logprobs.top_logprobs
