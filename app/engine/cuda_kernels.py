@@ -173,15 +173,16 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
-
-_KERNELS = {"kernel": "_decode_attention", "linear": "_linear", "rms_norm": "_rms_norm"}
+    # jitted at import (torch.compile cannot trace triton.jit itself); the interpreter when TRITON_INTERPRET is set
+    _KERNELS = {
+        name: triton.jit(fn)
+        for name, fn in (("kernel", _decode_attention), ("linear", _linear), ("rms_norm", _rms_norm))
+    }
 
 
 def jit(name: str = "kernel"):
     """A jitted kernel (made at its first use; the tests may put an interpreted one in ``_state``)."""
-    if name not in _state:
-        _state[name] = triton.jit(globals()[_KERNELS[name]])
-    return _state[name]
+    return _state.get(name) or _KERNELS[name]
 
 
 def kernel():

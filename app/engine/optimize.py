@@ -65,7 +65,7 @@ def _packable(module: nn.Module, min_elements: int) -> bool:
 
 def _probe(model: nn.Module) -> torch.Tensor:
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(4).remainder(vocab).view(1, -1)
+    ids = torch.arange(4, device=next(model.parameters()).device).remainder(vocab).view(1, -1)
     with torch.inference_mode():
         return model(input_ids=ids, use_cache=False).logits.float()
 

@@ -95,7 +95,7 @@ try:
     from torch._dynamo.utils import counters
 
     print("dynamo counters:", {k: dict(v) for k, v in counters.items() if v})
-except Exception as exc:  # noqa: BLE001
+except Exception as exc:
     print("no counters:", exc)
 
 # the width dependence of a plain bf16 forward: a position alone vs among 5 queries, over the same cached prefix
