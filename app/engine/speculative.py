@@ -7,8 +7,9 @@ flat forward, and keeps the guesses its own sampler would have picked).
   earlier occurrence are the guess. No model, no device memory: an index of the sequence's n-grams, kept up to date
   token by token (``NgramState``, on the ``Sequence``).
 - ``DraftProposer`` is a draft model: a smaller causal LM with the target's vocabulary (``SAKER_SPECULATIVE_MODEL``)
-  guesses greedily, ``k`` tokens one forward each, over a KV cache of its own per sequence (``DraftState``). A
-  sequence's cache is cut back to the tokens the sequence kept before the next guess.
+  guesses greedily for every guessing row at once, ``k`` flat forwards a step, over a block pool of its own (a
+  ``BlockBatch`` of the draft's). A sequence's blocks are cut back to the tokens the sequence kept before the next
+  guess (``DraftState``).
 
 Acceptance is tracked per sequence: one whose guesses keep failing stops being proposed for (``MISSES_TO_PAUSE``
 steps in a row with nothing accepted pause it for ``PAUSE`` steps, doubling while it keeps failing). ``Speculation``
@@ -43,15 +44,24 @@ class Proposer:
 
     state_type = ProposerState
 
+    def propose_rows(self, states: list, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """For each row, at most ``ks[i]`` guesses of what follows ``tokens[i]`` (the sequence's prompt and output so
+        far; the last one is the token the step feeds). Empty while the sequence is paused or there is no guess."""
+        asked = []
+        for state, k in zip(states, ks):
+            if k > 0 and state.paused:
+                state.paused -= 1
+                k = 0
+            asked.append(max(k, 0))
+        return self.guess_rows(states, tokens, asked)
+
     def propose(self, state: ProposerState, tokens: list[int], k: int) -> list[int]:
-        """At most ``k`` guesses of what follows ``tokens`` (the sequence's prompt and output so far; the last one is
-        the token the step feeds). Empty while the sequence is paused or there is no guess."""
-        if k <= 0:
-            return []
-        if state.paused:
-            state.paused -= 1
-            return []
-        return self.guess(state, tokens, k)
+        """``propose_rows`` for one sequence."""
+        return self.propose_rows([state], [tokens], [k])[0]
+
+    def guess_rows(self, states: list, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """The guesses of the rows not paused (``ks[i]`` 0: none); row by row unless a proposer batches them."""
+        return [self.guess(state, seq, k) if k else [] for state, seq, k in zip(states, tokens, ks)]
 
     def guess(self, state, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
@@ -117,46 +127,113 @@ class NgramProposer(Proposer):
 
 @dataclass
 class DraftState(ProposerState):
-    """A sequence's draft-model KV cache and the tokens whose keys and values it holds."""
+    """A sequence's place in the draft's block pool: its blocks in order, and the tokens whose keys and values they
+    hold."""
 
-    cache: object = None  # transformers' DynamicCache
+    blocks: list = field(default_factory=list)
     held: list = field(default_factory=list)
 
 
+CATCH_UP = 512  # draft: most of a sequence's tokens its blocks take in per step (a long prompt over several steps)
+
+
 class DraftProposer(Proposer):
-    """A draft model's greedy guesses: the sequence's tokens the draft's cache lacks in one forward (the whole prompt
-    at the first guess; after that the tokens kept since the last one), then one forward per further guess. The cache
-    is cut back to the longest prefix it shares with the sequence, so refused guesses leave nothing behind."""
+    """A draft model's greedy guesses for every guessing row at once, over a block pool of its own: a ``BlockBatch``
+    of the draft's ``ModelRunner`` (its pool, its block manager, its flat forward), whose rows are the guessing
+    sequences' chunks. The first forward of a step feeds each row the tokens its blocks lack (the prompt at its first
+    guess, ``CATCH_UP`` tokens a step; after that the tokens kept since its last guess, one or two), then one forward
+    per further guess, every row in it. A row's held tokens are cut back to the longest prefix they share with the
+    sequence, so refused guesses leave nothing behind (their positions are written again).
+
+    The pool holds ``rows`` sequences at the draft's whole context (the most that guess in one step); when a row needs
+    blocks and none are free, the sequence that guessed least recently gives its blocks up (and is fed from the start
+    if it guesses again). A row past the draft's context guesses nothing."""
 
     state_type = DraftState
 
-    def __init__(self, model, vocab: int):
-        self.model, self.vocab = model, vocab  # the served model's vocabulary: no guess outside it
-        self.device = model.get_input_embeddings().weight.device
+    def __init__(self, runner, vocab: int, rows: int, tokens: int):
+        from collections import OrderedDict
 
-    def guess(self, state: DraftState, tokens: list[int], k: int) -> list[int]:
-        import numpy as np
+        from app.engine.batches import BlockBatch
+        from app.engine.blocks import BLOCK
+        from app.engine.worker import context_length
+
+        self.runner, self.vocab = runner, vocab  # the served model's vocabulary: no guess outside it
+        self.context = context_length(runner.model, runner.tokenizer)
+        self.batch = BlockBatch(runner, rows * (-(-(self.context + tokens) // BLOCK) + 1) * BLOCK)
+        self.batch._pool()  # the pool and its block count, at once (blocks are zeroed when first handed out)
+        self.holding: OrderedDict[int, DraftState] = OrderedDict()  # states with blocks, least recently guessing first
+
+    def guess_rows(self, states: list, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
         import torch
-        from transformers import DynamicCache
 
-        held = state.held
-        same = min(len(held), len(tokens) - 1)  # the last token is always fed: its logits give the first guess
-        if same:
-            differ = np.nonzero(np.asarray(held[:same]) != np.asarray(tokens[:same]))[0]
-            same = int(differ[0]) if differ.size else same
-        if state.cache is None or not same:
-            state.cache, same = DynamicCache(config=self.model.config), 0
-        elif same < len(held):
-            state.cache.crop(same - len(held))  # (transformers' crop takes the count to remove, negated)
-        out: list[int] = []
-        ids = torch.tensor([tokens[same:]], dtype=torch.long, device=self.device)
+        out: list[list[int]] = [[] for _ in states]
+        now = {id(state) for state, k in zip(states, ks) if k}
+        jobs = []  # (row, state, its tokens, first position fed, end of the feed)
+        for row, (state, seq, k) in enumerate(zip(states, tokens, ks)):
+            if not k or len(seq) + k > self.context:
+                continue
+            same = _shared(state.held, seq)
+            del state.held[same:]
+            end = min(len(seq), same + CATCH_UP)
+            if not self._fit(state, end + (k - 1 if end == len(seq) else 0), now):
+                continue
+            jobs.append((row, state, seq, same, end))
+        if not jobs:
+            return out
+        chunks = [
+            (state.blocks, seq[same:end], same, "last" if end == len(seq) else "none")
+            for _, state, seq, same, end in jobs
+        ]
         with torch.inference_mode():
-            for _ in range(k):
-                logits = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1).logits
-                out.append(int(logits[0, -1, : self.vocab].argmax()))
-                ids = torch.tensor([out[-1:]], dtype=torch.long, device=self.device)
-        state.held = tokens + out[:-1]  # the last guess was never fed
+            _, logits = self.batch.forward_with_chunks(chunks, with_rows=False)
+            going = []  # rows fed up to their last token: they guess
+            for (row, state, seq, same, end), last in zip(jobs, logits):
+                state.held.extend(seq[same:end])
+                if end == len(seq):
+                    going.append((row, state, seq))
+                    out[row].append(int(last[-1, : self.vocab].argmax()))
+            while going := [(row, state, seq) for row, state, seq in going if len(out[row]) < ks[row]]:
+                chunks = [
+                    (state.blocks, out[row][-1:], len(seq) + len(out[row]) - 1, "last") for row, state, seq in going
+                ]
+                _, logits = self.batch.forward_with_chunks(chunks, with_rows=False)
+                for (row, state, _), last in zip(going, logits):
+                    state.held.append(out[row][-1])
+                    out[row].append(int(last[-1, : self.vocab].argmax()))
         return out
+
+    def _fit(self, state: DraftState, positions: int, now: set[int]) -> bool:
+        """Blocks for ``positions`` positions on ``state`` (taken from the sequences that guessed least recently, not
+        those of this step, when none are free); False when they cannot be had."""
+        from app.engine.blocks import BLOCK
+
+        self.holding[id(state)] = state
+        self.holding.move_to_end(id(state))
+        more = -(-positions // BLOCK) - len(state.blocks)
+        blocks = self.batch.blocks
+        while more > blocks.free_blocks:
+            idle = next((key for key in self.holding if key not in now), None)
+            if idle is None:
+                return False
+            gone = self.holding.pop(idle)
+            blocks.release(gone.blocks)
+            gone.blocks, gone.held = [], []
+        if more > 0:
+            state.blocks += self.batch._allocate(more)
+        return True
+
+
+def _shared(held: list[int], tokens: list[int]) -> int:
+    """How many leading tokens ``held`` and ``tokens`` share, at most all of ``tokens`` but the last (always fed: its
+    logits give the first guess)."""
+    import numpy as np
+
+    same = min(len(held), len(tokens) - 1)
+    if same:
+        differ = np.nonzero(np.asarray(held[:same]) != np.asarray(tokens[:same]))[0]
+        same = int(differ[0]) if differ.size else same
+    return same
 
 
 @dataclass(frozen=True)
@@ -206,7 +283,11 @@ class SpeculativeConfig:
                     f"the speculative model ({loaded.source}) has another vocabulary than the served model's: a draft "
                     "model must use the same tokenizer"
                 )
-            return Speculation(DraftProposer(loaded.model, runner.vocab_size), self.tokens, self.max_rows)
+            from app.engine.runner import ModelRunner
+
+            draft = ModelRunner(loaded.model, loaded.tokenizer, ())
+            proposer = DraftProposer(draft, runner.vocab_size, self.max_rows, self.tokens)
+            return Speculation(proposer, self.tokens, self.max_rows)
         return None
 
 
@@ -237,20 +318,22 @@ class Speculation:
         rows = sum(group.rows for group in groups)
         if rows > self.max_rows:
             return None
-        out: list[list[int]] = []
+        states, tokens, rooms, grammars = [], [], [], []
         for group in groups:
             for seq in group.running:
                 made = len(seq.output_ids)
-                room = min(self.tokens, group.max_new - made - 1, group.max_length - len(seq.prompt_ids) - made - 1)
-                if room <= 0:
-                    out.append([])
-                    continue
+                rooms.append(
+                    min(self.tokens, group.max_new - made - 1, group.max_length - len(seq.prompt_ids) - made - 1)
+                )
                 if seq.draft is None:
                     seq.draft = self.proposer.state_type()
-                guess = self.proposer.propose(seq.draft, seq.prompt_ids + seq.output_ids, room)
-                if guess and group.grammars is not None:
-                    guess = guess[: group.grammars[seq.index].allows(guess)]
-                out.append(guess)
+                states.append(seq.draft)
+                tokens.append(seq.prompt_ids + seq.output_ids)
+                grammars.append(None if group.grammars is None else group.grammars[seq.index])
+        out = self.proposer.propose_rows(states, tokens, rooms)
+        for row, grammar in enumerate(grammars):
+            if out[row] and grammar is not None:
+                out[row] = out[row][: grammar.allows(out[row])]
         return out if any(out) else None
 
     def verified(self, groups, guesses: list[list[int]], accepted: list[int]) -> None:

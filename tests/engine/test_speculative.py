@@ -265,13 +265,46 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
         assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
 
 
-def test_a_draft_cache_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt2_dir, reference):
-    """``DraftProposer``: after guesses the sequence did not keep, the draft's cache is cut back to what the
-    sequence holds, so its next guess is the one a fresh cache over the same tokens gives."""
-    from app.engine.speculative import DraftProposer, DraftState
+def draft_of(path, rows: int = 4, tokens: int = 4, vocab: int | None = None):
+    """``DraftProposer`` over ``path``'s model (its own runner and block pool), guessing for at most ``rows``
+    sequences at once."""
+    from app.engine.loader import load_model
+    from app.engine.runner import ModelRunner
+    from app.engine.speculative import DraftProposer
+
+    loaded = load_model(make_settings(model=str(path)))
+    runner = ModelRunner(loaded.model, loaded.tokenizer, ())
+    return DraftProposer(runner, vocab or loaded.model.config.vocab_size, rows, tokens)
+
+
+def test_a_draft_guesses_every_row_at_once_from_its_own_blocks(gpt2_dir, reference):
+    """The target as its own draft: the guesses for three sequences at once, and for one alone, are each sequence's
+    greedy continuation (a plain forward loop's argmax); the keys and values are in the draft's block pool, a
+    sequence's blocks covering what it holds (its tokens and the guesses fed)."""
+    from app.engine.blocks import BLOCK
+    from app.engine.speculative import DraftState
 
     model, tok = reference(gpt2_dir)
-    proposer = DraftProposer(model, model.config.vocab_size)
+    proposer = draft_of(gpt2_dir)
+    prompts = [*prompts_of(tok), tok("a b c d e f g a b c").input_ids]
+    states = [DraftState() for _ in prompts]
+    got = proposer.propose_rows(states, prompts, [4, 3, 4])
+    for prompt, guess, state, k in zip(prompts, got, states, [4, 3, 4]):
+        assert guess == [t for t, _ in greedy_reference(model, prompt, k)]
+        assert state.held == prompt + guess[:-1] and len(state.blocks) * BLOCK >= len(state.held)
+    states.append(DraftState())
+    assert proposer.propose(states[-1], prompts[1], 4) == [t for t, _ in greedy_reference(model, prompts[1], 4)]
+    assert proposer.batch.blocks.held_blocks == sum(len(s.blocks) for s in states)
+
+
+def test_a_draft_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt2_dir, reference):
+    """After guesses the sequence did not keep, a row's held tokens are cut back to what the sequence holds (their
+    positions written again), so its next guess is the one a fresh sequence over the same tokens gives; a draft
+    whose vocabulary is larger than the served model's never guesses past the served one's."""
+    from app.engine.speculative import DraftState
+
+    _, tok = reference(gpt2_dir)
+    proposer = draft_of(gpt2_dir)
     tokens = prompts_of(tok)[0]
     state = DraftState()
     first = proposer.propose(state, tokens, 4)
@@ -280,8 +313,31 @@ def test_a_draft_cache_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt
         tokens = tokens + taken
         assert proposer.propose(state, tokens, 3) == proposer.propose(DraftState(), tokens, 3)
         assert state.held[: len(tokens)] == tokens
-    # a draft whose vocabulary is larger than the served model's never guesses past the served one's
-    assert all(t < 50 for t in DraftProposer(model, 50).propose(DraftState(), tokens, 4))
+    assert all(t < 50 for t in draft_of(gpt2_dir, vocab=50).propose(DraftState(), tokens, 4))
+
+
+def test_a_draft_pool_gives_the_least_recent_sequences_blocks_to_a_new_one(gpt2_dir, reference, monkeypatch):
+    """A pool for one sequence at a time: two sequences guessing in turn take the blocks from each other (the other
+    is fed again from its start), and each guess is still its greedy continuation. A long prompt is fed a bounded
+    number of tokens per step (``CATCH_UP``): no guesses until it is all in."""
+    from app.engine import speculative
+    from app.engine.speculative import DraftState
+
+    model, tok = reference(gpt2_dir)
+    proposer = draft_of(gpt2_dir, rows=1)  # 256 positions (the context) and 4 guesses: 17 blocks and the null one
+    prompts = [tok("red green blue " * 50).input_ids[:150], tok("one two three four " * 40).input_ids[:150]]
+    assert all(len(p) == 150 for p in prompts)  # 10 blocks each: the two do not fit together
+    states = [DraftState(), DraftState()]
+    for turn in range(4):
+        row = turn % 2
+        guess = proposer.propose(states[row], prompts[row], 3)
+        assert guess == [t for t, _ in greedy_reference(model, prompts[row], 3)]
+        assert states[1 - row].blocks == [] or turn == 0
+    monkeypatch.setattr(speculative, "CATCH_UP", 4)
+    state, prompt = DraftState(), prompts_of(tok)[0]
+    steps = [proposer.propose(state, prompt, 3) for _ in range(-(-len(prompt) // 4))]
+    assert steps[:-1] == [[]] * (len(steps) - 1)
+    assert steps[-1] == [t for t, _ in greedy_reference(model, prompt, 3)]
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(gpt2_dir, llama_dir):
