@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from app.engine import speculative
 from app.engine.optimize import make_batch_invariant, optimize_for_inference
 from app.errors import ConfigError
 from app.settings import DEFAULT_MODEL_NAME, Settings
@@ -322,7 +323,7 @@ def load_model(settings: Settings) -> LoadedModel:
         if device != "cpu":
             model.to(device)  # what stayed in float (embeddings, norms) joins the packed linears
     optimize_for_inference(model)
-    if settings.batch_invariant if settings.batch_invariant is not None else settings.speculative != "off":
+    if settings.batch_invariant if settings.batch_invariant is not None else speculative.method(settings) != "off":
         if swapped := make_batch_invariant(model):
             log.info("batch-invariant: %d linears and norms in fixed order", swapped)
         elif str(device).startswith("cuda"):

@@ -146,7 +146,11 @@ def _fixed_order_swap(module: nn.Module) -> nn.Module | None:
     if type(module) is nn.Linear and module.weight.is_floating_point():  # exact type: quantized layers subclass it
         return FixedOrderLinear(module)
     name = type(module).__name__
-    if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and not name.startswith("Gemma"):
+    if (
+        name.endswith("RMSNorm")
+        and hasattr(module, "variance_epsilon")
+        and not name.startswith(("Gemma", "FixedOrder"))
+    ):
         return FixedOrderRMSNorm(module)  # Gemma's scales by 1 + weight
     return None
 

@@ -236,6 +236,15 @@ def _shared(held: list[int], tokens: list[int]) -> int:
     return same
 
 
+def method(settings) -> str:
+    """``settings.speculative``, or where it is unset the default: prompt lookup on the CPU, off on CUDA."""
+    if settings.speculative is not None:
+        return settings.speculative
+    from app.engine.loader import resolve_device
+
+    return "ngram" if resolve_device(settings) == "cpu" else "off"
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """The settings (SAKER_SPECULATIVE, _TOKENS, _MAX_ROWS, _NGRAM_MIN, _NGRAM_MAX)."""
@@ -261,7 +270,7 @@ class SpeculativeConfig:
                 return load_model(draft_settings)
 
         return cls(
-            settings.speculative,
+            method(settings),
             settings.speculative_tokens,
             settings.speculative_max_rows,
             settings.speculative_ngram_min,

@@ -83,9 +83,11 @@ for label in ("plain", "oracle", "plain", "oracle"):
     wall = time.perf_counter() - t
     steps = scheduler.steps - steps
     same = list(out.choices[0].token_ids) == answer
-    print(f"{label}: {wall * 1e3:.1f} ms for {len(answer)} tokens, {steps} steps, {wall * 1e3 / steps:.3f} ms/step, "
-          f"same tokens {same}; decode_ms {timings.get('decode_ms') if isinstance(timings, dict) else timings}",
-          flush=True)
+    print(
+        f"{label}: {wall * 1e3:.1f} ms for {len(answer)} tokens, {steps} steps, {wall * 1e3 / steps:.3f} ms/step, "
+        f"same tokens {same}; decode_ms {timings.get('decode_ms') if isinstance(timings, dict) else timings}",
+        flush=True,
+    )
 for label, prof in profiles.items():
     print(f"\n== {label}: model thread, by own time (both runs)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
@@ -121,5 +123,7 @@ with torch.inference_mode():
     diff = (wide - alone).abs().max(dim=-1).values
     lp = torch.log_softmax(wide, -1) - torch.log_softmax(alone, -1)
     print(f"\n{dtype}: logits' max |diff| per position, 5 queries vs alone: {[round(float(d), 5) for d in diff]}")
-    print(f"logprobs' max |diff|: {float(lp.abs().max()):.5f}; argmax equal: "
-          f"{(wide.argmax(-1) == alone.argmax(-1)).tolist()}")
+    print(
+        f"logprobs' max |diff|: {float(lp.abs().max()):.5f}; argmax equal: "
+        f"{(wide.argmax(-1) == alone.argmax(-1)).tolist()}"
+    )

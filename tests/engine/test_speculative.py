@@ -382,3 +382,15 @@ def test_the_default_configuration_gives_the_same_bits_with_speculation(saker_ca
         [lp for _, lp in expected][: len(choice.token_ids)], abs=1e-5
     )
     assert timings.accepted_tokens >= tokens // 2, timings
+
+
+def test_prompt_lookup_is_the_default_on_the_cpu_and_off_on_cuda(monkeypatch):
+    """``SAKER_SPECULATIVE`` unset: ngram on the CPU (where bench part P shows it pays), off on CUDA (its fixed-order
+    kernels are not measured there); a value set is kept either way."""
+    from app.engine import loader, speculative
+
+    assert speculative.method(make_settings()) == "ngram"
+    assert speculative.method(make_settings(speculative="off")) == "off"
+    monkeypatch.setattr(loader, "resolve_device", lambda settings: "cuda:0")
+    assert speculative.method(make_settings()) == "off"
+    assert speculative.method(make_settings(speculative="ngram")) == "ngram"
