@@ -186,3 +186,11 @@ def model_meta(spec: ModelSpec, path: Path) -> dict:
         "weights_bytes": weights,
         "dtype": config.get("dtype") or config.get("torch_dtype"),
     }
+
+
+def model_or_1b(model: str | None, device: str) -> Path:
+    """The GPU scripts' model (scripts/gpu): the folder ``model`` names, or else the bench's 1B Llama shape (built once
+    into .cache/bench, as part D builds it)."""
+    if model is not None:
+        return Path(model)
+    return ensure_model(LLAMA_1B, Path(".cache/bench"), print, device=device)

@@ -79,26 +79,35 @@ def pack_linears_onednn(model: nn.Module, min_elements: int | None = None) -> in
     ):
         return 0
     min_elements = MIN_PACKED_ELEMENTS if min_elements is None else min_elements
-    swaps = []  # (parent, name, original, packed)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _packable(child, min_elements):
-                swaps.append((parent, name, child, None))
-    if not swaps:
+    found = [(parent, name, child) for parent, name, child in _children(model) if _packable(child, min_elements)]
+    return _swap_checked(model, found, PackedLinear.from_module, 1e-4, "oneDNN linear packing")
+
+
+def _children(model: nn.Module):
+    """Every (parent, name, child) of ``model``, listed before any is swapped."""
+    return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())]
+
+
+def _swap_checked(model: nn.Module, found: list, make, tolerance: float, what: str) -> int:
+    """Each ``(parent, name, child)`` of ``found`` becomes ``make(child)``, checked: one short forward before and after
+    must agree within ``tolerance`` of the logits' size, otherwise the originals are put back and the pass (``what``)
+    is logged as not applied. The number swapped."""
+    if not found:
         return 0
+    swaps = []  # (parent, name, original, new)
     try:
         before = _probe(model)
-        swaps = [(parent, name, child, PackedLinear.from_module(child)) for parent, name, child, _ in swaps]
-        for parent, name, _, packed in swaps:
-            setattr(parent, name, packed)
+        swaps = [(parent, name, child, make(child)) for parent, name, child in found]
+        for parent, name, _, new in swaps:
+            setattr(parent, name, new)
         after = _probe(model)
-        scale = 1.0 + before.abs().max().item()
-        if after.shape != before.shape or not torch.allclose(after, before, rtol=0, atol=1e-4 * scale):
+        scale = tolerance * (1.0 + before.abs().max().item())
+        if after.shape != before.shape or not torch.allclose(after, before, rtol=0, atol=scale):
             raise ValueError(f"logits moved by {(after - before).abs().max().item():.3g}")
     except Exception as exc:
         for parent, name, original, _ in swaps:
             setattr(parent, name, original)
-        log.warning("oneDNN linear packing not applied: %s: %s", type(exc).__name__, exc)
+        log.warning("%s not applied: %s: %s", what, type(exc).__name__, exc)
         return 0
     return len(swaps)
 
@@ -107,11 +116,10 @@ def fuse_gelu_tanh(model: nn.Module) -> int:
     from transformers.activations import NewGELUActivation
 
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is NewGELUActivation:
-                setattr(parent, name, nn.GELU(approximate="tanh"))
-                count += 1
+    for parent, name, child in _children(model):
+        if type(child) is NewGELUActivation:
+            setattr(parent, name, nn.GELU(approximate="tanh"))
+            count += 1
     return count
 
 
@@ -167,32 +175,16 @@ def make_batch_invariant(model: nn.Module, force: bool = False) -> int:
     device = next(model.parameters()).device
     if not (force or cuda_kernels.available(device)) or cuda_kernels.triton is None:
         return 0
-    swaps = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (swapped := _fixed_order_swap(child)) is not None:
-                swaps.append((parent, name, child, swapped))
-    if not swaps:
-        return 0
-    try:
-        before = _probe(model)
-        for parent, name, _, swapped in swaps:
-            setattr(parent, name, swapped)
-        after = _probe(model)
-        low = next(model.parameters()).dtype != torch.float32
-        scale = (5e-2 if low else 1e-3) * (1.0 + before.abs().max().item())
-        if after.shape != before.shape or not torch.allclose(after, before, rtol=0, atol=scale):
-            raise ValueError(f"logits moved by {(after - before).abs().max().item():.3g}")
-    except Exception as exc:
-        for parent, name, original, _ in swaps:
-            setattr(parent, name, original)
-        log.warning("batch-invariant kernels not applied: %s: %s", type(exc).__name__, exc)
+    found = [(parent, name, child) for parent, name, child in _children(model) if _fixed_order_swap(child)]
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    swapped = _swap_checked(model, found, _fixed_order_swap, tolerance, "batch-invariant kernels")
+    if not swapped:
         return 0
     cuda_kernels.set_fixed_order(True)
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True
-    return len(swaps)
+    return swapped
 
 
 def optimize_for_inference(model: nn.Module) -> list[str]:

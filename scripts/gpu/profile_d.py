@@ -9,13 +9,13 @@ attending over the whole capacity on CUDA (one CUDA graph per bucket) or the sma
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from app.engine.batches import windows
 from app.engine.blocks import BLOCK
+from app.bench.models import model_or_1b
 from app.engine.params import SamplingParams
 from app.engine.worker import Worker
 from app.settings import Settings
@@ -27,12 +27,7 @@ parser.add_argument("--rows", type=int, default=1, help="prompts decoded togethe
 parser.add_argument("--model", default=None, help="a model folder (default: the bench's 1B Llama shape)")
 args = parser.parse_args()
 cuda = args.device.startswith("cuda")
-if args.model is None:
-    from app.bench.models import LLAMA_1B, ensure_model
-
-    path = ensure_model(LLAMA_1B, Path(".cache/bench"), print, device=args.device)
-else:
-    path = Path(args.model)
+path = model_or_1b(args.model, args.device)
 dtype = "bfloat16" if cuda else "float32"
 w = Worker.from_settings(
     Settings(

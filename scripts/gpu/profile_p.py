@@ -10,10 +10,10 @@ import argparse
 import cProfile
 import pstats
 import time
-from pathlib import Path
 
 import torch
 
+from app.bench.models import model_or_1b
 from app.engine.params import SamplingParams
 from app.engine.speculative import Proposer, Speculation
 from app.engine.worker import Worker
@@ -26,12 +26,7 @@ parser.add_argument("--tokens", type=int, default=128)
 parser.add_argument("--invariant", action="store_true", help="SAKER_BATCH_INVARIANT (fixed-order kernels)")
 args = parser.parse_args()
 cuda = args.device.startswith("cuda")
-if args.model is None:
-    from app.bench.models import LLAMA_1B, ensure_model
-
-    path = ensure_model(LLAMA_1B, Path(".cache/bench"), print, device=args.device)
-else:
-    path = Path(args.model)
+path = model_or_1b(args.model, args.device)
 dtype = "bfloat16" if cuda else "float32"
 settings = Settings(
     model=str(path),

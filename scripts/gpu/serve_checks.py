@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from app.bench.client import Client
-from app.bench.models import LLAMA_1B, ensure_model
+from app.bench.models import model_or_1b
 from app.bench.parts import m as part_m
 from app.bench.plan import Plan
 from app.bench.server import Server, batch_env
@@ -38,7 +38,7 @@ parser.add_argument("--no-m", action="store_true", help="the 1-row vs 32-row ste
 parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
 args = parser.parse_args()
 cuda = args.device.startswith("cuda")
-path = Path(args.model) if args.model else ensure_model(LLAMA_1B, Path(".cache/bench"), print, device=args.device)
+path = model_or_1b(args.model, args.device)
 rows, tokens = (4, 16) if args.quick else (32, 128)
 env = {
     "SAKER_DEVICE": args.device,
