@@ -82,6 +82,11 @@ class BlockBatch:
         self.speculation = None  # SAKER_SPECULATIVE: ``speculative.Speculation`` (None: off)
 
     # -- blocks ---------------------------------------------------------------------------------------------------
+    def make_pool(self) -> int:
+        """Allocate the pool now (else at the first step); its budget in positions."""
+        self._pool()
+        return self.budget
+
     def _pool(self) -> KVPool:
         if self.pool is None:
             self.budget = self.kv_cache_tokens or self.runner.default_kv_budget()

@@ -161,7 +161,7 @@ class DraftProposer(Proposer):
         self.runner, self.vocab = runner, vocab  # the served model's vocabulary: no guess outside it
         self.context = context_length(runner.model, runner.tokenizer)
         self.batch = BlockBatch(runner, rows * (-(-(self.context + tokens) // BLOCK) + 1) * BLOCK)
-        self.batch._pool()  # the pool and its block count, at once (blocks are zeroed when first handed out)
+        self.batch.make_pool()  # and its block count, at once (blocks are zeroed when first handed out)
         self.holding: OrderedDict[int, DraftState] = OrderedDict()  # states with blocks, least recently guessing first
 
     def guess_rows(self, states: list, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:

@@ -168,8 +168,6 @@ class Worker:
             loaded.precision,
         )
         self.warm_up()
-        if self.kv_cache_tokens is None:
-            self.kv_cache_tokens = self.runner.default_kv_budget()
         self.scheduler = Scheduler(
             self.runner,
             max_batch_rows=self.max_batch_rows,
@@ -182,6 +180,8 @@ class Worker:
             queue_timeout=self.queue_timeout,
             speculative=self.speculative,
         )
+        # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
+        self.kv_cache_tokens = self.scheduler.batch.make_pool()
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
             self.compile_decode_step()
         self.scheduler.start()

@@ -394,3 +394,27 @@ def test_prompt_lookup_is_the_default_on_the_cpu_and_off_on_cuda(monkeypatch):
     monkeypatch.setattr(loader, "resolve_device", lambda settings: "cuda:0")
     assert speculative.method(make_settings()) == "off"
     assert speculative.method(make_settings(speculative="ngram")) == "ngram"
+
+
+def test_the_default_kv_budget_is_taken_after_the_draft_model_loads(gpt2_dir, monkeypatch):
+    """On CUDA the default budget is 90 % of the free GPU memory: it must be measured once the draft model and its
+    own pool hold theirs, or the served model's pool would take memory the draft already has."""
+    from app.engine.loader import load_model
+    from app.engine.runner import ModelRunner
+    from app.engine.speculative import SpeculativeConfig
+
+    order = []
+    real = ModelRunner.default_kv_budget
+
+    def budget(runner):
+        order.append("budget")
+        return real(runner)
+
+    def draft():
+        order.append("draft")
+        return load_model(make_settings(model=str(gpt2_dir)))
+
+    monkeypatch.setattr(ModelRunner, "default_kv_budget", budget)
+    worker = worker_with(gpt2_dir, speculative=SpeculativeConfig("draft", 4, 4, draft=draft))
+    assert "budget" in order[order.index("draft") :]  # (the warm-up's one-request run before it sizes its own)
+    assert worker.kv_cache_tokens == worker.scheduler.batch.budget > 0
