@@ -344,13 +344,12 @@ class BlockBatch:
         write[:count] = self.tables[which, positions[:count] // BLOCK] * BLOCK + positions[:count] % BLOCK
         gather = np.zeros((rows, columns), dtype=np.int64)
         gather[:count] = self.tables[which, :columns]
-        tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        first = np.zeros(count, dtype=bool)
-        first[starts] = True
+        host = np.zeros(rows, dtype=np.int64)  # the guesses in place on the host, then the rows' own next tokens
+        guessed = np.ones(count, dtype=bool)
+        guessed[starts] = False
+        host[:count][guessed] = [t for g in guesses for t in g]
+        tokens = _on(host, device)
         tokens[_on(starts, device)] = self.next_tokens
-        guessed = [t for g in guesses for t in g]
-        if guessed:
-            tokens[_on(np.nonzero(~first)[0], device)] = torch.tensor(guessed, dtype=torch.long, device=device)
         return tokens, positions, write, gather
 
     def advance(self, steps: np.ndarray | int) -> None:

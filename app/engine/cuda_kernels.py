@@ -181,7 +181,7 @@ if triton is not None:
 
 
 def jit(name: str = "kernel"):
-    """A jitted kernel (made at its first use; the tests may put an interpreted one in ``_state``)."""
+    """A jitted kernel (the tests may put an interpreted one in ``_state``)."""
     return _state.get(name) or _KERNELS[name]
 
 
@@ -206,7 +206,7 @@ def decode_attention(
     out = torch.empty_like(q)
     tables = tables.contiguous()
     if per_head is None:  # in fixed order (``set_fixed_order``) one launch for every width: a query's bits
-        per_head = bool(_state.get("fixed_order")) or tokens < PER_HEAD_BELOW
+        per_head = fixed_order() or tokens < PER_HEAD_BELOW
     launch = PER_HEAD_LAUNCH if per_head else GROUP_LAUNCH
     block_n, warps = block_n or launch[0], warps or launch[1]
     each = 1 if per_head else group
@@ -249,6 +249,7 @@ def decode_attention(
 # normalize each row in one program, so a row's result never depends on the others (vLLM's batch-invariant mode
 # replaces the same operations for the same reason). Fixed launches: changing one changes the bits.
 LINEAR_LAUNCH = (16, 32, 64, 4)  # BLOCK_M, BLOCK_N, BLOCK_K, warps
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, when the kernels are jitted
 
 
 def set_fixed_order(on: bool) -> None:
@@ -282,7 +283,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out.stride(0),
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
-        SUMMED=os.environ.get("TRITON_INTERPRET") == "1",
+        SUMMED=INTERPRETED,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

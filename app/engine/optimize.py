@@ -150,16 +150,17 @@ class FixedOrderRMSNorm(nn.Module):
         return cuda_kernels.rms_norm(x, self.weight, self.variance_epsilon)
 
 
-def _fixed_order_swap(module: nn.Module) -> nn.Module | None:
+def _fixed_order_class(module: nn.Module) -> type | None:
+    """The fixed-order module that stands in for ``module``, or None."""
     if type(module) is nn.Linear and module.weight.is_floating_point():  # exact type: quantized layers subclass it
-        return FixedOrderLinear(module)
+        return FixedOrderLinear
     name = type(module).__name__
     if (
         name.endswith("RMSNorm")
         and hasattr(module, "variance_epsilon")
         and not name.startswith(("Gemma", "FixedOrder"))
     ):
-        return FixedOrderRMSNorm(module)  # Gemma's scales by 1 + weight
+        return FixedOrderRMSNorm  # Gemma's scales by 1 + weight
     return None
 
 
@@ -175,9 +176,11 @@ def make_batch_invariant(model: nn.Module, force: bool = False) -> int:
     device = next(model.parameters()).device
     if not (force or cuda_kernels.available(device)) or cuda_kernels.triton is None:
         return 0
-    found = [(parent, name, child) for parent, name, child in _children(model) if _fixed_order_swap(child)]
+    found = [(parent, name, child) for parent, name, child in _children(model) if _fixed_order_class(child)]
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    swapped = _swap_checked(model, found, _fixed_order_swap, tolerance, "batch-invariant kernels")
+    swapped = _swap_checked(
+        model, found, lambda child: _fixed_order_class(child)(child), tolerance, "batch-invariant kernels"
+    )
     if not swapped:
         return 0
     cuda_kernels.set_fixed_order(True)

@@ -188,20 +188,29 @@ class DraftProposer(Proposer):
         with torch.inference_mode():
             _, logits = self.batch.forward_with_chunks(chunks, with_rows=False)
             going = []  # rows fed up to their last token: they guess
-            for (row, state, seq, same, end), last in zip(jobs, logits):
+            for row, state, seq, same, end in jobs:
                 state.held.extend(seq[same:end])
                 if end == len(seq):
                     going.append((row, state, seq))
-                    out[row].append(int(last[-1, : self.vocab].argmax()))
-            while going := [(row, state, seq) for row, state, seq in going if len(out[row]) < ks[row]]:
-                chunks = [
-                    (state.blocks, out[row][-1:], len(seq) + len(out[row]) - 1, "last") for row, state, seq in going
-                ]
-                _, logits = self.batch.forward_with_chunks(chunks, with_rows=False)
-                for (row, state, _), last in zip(going, logits):
-                    state.held.append(out[row][-1])
-                    out[row].append(int(last[-1, : self.vocab].argmax()))
+            while going:
+                for (row, _, _), token in zip(going, self._greedy(logits)):
+                    out[row].append(token)
+                going = [(row, state, seq) for row, state, seq in going if len(out[row]) < ks[row]]
+                if going:
+                    chunks = [
+                        (state.blocks, out[row][-1:], len(seq) + len(out[row]) - 1, "last") for row, state, seq in going
+                    ]
+                    _, logits = self.batch.forward_with_chunks(chunks, with_rows=False)
+                    for row, state, _ in going:
+                        state.held.append(out[row][-1])
         return out
+
+    def _greedy(self, logits: list) -> list[int]:
+        """The greedy token after each chunk that kept its last logits (those that kept none are empty), within the
+        served model's vocabulary: one transfer for all of them."""
+        import torch
+
+        return torch.cat([last[-1:, : self.vocab] for last in logits]).argmax(-1).tolist()
 
     def _fit(self, state: DraftState, positions: int, now: set[int]) -> bool:
         """Blocks for ``positions`` positions on ``state`` (taken from the sequences that guessed least recently, not
@@ -331,13 +340,13 @@ class Speculation:
         for group in groups:
             for seq in group.running:
                 made = len(seq.output_ids)
-                rooms.append(
-                    min(self.tokens, group.max_new - made - 1, group.max_length - len(seq.prompt_ids) - made - 1)
-                )
+                room = min(self.tokens, group.max_new - made - 1, group.max_length - len(seq.prompt_ids) - made - 1)
                 if seq.draft is None:
                     seq.draft = self.proposer.state_type()
                 states.append(seq.draft)
-                tokens.append(seq.prompt_ids + seq.output_ids)
+                rooms.append(room)
+                # the sequence's tokens only where they are read (a long prompt is a long copy every step)
+                tokens.append(seq.prompt_ids + seq.output_ids if room > 0 and not seq.draft.paused else [])
                 grammars.append(None if group.grammars is None else group.grammars[seq.index])
         out = self.proposer.propose_rows(states, tokens, rooms)
         for row, grammar in enumerate(grammars):
