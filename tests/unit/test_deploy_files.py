@@ -194,3 +194,41 @@ def test_ci_installs_nginx_when_it_can():
     assert subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")]).returncode == 0
     assert "apt-get install" in text and "nginx" in text and "id -u" in text
     assert text.index("nginx") < text.index("make test")
+
+
+# -- nginx ----------------------------------------------------------------------------------------------------
+STREAMED_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+
+
+def nginx_locations(conf: str) -> list[tuple[str, str, str]]:
+    """(modifier, pattern, body) of every ``location`` block (bodies hold no nested braces in our files)."""
+    return re.findall(r"location\s+(~\*?|\^~|=)?\s*(\S+)\s*\{(.*?)\}", conf, re.S)
+
+
+def nginx_location_for(conf: str, path: str) -> str | None:
+    """The body of the location nginx picks for ``path`` (exact, then longest ^~ prefix, then regex, then
+    the longest plain prefix: nginx's own order, for the forms our files use)."""
+    locations = nginx_locations(conf)
+    for modifier, pattern, body in locations:
+        if modifier == "=" and pattern == path:
+            return body
+    prefixes = [(p, m, b) for m, p, b in locations if m in ("", "^~") and path.startswith(p)]
+    longest = max(prefixes, key=lambda x: len(x[0]), default=None)
+    if longest and longest[1] == "^~":
+        return longest[2]
+    for modifier, pattern, body in locations:
+        if modifier.startswith("~") and re.search(pattern, path):
+            return body
+    return longest[2] if longest else None
+
+
+@pytest.mark.parametrize("conf", ["saker.conf", "saker-replicas.conf"])
+def test_nginx_streams_every_streaming_route_unbuffered(conf):
+    """Each route that answers with server-sent events reaches a location without buffering, caching or
+    compression in both nginx files (saker.conf once had none for /v1/responses)."""
+    text = (ROOT / "deploy" / "nginx" / conf).read_text()
+    for path in STREAMED_PATHS:
+        body = nginx_location_for(text, path)
+        assert body is not None, f"{conf}: no location for {path}"
+        for directive in ("proxy_buffering off;", "proxy_cache off;", "gzip off;", "proxy_read_timeout 3600s;"):
+            assert directive in body, f"{conf}: the location for {path} lacks {directive}"
