@@ -12,7 +12,9 @@ Number = Annotated[StrictFloat, AllowInfNan(False)]  # ints are taken; NaN and +
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 # An explicit null means the default for these fields (OpenAI documents them as nullable). Not for
 # max_tokens (null = up to the context) nor prompt (required).
-NULL_IS_DEFAULT = frozenset({"n", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"})
+NULL_IS_DEFAULT = frozenset(
+    {"n", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logprobs_mode"}
+)
 
 
 def nulls_as_defaults(data):

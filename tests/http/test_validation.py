@@ -474,6 +474,7 @@ NULLABLE = [
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "logprobs_mode",
 ]
 
 
