@@ -60,6 +60,10 @@ def create_app(settings: Settings | None = None, worker=None, *, exit_on_load_er
         service, ResponseStore(settings.responses_store_items, settings.responses_store_bytes)
     )
     app.register_blueprint(bp)
+    if settings.ui:  # the web page at / (app/ui/): no key needed for the page, its API calls carry the user's
+        from app.ui import install_ui
+
+        install_ui(app)
     _register_errors(app)
 
     @app.before_request

@@ -329,6 +329,12 @@ class Settings(BaseSettings):
         "separated (`https://app.example.com,http://localhost:3000`), or `*` for any. "
         "Unset: none (no Access-Control-* headers; browsers block cross-origin calls).",
     )
+    ui: bool = Field(
+        True,
+        description="Serve the web page at / (a playground with per-token logprobs and a live view of /metrics; "
+        "static files under /ui/, no external assets). The page holds no secret: with API keys it asks the user "
+        "for one. false: / is a 404, as any unknown route.",
+    )
     proxy_hops: int = Field(
         0,
         ge=0,
