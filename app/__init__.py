@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import re
 import uuid
 
@@ -27,6 +28,13 @@ from app.settings import Settings, load_settings
 
 log = logging.getLogger("saker")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def _replace_this_worker(reason: str) -> None:
+    """The engine cannot go on (every request in it has failed): this process stops as gunicorn's SIGTERM stops it
+    (not ready at once, in-flight answers finish), and gunicorn's master starts a fresh worker in its place."""
+    log.critical("saker: %s; this worker exits so that a fresh one takes its place", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def create_app(settings: Settings | None = None, worker=None, *, exit_on_load_error: bool = False) -> Flask:
@@ -54,6 +62,8 @@ def create_app(settings: Settings | None = None, worker=None, *, exit_on_load_er
                 os._exit(3)
 
         worker.load_in_background(on_error=fail)
+    if exit_on_load_error and worker.on_fatal is None:
+        worker.on_fatal = _replace_this_worker
     app.extensions["saker.settings"] = settings
     app.extensions["saker.service"] = service = CompletionService(settings, worker)
     app.extensions["saker.responses"] = ResponsesService(

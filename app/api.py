@@ -133,7 +133,16 @@ def health():
 
 @bp.get("/livez")
 def livez():
-    """Liveness: 200 while the process serves (loading, ready or draining)."""
+    """Liveness: 200 while the process serves (loading, ready or draining); 503 when its engine has made no step
+    for SAKER_LIVENESS_TIMEOUT seconds while requests are in it, or has stopped (the worker needs replacing)."""
+    limit = current_app.extensions["saker.settings"].liveness_timeout
+    stalled = _service().worker.stalled_s()
+    if limit and stalled > limit:
+        what = "stopped" if stalled == float("inf") else f"made no step for {stalled:.0f} s while requests wait"
+        raise ServiceUnavailableError(
+            f"the engine has {what} (SAKER_LIVENESS_TIMEOUT={limit:g}): this worker needs a restart",
+            code="engine_stalled",
+        )
     return jsonify({"status": "alive"})
 
 

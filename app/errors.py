@@ -18,6 +18,7 @@ from app.engine.errors import (
     EngineError,
     EngineNotReady,
     EngineOutOfMemory,
+    EngineStepFailed,
     QueueFull,
     QueueTimeout,
 )
@@ -174,7 +175,21 @@ def from_engine(exc: EngineError) -> APIError:
         return err
     if isinstance(exc, ConstraintError):  # the service names the field that asked (param) where it knows it
         return InvalidRequestError(exc.detail)
+    if isinstance(exc, EngineStepFailed):
+        after = (
+            "the engine could not recover and this worker is being replaced; retry"
+            if exc.fatal
+            else "what it held was given back and the server serves on; retry"
+        )
+        return InternalServerError(f"The engine failed on this request (request id {_request_id()}): {exc}; {after}")
     return InternalServerError(f"The engine could not serve this request: {exc}")
+
+
+def _request_id() -> str:
+    """The current request's id (``X-Request-ID``), "?" outside a request."""
+    from flask import g, has_request_context
+
+    return getattr(g, "request_id", "?") if has_request_context() else "?"
 
 
 def as_api_error(exc: APIError | EngineError) -> APIError:

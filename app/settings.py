@@ -317,6 +317,13 @@ class Settings(BaseSettings):
         "it stops accepting and lets the requests in flight finish (within "
         "graceful_timeout). 0: stop accepting at once.",
     )
+    liveness_timeout: float = Field(
+        120.0,
+        ge=0,
+        description="Seconds the engine may make no step while requests are in it before `/livez` "
+        "answers 503 (`code: engine_stalled`), so that an orchestrator restarts the stuck worker. "
+        "Keep it above the longest step (a prefill of prefill_batch_tokens). 0: never.",
+    )
     vllm_metrics: bool = Field(
         True,
         description="Also publish the metrics routers and autoscalers written for "

@@ -137,8 +137,11 @@ class BlockBatch:
         for i in range(start // BLOCK, min(end // BLOCK, len(keys))):
             self.blocks.register(table[i], keys[i])
 
-    def unreserve(self, table: list[int]) -> None:
-        """A prompt being prefilled left (its client went away, or it failed): its blocks are let go."""
+    def unreserve(self, table: list[int], spare: list[int] = ()) -> None:
+        """A prompt being prefilled left (its client went away, it failed, or it ended on its first tokens): its
+        blocks are let go, and the ``spare`` ones reserved for its other candidates' copies with them (before the
+        pool may be compacted: nothing may be held then)."""
+        self.blocks.release(list(spare))
         self.blocks.release(table)
         self.prompts -= 1
         self._when_idle()
@@ -261,18 +264,23 @@ class BlockBatch:
         prefix cache keeps, the pool's memory goes back (the cached blocks are copied to the front of a fresh pool).
         A small pool is kept as it is, with its read buffers (one request after another must not pay for a new one);
         a compiled step keeps its pool (its graphs hold the addresses)."""
-        if self.n or self.prompts or self.pool is None or self.runner.compiled_step is not None:
+        if self.n or self.prompts or self.blocks.held_blocks or self.pool is None:
+            return  # (blocks held with no row and no prompt are a leak: the scheduler's idle check finds it)
+        if self.runner.compiled_step is not None:
             return
         if self.pool.touched > 2 * (self.blocks.cached_tokens // BLOCK) + IDLE_KEEP:
             self.scratch = Scratch()
             self.pool = self.pool.compacted(self.blocks.compact())
 
-    def reset(self) -> None:
-        """Drop every row, prompt and block (after a failed step); the prefix cache's counters stay."""
+    def reset(self, free_memory: bool = True) -> None:
+        """Drop every row, prompt and block (after a failed step): nothing is held or cached any more; the prefix
+        cache's counters and the parked rows of preempted groups (they hold no blocks) stay. ``free_memory``: the
+        pool goes too (made again at the next step), unless a compiled step's graphs hold its addresses."""
         self.groups, self.n, self.prompts = [], 0, 0
         self.tables[:], self.counts[:], self.lengths[:], self.chains[:] = 0, 0, 0, 0
         self.next_tokens = self.sampling = None
-        self.pool, self.scratch = None, Scratch()
+        if free_memory and not self.static:
+            self.pool, self.scratch = None, Scratch()
         self.blocks.reset()
 
     @property
@@ -401,6 +409,7 @@ class BlockBatch:
         if mixed:
             extra["adapter_names"] = [g.params.adapter or "__base__" for g in self.groups for _ in range(g.rows)]
         pool = self.pool
+        runner.inject("rows")
         try:
             logits = (compiled or runner.rows_step)(
                 tokens, _on(positions, device), _on(write, device), _on(gather, device), pool.keys, pool.values, **extra
@@ -473,6 +482,7 @@ class BlockBatch:
             tuple(spans_of),
             scratch=self.scratch,
         )
+        self.runner.inject("flat")
         try:
             logits = self.runner.flat_step(torch.cat(ids), _on(np.concatenate(at), device), flat, logits_at)
         except torch.OutOfMemoryError as exc:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass, field
 
 from app.engine.client import Engine
@@ -30,6 +32,7 @@ from app.engine.errors import EngineNotReady, QueueFull
 from app.engine.generate import RequestGroup
 
 log = logging.getLogger("saker.engine")
+HEARTBEAT_S = 1.0  # how often the engine process sends its counters when it has nothing else to send
 
 
 @dataclass
@@ -81,9 +84,27 @@ def engine_main(settings, conn) -> None:
 
     def stats() -> tuple:
         counts = scheduler.speculation_counts
-        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, scheduler.queue_snapshot(), counts
+        snapshot = scheduler.queue_snapshot()
+        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, snapshot, counts, scheduler.stalled_s()
 
     scheduler.deliver = lambda outputs: send(("outputs", _picklable(outputs), stats()))
+
+    def fatal(reason: str) -> None:  # every request has heard (``Scheduler._stop`` flushed): the process goes
+        log.critical("saker: the engine process exits: %s", reason)
+        conn.close()
+        os._exit(70)
+
+    scheduler.on_fatal = fatal
+
+    def heartbeat() -> None:  # the serving side's liveness clock: the loop's own, and this process's being there
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                send(("outputs", [], stats()))
+            except OSError:
+                return
+
+    threading.Thread(target=heartbeat, name="saker-engine-heartbeat", daemon=True).start()
     send(
         (
             "ready",
@@ -151,6 +172,8 @@ class EngineClient(Engine):
         self._queue = {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}
         self.facts: EngineFacts | None = None
         self.gone: str | None = None  # why the engine process is no longer there
+        self._stalled = 0.0  # the engine loop's stall as of the last message (``Scheduler.stalled_s``)
+        self._heard = time.monotonic()  # when the last message came
         self.on_exit = None  # called with that reason (the worker turns not ready)
 
     def start(self) -> EngineFacts:
@@ -198,8 +221,19 @@ class EngineClient(Engine):
                 self._engine_gone()
                 return
             _, outputs, stats = message  # "outputs"
-            self.kv_usage, self.steps, self.preemptions, self._queue, self.speculation_counts = stats
-            self.route(outputs)
+            self._heard = time.monotonic()
+            self.kv_usage, self.steps, self.preemptions, self._queue, self.speculation_counts, self._stalled = stats
+            if outputs:
+                self.route(outputs)
+
+    def stalled_s(self) -> float:
+        """The engine loop's stall while requests are open: as the engine process last said, or the time since it
+        said anything (its heartbeat comes every ``HEARTBEAT_S``), whichever is longer."""
+        if self.gone is not None:
+            return float("inf")
+        if not self.open_requests:
+            return 0.0
+        return max(self._stalled, time.monotonic() - self._heard - HEARTBEAT_S)
 
     def queue_snapshot(self) -> dict[str, int]:
         """The engine's waiting queue as of its last iteration's message."""

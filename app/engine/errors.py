@@ -52,6 +52,19 @@ class EngineOutOfMemory(EngineError):
         return f"out of memory: {self.detail}"
 
 
+class EngineStepFailed(EngineError):
+    """A step that computed this request failed (``detail``: the error in one line). The request's blocks, rows
+    and slot were given back and the engine serves the others on; or, when ``fatal``, the engine could not be
+    brought back to a consistent state and its process is about to be replaced."""
+
+    def __init__(self, detail: str, fatal: bool = False):
+        super().__init__(detail, fatal)
+        self.detail, self.fatal = detail, fatal
+
+    def __str__(self) -> str:
+        return self.detail
+
+
 class EngineNotReady(EngineError):
     """The model is not there to serve: still loading, failed to load, or its engine process is gone."""
 

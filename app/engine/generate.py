@@ -455,27 +455,34 @@ class ChunkedPrefill:
         return hash(keys[full - 1]) if full and len(keys) >= full else 0
 
     def finish(self, batch: BlockBatch) -> list[Event]:
-        tables, self.tables = self.tables, []
+        """The prompt is in: its first tokens, and its rows join the batch on its blocks (which it holds until
+        they are the batch's, so that a failure before that gives them back: ``abandon``)."""
+        tables = self.tables
         group = self.group
         if not group.preempted:
-            start, spare, self.spare = time.perf_counter() - self.spent, self.spare, []
-            return _join(batch, group, self.last, start, tables[0], self._chain(0), spare)
+            start = time.perf_counter() - self.spent
+            events = _join(batch, group, self.last, start, tables[0], self._chain(0), self.spare)
+            self.tables, self.spare = [], []
+            return events
         chains = [self._chain(row) for row in range(len(tables))]
         lengths = group.resumed_lengths
         tokens, sampling = batch.unpark(group)
         group.status = Status.RUNNING
         for seq, length in zip(group.running, lengths):
             seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, length
+        self.tables = []
         batch.add_rows(group, tables, lengths, chains, tokens, sampling, prompts=len(tables))
         group.timings.prefill_s += self.spent
         return []
 
     def abandon(self, batch: BlockBatch) -> None:
         """The request left or failed before its prompt was in: its blocks are let go."""
+        spare, self.spare = self.spare, []
         for table in self.tables:
-            batch.unreserve(table)
-        batch.blocks.release(self.spare)
-        self.tables, self.spare = [], []
+            batch.unreserve(table, spare)
+            spare = []
+        batch.blocks.release(spare)
+        self.tables = []
 
 
 def _join(
@@ -493,8 +500,7 @@ def _join(
     events: list[Event] = [group.prompt_numbers()]
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
-        batch.unreserve(table)
-        batch.blocks.release(list(spare))
+        batch.unreserve(table, spare)
         group.status = Status.FINISHED
         return events
     last = logits[:, -1, :].float()
@@ -502,6 +508,7 @@ def _join(
     sampling = group.begin(last.device, last.shape[-1])
     if count > 1:
         last = last.expand(count, last.shape[-1])
+    batch.runner.inject("sample")
     [(first, keep)], tokens = sample_step([group], last, sampling)
     events += first
     group.select(keep)
@@ -511,9 +518,8 @@ def _join(
             sampling = sampling.select(keep)
         batch.add_reserved(group, table, tokens, sampling, chain, spare)
         group.status = Status.RUNNING
-    else:
-        batch.unreserve(table)
-        batch.blocks.release(list(spare))
+    else:  # every candidate ended on its first token
+        batch.unreserve(table, spare)
         group.status = Status.FINISHED
     group.timings.prefill_s += time.perf_counter() - start
     return events
@@ -552,9 +558,11 @@ def decode_step(
     groups = list(batch.groups)
     if guesses is not None and any(guesses):
         logits = compute_chunks(batch, jobs, guesses=guesses) if jobs else batch.forward(guesses)
+        batch.runner.inject("sample")
         results, tokens = verify_step(batch, groups, logits, guesses)
     else:
         logits = compute_chunks(batch, jobs) if jobs else batch.forward()
+        batch.runner.inject("sample")
         results, tokens = sample_step(groups, logits, batch.sampling)
     keep_rows, offset, out = [], 0, []
     for group, (events, keep) in zip(groups, results):

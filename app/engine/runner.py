@@ -26,6 +26,9 @@ class ModelRunner:
     compiled_step: object = None  # SAKER_COMPILE: the decode-only step compiled (CUDA graphs on CUDA), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
+    # tests only: called before each forward and each sampling with what it is ("rows", "flat", "sample"); raising
+    # there is a step failing at that point (tests/engine/test_fault_isolation.py)
+    fault: object = field(default=None, repr=False)
     _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
 
     def __post_init__(self):
@@ -51,6 +54,11 @@ class ModelRunner:
         self.mixes_adapters = bool(self.adapters) and all(
             str(getattr(configs.get(name), "peft_type", "")).endswith("LORA") for name in self.adapters
         )
+
+    def inject(self, point: str) -> None:
+        """The test-only fault hook (``fault``) at ``point``; nothing when none is set."""
+        if self.fault is not None:
+            self.fault(point)
 
     def can_join(self, running: set, adapter: str | None) -> bool:
         """Whether a request for ``adapter`` may share a decode batch with requests for the ``running`` ones."""

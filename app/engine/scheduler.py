@@ -29,6 +29,7 @@ import torch
 
 from app.engine.admission import Admission
 from app.engine.client import Ended, Engine
+from app.engine.errors import EngineError, EngineNotReady, EngineStepFailed
 from app.engine.generate import (
     BatchOutOfMemory,
     BlockBatch,
@@ -93,12 +94,22 @@ class Scheduler(Engine):
         self._outputs: list[tuple[int, int, object]] = []  # this iteration's (rid, tag, payload), sent at its end
         self._held: dict[int, list[tuple[int, int, object]]] = {}  # a lazy request's outputs, until a prompt ends
         self.deliver = self.route  # where an iteration's outputs go (the engine process sends them on its pipe)
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the loop waits on it for work
+        self._quiet = threading.Condition(lock)  # ``wait_idle`` waits on it for the loop to wait
+        self._waiting_for_work = False
         self._thread: threading.Thread | None = None
         self.steps = 0
         self._arrivals = 0  # groups submitted so far: each group's ``arrival`` (the newest is preempted first)
         self.preemptions = 0  # groups whose rows left the batch for older requests' blocks (``_make_room``)
         self.max_rows_seen = 0  # the largest batch a step has served (stats and tests)
+        # fault isolation: steps that failed (their requests failed, everything they held given back), leaks found
+        # and repaired at an idle point, and why the engine stopped when it could not be made consistent again
+        self.failures = 0
+        self.repairs = 0
+        self.fatal: str | None = None
+        self.on_fatal = None  # called with ``fatal`` once every request heard of it (the worker exits)
+        self.last_progress = time.monotonic()  # when the loop last came round (the liveness probe's clock)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="saker-scheduler", daemon=True)
@@ -112,7 +123,11 @@ class Scheduler(Engine):
             group.make_grammars(self.runner)  # on the submitting thread, not the model thread
         now = time.perf_counter()
         with self._cond:
+            if self.fatal is not None:
+                raise EngineNotReady(self.fatal)
             self.admission.arrive(rid, now)  # QueueFull: nothing was queued
+            if not self._requests:  # the loop was idle: the liveness clock starts now, not when it last ran
+                self.last_progress = time.monotonic()
             self._requests[rid] = list(groups)
             for group in groups:
                 group.request_id, group.eager, group.submitted = rid, eager, now
@@ -149,6 +164,10 @@ class Scheduler(Engine):
         its request's held outputs and its end go out with this iteration."""
         group.status = Status.FINISHED
         self.batch.unpark(group)  # a preempted group that ends before it came back
+        if self.batch.speculation is not None:
+            self.batch.speculation.forget(group.seqs)  # a draft's blocks for its sequences
+        if error is not None and not isinstance(error, (EngineError, torch.OutOfMemoryError)):
+            error = EngineStepFailed(f"the engine failed on this request ({type(error).__name__}: {error})")
         rid = group.request_id
         self._outputs += self._held.pop(rid, [])
         self._outputs.append((rid, group.tag, Ended.of(group) if error is None else error))
@@ -171,12 +190,129 @@ class Scheduler(Engine):
 
     # -- the loop -------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        """Iterations until the engine cannot go on. An iteration that fails fails the requests it touched and
+        gives back what they held (``_recover``); one whose state cannot be made consistent again stops the engine
+        (``_stop``): every request fails, and the worker exits so that a fresh one takes its place."""
+        try:
+            while self.fatal is None:
+                try:
+                    self._iteration()
+                    self._check_idle()
+                except Exception as exc:
+                    self._recover(exc)
+                self._flush()
+                self.last_progress = time.monotonic()
+        except BaseException as exc:  # recovery failed, or the thread is being torn down
+            self._stop(f"the engine could not recover from a failed step ({type(exc).__name__}: {exc})")
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the loop waits for work with no request in the engine (every iteration's bookkeeping done);
+        False when ``timeout`` passed first. For tests and tools that inspect the engine's state between requests."""
+        with self._cond:
+            return self._quiet.wait_for(
+                lambda: (self._waiting_for_work and not self._requests) or self.fatal is not None, timeout
+            )
+
+    def stalled_s(self) -> float:
+        """Seconds the loop has not come round while requests are in the engine (0 when none are): the liveness
+        probe's number (``/livez``)."""
+        if self.fatal is not None:
+            return float("inf")
+        with self._cond:
+            busy = bool(self._requests)
+        return max(0.0, time.monotonic() - self.last_progress) if busy else 0.0
+
+    def _recover(self, exc: BaseException) -> None:
+        """An iteration failed part way (a forward, the sampler, a prompt joining, a preemption, ...): every group
+        it touched (those not waiting in the queue) fails with ``EngineStepFailed``, the batch gives back every
+        row, reserved prompt and block (``BlockBatch.reset``; the prefix cache with them), parked rows whose group
+        is gone leave, and the draft's pool lets go of everything. Waiting requests, preempted ones included (their
+        rows are computed again when they come back), are served on. Raises when the state is still inconsistent
+        after that (``_run`` then stops the engine)."""
+        detail = f"a step of the engine failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        _drop_frames(exc)
+        error = exc if isinstance(exc, torch.OutOfMemoryError) else EngineStepFailed(detail)
+        with self._cond:
+            waiting = {id(g) for g in self._pending}
+            touched = [g for groups in self._requests.values() for g in groups if id(g) not in waiting]
+        self._prefilling.clear()
+        self.batch.reset(free_memory=isinstance(exc, torch.OutOfMemoryError))
+        if self.batch.speculation is not None:
+            self.batch.speculation.release_all()
+        for group in touched:
+            self._end(group, error)
+        parked = {g.arrival for g in self._pending}
+        for arrival in [a for a in self.batch.parked if a not in parked]:
+            del self.batch.parked[arrival]
+        self._after_failure(exc)
+        problem = self.inconsistency()
+        if problem is not None:
+            raise RuntimeError(problem)
+        log.warning("%s: %d requests failed, %d wait and are served on", detail, len(touched), len(self._pending))
+
+    def inconsistency(self) -> str | None:
+        """What is wrong with the engine's state between iterations, in words (None: nothing): every request's
+        groups are waiting, prefilling or running; blocks are held by rows and prompts only; parked rows belong to
+        waiting groups; every request holding a slot is in the engine."""
+        batch = self.batch
+        with self._cond:
+            owned = {id(g) for groups in self._requests.values() for g in groups}
+            pending = {id(g) for g in self._pending}
+            requests = set(self._requests)
+            running_ids = set(self.admission._running)
+        placed = pending | {id(g) for g in batch.groups} | {id(job.group) for job in self._prefilling}
+        if owned != placed:
+            return f"{len(owned - placed)} groups are nowhere, {len(placed - owned)} are placed but not owned"
+        if not batch.groups and not self._prefilling and (batch.n or batch.prompts or batch.blocks.held_blocks):
+            return f"nothing runs but {batch.n} rows, {batch.prompts} prompts, {batch.blocks.held_blocks} blocks remain"
+        if batch.n != sum(g.rows for g in batch.groups):
+            return f"the batch has {batch.n} rows, its groups {sum(g.rows for g in batch.groups)}"
+        if set(batch.parked) - {g.arrival for g in self._pending}:
+            return "rows are parked for groups that do not wait"
+        if not running_ids <= requests:
+            return "slots are held by requests the engine does not have"
+        if not requests and batch.speculation is not None and batch.speculation.proposer.held_blocks():
+            return f"the draft holds {batch.speculation.proposer.held_blocks()} blocks with no request in the engine"
+        return None
+
+    def _check_idle(self) -> None:
+        """After an iteration with nothing running or prefilling: nothing may be held. Blocks still held then are a
+        leak (a path that forgot to give them back): they are taken back (the pool is reset; ``repairs`` counts it)
+        so that the leak cannot grow into a wedge, and logged as the defect it is."""
+        batch = self.batch
+        if batch.groups or self._prefilling or not (batch.blocks.held_blocks or batch.prompts or batch.n):
+            return
+        self.repairs += 1
+        log.error(
+            "engine state repaired: %d blocks, %d prompts, %d rows held with nothing running",
+            batch.blocks.held_blocks,
+            batch.prompts,
+            batch.n,
+        )
+        batch.reset(free_memory=False)
+
+    def _stop(self, reason: str) -> None:
+        """The engine cannot go on: every request in it fails with ``reason``, none is taken any more, and
+        ``on_fatal`` is told (the worker exits so that a fresh one takes its place)."""
+        log.critical("saker: %s; failing every request and stopping the engine", reason)
+        error = EngineStepFailed(reason, fatal=True)
+        with self._cond:
+            self.fatal = reason
+            groups = [g for groups in self._requests.values() for g in groups]
+            self._pending.clear()
+        # those a failed recovery already failed (not sent yet) hear that the engine stops, not that it serves on
+        self._outputs = [
+            (rid, tag, error if isinstance(payload, EngineStepFailed) else payload)
+            for rid, tag, payload in self._outputs
+        ]
+        for group in groups:
             try:
-                self._iteration()
-            except Exception:
-                log.exception("scheduler iteration failed")
-            self._flush()
+                self._end(group, error)
+            except Exception:  # the end of one must not keep the others from hearing
+                log.exception("could not end a request's group")
+        self._flush()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _take_admissible(self) -> list[RequestGroup]:
         with self._cond:
@@ -190,7 +326,10 @@ class Scheduler(Engine):
                 if self._outputs:  # requests that left the queue hear of it before the loop waits
                     return []
                 deadline = self.admission.next_deadline()  # nothing to run: wait for a request, or a timeout
+                self._waiting_for_work = True
+                self._quiet.notify_all()
                 self._cond.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+                self._waiting_for_work = False
             taken: list[RequestGroup] = []
             if not self._pending:  # the common case while decoding: nothing to weigh
                 return taken
@@ -311,18 +450,7 @@ class Scheduler(Engine):
         if not self.batch.groups:
             return None
         start = time.perf_counter()
-        try:
-            results = self._decode_step(plan.chunks)
-        except BaseException as exc:
-            failed = self.batch.groups
-            self.batch.reset()
-            _drop_frames(exc)
-            self._after_failure(exc)  # memory back before the requests hear of it
-            for group in failed:
-                self._end(group, exc)
-            while self._prefilling:  # their blocks went with the batch's pool
-                self._end(self._prefilling.popleft().group, exc)
-            return None
+        results = self._decode_step(plan.chunks)  # a failure fails what the step touched (``_recover``)
         return results, time.perf_counter() - start
 
     def _postprocess(self, plan: SchedulerOutput, results: list[tuple[RequestGroup, list[Event]]], took: float):
@@ -411,9 +539,9 @@ class Scheduler(Engine):
         try:
             with self.runner.adapter(group.params.adapter):
                 events = job.finish(self.batch)
-        except BaseException as exc:
+        except torch.OutOfMemoryError as exc:  # its first tokens' sampling: it fails alone
             self._fail_prefill(job, exc, removed=True)
-            return
+            return  # (any other failure is the iteration's: ``_recover``)
         self._emit(group, events)
         if group.status is not Status.RUNNING:
             self._end(group)
@@ -454,6 +582,7 @@ class Scheduler(Engine):
                 )
 
     def _after_failure(self, exc: BaseException) -> None:
+        self.failures += 1
         if isinstance(exc, torch.OutOfMemoryError):
             from app.engine.oom import free_memory
 

@@ -66,6 +66,16 @@ class Proposer:
     def guess(self, state, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
 
+    def forget(self, state) -> None:
+        """The sequence ended: what the proposer holds for it goes (a draft's blocks)."""
+
+    def release_all(self) -> None:
+        """A step failed: the proposer lets go of everything it holds for every sequence."""
+
+    def held_blocks(self) -> int:
+        """Blocks of a pool of its own held now (a draft's; 0 for a proposer with none)."""
+        return 0
+
     @staticmethod
     def record(state: ProposerState, proposed: int, accepted: int) -> None:
         """A verified guess: ``accepted`` of its ``proposed`` tokens were the sampler's."""
@@ -204,6 +214,18 @@ class DraftProposer(Proposer):
                     for row, state, _ in going:
                         state.held.append(out[row][-1])
         return out
+
+    def forget(self, state: DraftState) -> None:
+        if self.holding.pop(id(state), None) is not None:
+            self.batch.blocks.release(state.blocks)
+        state.blocks, state.held = [], []
+
+    def release_all(self) -> None:
+        for state in list(self.holding.values()):
+            self.forget(state)
+
+    def held_blocks(self) -> int:
+        return self.batch.blocks.held_blocks
 
     def _greedy(self, logits: list) -> list[int]:
         """The greedy token after each chunk that kept its last logits (those that kept none are empty), within the
@@ -353,6 +375,15 @@ class Speculation:
             if out[row] and grammar is not None:
                 out[row] = out[row][: grammar.allows(out[row])]
         return out if any(out) else None
+
+    def forget(self, seqs) -> None:
+        """The sequences ended (or failed): the proposer lets go of what it holds for them."""
+        for seq in seqs:
+            if seq.draft is not None:
+                self.proposer.forget(seq.draft)
+
+    def release_all(self) -> None:
+        self.proposer.release_all()
 
     def verified(self, groups, guesses: list[list[int]], accepted: list[int]) -> None:
         """The step checked ``guesses`` (row order) and kept ``accepted`` tokens of each."""

@@ -93,6 +93,9 @@ class Worker:
         self.error: str | None = None
         self.runner: ModelRunner | None = None
         self.info: ModelInfo | None = None
+        # the engine could not be made consistent again after a failed step (or its process exited): called with
+        # the reason once every request in it has failed; the app makes the process exit (create_app)
+        self.on_fatal: Callable[[str], None] | None = None
 
     @classmethod
     def from_settings(cls, settings) -> "Worker":
@@ -180,6 +183,7 @@ class Worker:
             queue_timeout=self.queue_timeout,
             speculative=self.speculative,
         )
+        self.scheduler.on_fatal = self._engine_failed
         # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
         self.kv_cache_tokens = self.scheduler.batch.make_pool()
         if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
@@ -214,15 +218,24 @@ class Worker:
         self.scheduler = client
         self.load_seconds = facts.load_seconds
 
-        def engine_exited(reason: str) -> None:
-            self.error = reason
-            self._ready.clear()
-
-        client.on_exit = engine_exited
+        client.on_exit = self._engine_failed
         log.info(
             "serving %s from %s in an engine process (pid %d)", self.names[0], self.info.source, client.process.pid
         )
         self._ready.set()
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine stopped (``Scheduler._stop``, or the engine process exited): not ready from now on (/health
+        503), and ``on_fatal`` is told so that the process is replaced."""
+        self.error = reason
+        self._ready.clear()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def stalled_s(self) -> float:
+        """Seconds the engine has made no step while requests are in it (``/livez``); 0 before it is loaded."""
+        engine = self.scheduler
+        return engine.stalled_s() if engine is not None else 0.0
 
     def warm_up(self) -> None:
         """One short greedy generation before /health turns 200, so the first request is not the slow one."""
