@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -104,3 +106,147 @@ class Oracle(Proposer):
                 guess = answer[made : made + k]
                 return [(t + 1) % self.vocab for t in guess] if self.wrong else guess
         return []
+
+
+# -- seeded sampling, written apart from app/engine/sampler.py ----------------------------------------------------
+# The sampler's documented draw (DESIGN.md, "counter-based draws"; app/engine/sampler.py's docstring): candidate
+# ``i`` of a request with seed ``s`` has its own seed, and its ``t``-th token is the inverse-CDF pick of the
+# uniform number splitmix64(seed_i, t) over the processed distribution. Here in plain Python integers and float64,
+# over a plain forward's logits: no engine code.
+_MASK = (1 << 64) - 1
+
+
+def candidate_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 0x9E3779B1) % 2**63
+
+
+def counter_uniform(seed: int, step: int) -> float:
+    """splitmix64's finalizer over ``seed * golden + step * 0xD1B54A32D192ED03`` (mod 2**64); its top 52 bits as a
+    number in (0, 1)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z ^= z >> 31
+    return ((z >> 12) + 0.5) / 2.0**52
+
+
+def processed_scores(logits, params, prompt_ids, made, allowed=None) -> torch.Tensor:
+    """One position's scores after a request's processing (float64; -inf where a token may not be chosen):
+    ``allowed`` (a (V,) bool mask) and ``allowed_token_ids``, logit bias, repetition penalty (over the prompt and
+    ``made``, the tokens made so far), presence and frequency penalties (over ``made``); for a sampled request then
+    temperature, top-k, top-p (over what top-k kept) and min-p, ties at a cut all kept."""
+    assert params.min_tokens == 0
+    scores = logits.double().clone()
+    vocab = scores.shape[0]
+    if allowed is not None:
+        scores[~allowed] = float("-inf")
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[list(params.allowed_token_ids)] = True
+        scores[~keep] = float("-inf")
+    for token, value in params.logit_bias:
+        scores[token] += value
+    if params.repetition_penalty != 1.0:
+        for token in set(prompt_ids) | set(made):
+            value = scores[token]
+            scores[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    for token in set(made):
+        scores[token] -= made.count(token) * params.frequency_penalty + params.presence_penalty
+    if params.temperature == 0:
+        return scores
+    scores = scores / params.temperature
+    ordered = torch.sort(scores, descending=True).values
+    keep_count = vocab
+    if params.top_k > 0:
+        keep_count = min(params.top_k, vocab)
+    if params.top_p < 1.0:
+        probs = torch.softmax(ordered, -1)
+        mass = float(probs[:keep_count].sum())
+        above = 0.0
+        nucleus = 0
+        for p in probs.tolist():  # a token stays while the mass above it is under top_p of the kept mass
+            if above >= params.top_p * mass:
+                break
+            nucleus += 1
+            above += p
+        keep_count = min(keep_count, max(nucleus, 1))
+    scores[scores < ordered[keep_count - 1]] = float("-inf")
+    if params.min_p > 0:
+        scores[scores < scores.max() + math.log(params.min_p)] = float("-inf")
+    return scores
+
+
+def counter_draw(scores: torch.Tensor, u: float) -> tuple[int, torch.Tensor, float]:
+    """The inverse-CDF pick of ``u`` over softmax(``scores``): the first token whose cumulative mass reaches ``u``
+    times the total; also the CDF and the target (to tell a near tie)."""
+    cdf = torch.cumsum(torch.softmax(scores, -1), 0)
+    target = u * float(cdf[-1])
+    return int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype))[0]), cdf, target
+
+
+def ref_sampled(model, prompt_ids, params, index, max_new, *, allowed=None, follow=None, eos=None, tol=1e-4):
+    """Candidate ``index`` of a seeded, sampled request, drawn as documented over the model's own forward, one
+    plain whole-sequence forward per token (no engine); for a greedy request (temperature 0) the argmax of the
+    processed scores instead. ``allowed(made)``: the (V,) bool mask of tokens allowed after ``made`` (a
+    constraint), or None. ``eos``: a token that ends the answer (it is kept). ``follow``: another answer (the
+    engine's): where its token differs from the draw only because the target lies within ``tol`` of the boundary
+    between them (a near tie, float32 against float64; for greedy, scores within ``tol``), that token is taken, so
+    one rounding does not part the two for the rest of the answer."""
+    device = model.get_input_embeddings().weight.device
+    greedy = params.temperature == 0
+    assert greedy or params.seed is not None
+    seed = None if greedy else candidate_seed(params.seed, index)
+    made: list[int] = []
+    for step in range(max_new):
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt_ids) + made], device=device)).logits[0, -1].float().cpu()
+        mask = allowed(made) if allowed is not None else None
+        scores = processed_scores(logits, params, prompt_ids, made, mask)
+        if greedy:
+            token = int(scores.argmax())
+            if follow is not None and step < len(follow) and follow[step] != token:
+                if scores[follow[step]] >= scores[token] - tol:
+                    token = follow[step]
+            made.append(token)
+            if eos is not None and token == eos:
+                break
+            continue
+        token, cdf, target = counter_draw(scores, counter_uniform(seed, step))
+        if follow is not None and step < len(follow) and follow[step] != token:
+            other = follow[step]
+            low = float(cdf[other - 1]) if other else 0.0
+            total = float(cdf[-1])
+            if scores[other] > float("-inf") and low - tol * total <= target <= float(cdf[other]) + tol * total:
+                token = other
+        made.append(token)
+        if eos is not None and token == eos:
+            break
+    return made
+
+
+def grammar_allowed(tok, pattern: str, eos: int):
+    """A regex constraint's masks from the grammar library itself (llguidance's own matcher over the tokenizer,
+    not the engine's ``app/engine/grammar.py``): after ``made``, the tokens it allows next. llguidance allows only
+    the canonical tokenization of text the pattern forces (after "red g" only "re", not "r"), so a mask read from
+    the pattern alone would differ from any engine built on it."""
+    import llguidance
+    import llguidance.hf
+
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[eos])
+    grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def allowed(made: list[int]) -> torch.Tensor:
+        key = tuple(made)
+        if key not in cache:
+            matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+            assert matcher.consume_tokens(list(made)), "the answer left the grammar"
+            if matcher.is_stopped():
+                mask = torch.zeros(len(tok), dtype=torch.bool)
+                mask[eos] = True
+            else:
+                mask = torch.tensor(list(matcher.compute_logit_bias()), dtype=torch.uint8).bool()
+            cache[key] = mask
+        return cache[key]
+
+    return allowed
