@@ -187,11 +187,13 @@ def counter_draw(scores: torch.Tensor, u: float) -> tuple[int, torch.Tensor, flo
 def ref_sampled(model, prompt_ids, params, index, max_new, *, allowed=None, follow=None, eos=None, tol=1e-4):
     """Candidate ``index`` of a seeded, sampled request, drawn as documented over the model's own forward, one
     plain whole-sequence forward per token (no engine); for a greedy request (temperature 0) the argmax of the
-    processed scores instead. ``allowed(made)``: the (V,) bool mask of tokens allowed after ``made`` (a
-    constraint), or None. ``eos``: a token that ends the answer (it is kept). ``follow``: another answer (the
-    engine's): where its token differs from the draw only because the target lies within ``tol`` of the boundary
-    between them (a near tie, float32 against float64; for greedy, scores within ``tol``), that token is taken, so
-    one rounding does not part the two for the rest of the answer."""
+    processed scores instead.
+
+    ``allowed(made)``: the (V,) bool mask of tokens allowed after ``made`` (a constraint, ``grammar_allowed``), or
+    None; the answer ends, without an EOS, once ``allowed.complete``. ``eos``: a token that ends the answer (it is
+    kept). ``follow``: another answer (the engine's): where its token differs from the draw only because the target
+    lies within ``tol`` of the boundary between them (a near tie, float32 against float64; for greedy, scores
+    within ``tol``), that token is taken, so one rounding does not part the two for the rest of the answer."""
     device = model.get_input_embeddings().weight.device
     greedy = params.temperature == 0
     assert greedy or params.seed is not None
@@ -200,6 +202,8 @@ def ref_sampled(model, prompt_ids, params, index, max_new, *, allowed=None, foll
     for step in range(max_new):
         with torch.no_grad():
             logits = model(torch.tensor([list(prompt_ids) + made], device=device)).logits[0, -1].float().cpu()
+        if allowed is not None and allowed.complete(made):
+            break  # a whole output: it ends here, no EOS drawn
         mask = allowed(made) if allowed is not None else None
         scores = processed_scores(logits, params, prompt_ids, made, mask)
         if greedy:
@@ -226,7 +230,8 @@ def ref_sampled(model, prompt_ids, params, index, max_new, *, allowed=None, foll
 
 def grammar_allowed(tok, pattern: str, eos: int):
     """A regex constraint's masks from the grammar library itself (llguidance's own matcher over the tokenizer,
-    not the engine's ``app/engine/grammar.py``): after ``made``, the tokens it allows next. llguidance allows only
+    not the engine's ``app/engine/grammar.py``): after ``made``, the tokens it allows next (``.complete(made)``:
+    only the end may follow). llguidance allows only
     the canonical tokenization of text the pattern forces (after "red g" only "re", not "r"), so a mask read from
     the pattern alone would differ from any engine built on it."""
     import llguidance
@@ -249,4 +254,11 @@ def grammar_allowed(tok, pattern: str, eos: int):
             cache[key] = mask
         return cache[key]
 
+    def complete(made: list[int]) -> bool:
+        """Whether ``made`` is a whole output: nothing but the end may follow (an answer that ends there says
+        ``stop``, whether or not it had room for the EOS)."""
+        mask = allowed(made)
+        return bool(mask[eos]) and int(mask.sum()) == 1
+
+    allowed.complete = complete  # type: ignore[attr-defined]
     return allowed

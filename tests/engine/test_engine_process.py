@@ -1,6 +1,9 @@
-"""SAKER_ENGINE_PROCESS: the model loop in a process of its own. Answers equal the in-process engine's (greedy
-text and logprobs, seeded samples with stop strings and n), a cancelled stream stops the engine's work, and a
-dead engine fails the requests that were waiting with a clear error instead of hanging them."""
+"""SAKER_ENGINE_PROCESS: the model loop in a process of its own. Answers equal references outside the engine
+(greedy text and logprobs: a plain forward's argmax and log-softmax; seeded samples with stop strings, ``n`` and
+``best_of``: the sampler's documented counter-based draws over that forward, ``references.ref_sampled``; a
+constrained answer: the same under llguidance's own masks), with and without speculation; a cancelled stream stops
+the engine's work, and a dead engine fails the requests that were waiting with a clear error instead of hanging
+them."""
 
 from __future__ import annotations
 
@@ -10,21 +13,19 @@ import pytest
 
 from app.engine.params import Constraint, SamplingParams
 from conftest import make_settings
-from references import check_reference
+from references import check_reference, continuation, grammar_allowed, ref_logprobs, ref_sampled
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def workers(gpt2_dir):
+def remote(gpt2_dir):
     from app.engine.worker import Worker
 
-    remote = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True))
-    remote.load()
-    local = Worker.from_settings(make_settings(model=str(gpt2_dir)))
-    local.load()
-    yield remote, local
-    remote.scheduler.close()
+    worker = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True, speculative="off"))
+    worker.load()
+    yield worker
+    worker.scheduler.close()
 
 
 REQUESTS = [
@@ -43,35 +44,55 @@ REQUESTS = [
 ]
 
 
+def check_answers(prompts, params, outputs, model, tok) -> None:
+    """Each answer against the references: chosen tokens' logprobs and top logprobs a plain forward's log-softmax,
+    greedy picks its argmax (``check_reference``); sampled tokens the documented draws over it, cut where a stop
+    string first appears; with ``best_of`` the kept candidates the ``n`` of highest mean reference logprob."""
+    constraint = params.constraint
+    eos = None if params.ignore_eos else tok.eos_token_id
+    allowed = grammar_allowed(tok, constraint.source, tok.eos_token_id) if constraint else None
+    for ids, output in zip(prompts, outputs):
+        check_reference(output, model, tok, ids, params, tol=1e-4)
+        assert output.prompt_tokens == len(ids)
+        for choice in output.choices:
+            made = choice.token_ids
+            want = ref_sampled(
+                model, ids, params, choice.index, params.max_tokens, allowed=allowed, eos=eos, follow=made
+            )
+            assert made == want[: len(made)]
+            text = continuation(tok, ids, ids + want)
+            cuts = [text.index(stop) for stop in params.stop if stop in text]
+            if cuts:
+                assert (choice.finish_reason, choice.text) == ("stop", text[: min(cuts)])
+            else:
+                assert made == want
+                ended = (eos is not None and want[-1] == eos) or (allowed is not None and allowed.complete(want))
+                assert choice.finish_reason == ("stop" if ended else "length")
+                assert choice.text.endswith(text) if params.echo else choice.text == text
+        if params.best_of and params.best_of > params.n:
+            means = []
+            for index in range(params.best_of):
+                tokens = ref_sampled(model, ids, params, index, params.max_tokens, eos=eos)
+                lp = ref_logprobs(model, ids + tokens)
+                means.append(sum(lp[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens)) / len(tokens))
+            best = sorted(range(params.best_of), key=lambda i: -means[i])[: params.n]
+            assert sorted(c.index for c in output.choices) == sorted(best)
+        else:
+            assert [c.index for c in output.choices] == list(range(params.n))
+
+
 @pytest.mark.parametrize("params", REQUESTS, ids=["greedy-logprobs", "n-stop", "echo", "best_of", "constrained"])
-def test_answers_equal_the_in_process_engine(workers, params, reference, gpt2_dir):
-    """And both against transformers' own model: chosen tokens' logprobs and top logprobs equal a plain forward's,
-    greedy picks are its argmax."""
-    remote, local = workers
+def test_answers_equal_the_references(remote, params, reference, gpt2_dir):
+    """Oracle: transformers' own model (``check_answers``)."""
     model, tok = reference(gpt2_dir)
     assert remote.scheduler.process.is_alive() and remote.prefix_cache is None
     prompts = [remote.encode("The capital of France is"), remote.encode("Once upon a time")]
     got, got_timings = remote.complete(prompts, params, 256)
-    want, _ = local.complete(prompts, params, 256)
-    for ids, a, b in zip(prompts, got, want):
-        check_reference(a, model, tok, ids, params, tol=1e-4)
-        assert [c.text for c in a.choices] == [c.text for c in b.choices]
-        assert [c.finish_reason for c in a.choices] == [c.finish_reason for c in b.choices]
-        assert a.completion_tokens == b.completion_tokens and a.prompt_tokens == b.prompt_tokens
-        for x, y in zip(a.choices, b.choices):
-            if x.logprobs is not None:
-                assert x.logprobs.tokens == y.logprobs.tokens
-                assert [list(d or {}) for d in x.logprobs.top_logprobs] == [
-                    list(d or {}) for d in y.logprobs.top_logprobs
-                ]
-                for dx, dy in zip(x.logprobs.top_logprobs, y.logprobs.top_logprobs):
-                    assert list((dx or {}).values()) == pytest.approx(list((dy or {}).values()), abs=TOL)
-                assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=TOL)
+    check_answers(prompts, params, got, model, tok)
     assert got_timings.prefill_s > 0 and got_timings.generated_tokens == sum(o.completion_tokens for o in got)
 
 
-def test_a_dropped_stream_stops_the_engine(workers):
-    remote, _ = workers
+def test_a_dropped_stream_stops_the_engine(remote):
     ids = remote.encode("Hello")
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     from app.engine.params import Timings
@@ -144,25 +165,32 @@ def test_the_engine_process_keeps_the_one_queue_and_its_answers_cross_the_pipe(g
         worker.scheduler.close()
 
 
-def test_speculation_in_the_engine_process_answers_as_in_process_and_reports_acceptance(workers, gpt2_dir):
-    """SAKER_SPECULATIVE=ngram with the engine in its own process: the answers equal the in-process engine's
-    without speculation, the request's timing carries its guesses, and the client sees the engine's counters
-    (what /metrics shows)."""
+def test_speculation_in_the_engine_process_answers_as_the_references_and_reports_acceptance(gpt2_dir, reference):
+    """SAKER_SPECULATIVE=ngram with the engine in its own process: the answers equal the references (oracle:
+    ``check_answers``, a plain forward's argmax, log-softmax and counter-based draws), the request's timing carries
+    its guesses, and the client sees the engine's counters (what /metrics shows). The prompt is one token over and
+    over and a logit bias makes it the answer too, so prompt lookup's guesses (what followed it before: itself) must
+    be kept."""
     from app.engine.worker import Worker
 
-    _, local = workers
+    model, tok = reference(gpt2_dir)
     settings = make_settings(model=str(gpt2_dir), engine_process=True, speculative="ngram", speculative_ngram_min=1)
     remote = Worker.from_settings(settings)
     remote.load()
     try:
-        prompts = [remote.encode("red green blue red green blue red green blue red")]
-        params = SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True)
-        (got,), timings = remote.complete(prompts, params, 256)
-        (want,), _ = local.complete(prompts, params, 256)
-        assert got.choices[0].text == want.choices[0].text
-        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs, abs=TOL)
+        word = remote.encode("red")[-1]
+        prompts = [[word] * 10, remote.encode("red green blue red green blue red green blue red")]
+        forced = SamplingParams(
+            max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True, logit_bias=((word, 100.0),)
+        )
+        (got,), timings = remote.complete(prompts[:1], forced, 256)
+        check_answers(prompts[:1], forced, [got], model, tok)
+        assert got.choices[0].token_ids == [word] * 30
         counts = remote.scheduler.speculation_counts
-        assert timings.draft_tokens > 0 and counts["draft_tokens"] == timings.draft_tokens
-        assert counts["accepted_tokens"] == timings.accepted_tokens
+        assert timings.accepted_tokens == timings.draft_tokens > 0
+        assert counts["draft_tokens"] == timings.draft_tokens and counts["accepted_tokens"] == timings.accepted_tokens
+        for params in REQUESTS[:2]:  # greedy and seeded samples with stop strings, beside each other
+            outputs, _ = remote.complete(prompts, params, 256)
+            check_answers(prompts, params, outputs, model, tok)
     finally:
         remote.scheduler.close()

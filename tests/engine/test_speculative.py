@@ -1,10 +1,17 @@
-"""Speculative decoding (``SAKER_SPECULATIVE``) changes nothing but speed. The references are independent of the
-engine: a plain greedy loop of whole-sequence forwards (its argmax and log-softmax), and for seeded sampling the same
-request with speculation off (its tokens come from the sampler's own counter-based draws, whatever the batch).
+"""Speculative decoding (``SAKER_SPECULATIVE``) changes nothing but speed. Every engine test here names its oracle,
+and each is independent of the engine (never the engine with speculation off):
 
-A proposer that always guesses right (an oracle that knows the answer) and one that always guesses wrong both give
-the plain answer; prompt lookup (``NgramProposer``) gives it on prompts it can copy from, with penalties, stop rules,
-``n`` and other traffic in the batch."""
+- greedy answers: a plain loop of whole-sequence forwards of the model loaded by transformers (its argmax and
+  log-softmax, ``greedy_reference``);
+- seeded samples: the sampler's documented counter-based draws (a candidate's draw depends on its seed and step
+  only) written apart in ``references.ref_sampled``, over the same plain forwards, with the request's penalties,
+  temperature and top-p; logprobs from that forward's log-softmax (``references.check_reference``);
+- constrained rows: the same loop under the masks of llguidance's own matcher (``references.grammar_allowed``);
+- stop strings: the reference answer's text (the tokenizer's decode) cut where the stop string first appears.
+
+A proposer that always guesses right (``Oracle``, told the reference answer) and one that always guesses wrong
+both give the reference answer; prompt lookup (``NgramProposer``) and a draft model give it too, with penalties,
+stop rules, ``n`` and other traffic in the batch."""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import torch
 from app.engine.params import SamplingParams
 from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Speculation
 from conftest import make_settings
-from references import Oracle
+from references import Oracle, check_reference, continuation, grammar_allowed, ref_sampled
 
 
 # -- the proposer, no model --------------------------------------------------------------------------------------
@@ -92,6 +99,7 @@ def prompts_of(tok) -> list[list[int]]:
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("proposer", ["ngram", "right", "wrong"])
 def test_greedy_answers_equal_a_plain_forward_whatever_the_guesses(request, reference, kind, proposer):
+    """Oracle: ``greedy_reference`` (a plain forward loop's argmax and log-softmax)."""
     path = request.getfixturevalue(f"{kind}_dir")
     model, tok = reference(path)
     prompts, tokens = prompts_of(tok), 24
@@ -119,12 +127,13 @@ def test_greedy_answers_equal_a_plain_forward_whatever_the_guesses(request, refe
         assert speculation.accepted_tokens == 0
 
 
-def test_seeded_samples_with_penalties_equal_those_without_speculation(llama_dir, reference):
-    """Sampled rows with a seed (temperature, top-p, repetition and presence penalties, logprobs 3): an oracle that
-    guesses the unspeculated answer has every guess kept, so each token is drawn at a position computed in a wider
-    step, with the guesses before it in its penalty history; a wrong one has none kept. Both equal the answer
-    without speculation."""
-    _, tok = reference(llama_dir)
+def test_seeded_samples_with_penalties_equal_the_documented_draws(llama_dir, reference):
+    """Sampled rows with a seed (temperature, top-p, repetition and presence penalties, logprobs 3): a proposer
+    that guesses the reference answer has every guess kept, so each token is drawn at a position computed in a
+    wider step, with the guesses before it in its penalty history; a wrong one has none kept. Oracle: the
+    counter-based draws over a plain forward loop (``references.ref_sampled``) for the tokens, that forward's
+    log-softmax for the logprobs and top logprobs (``check_reference``)."""
+    model, tok = reference(llama_dir)
     prompts = prompts_of(tok)
     params = SamplingParams(
         max_tokens=20,
@@ -137,24 +146,26 @@ def test_seeded_samples_with_penalties_equal_those_without_speculation(llama_dir
         ignore_eos=True,
         n=2,
     )
-    plain, _ = worker_with(llama_dir).complete(prompts, params, 256)
-    answers = {tuple(p): list(o.choices[0].token_ids) for p, o in zip(prompts, plain)}
+    # candidate 0's reference answer, what the right proposer guesses (candidate 1's guesses are partly wrong)
+    answers = {tuple(p): ref_sampled(model, p, params, 0, 20) for p in prompts}
     for wrong in (False, True):
         speculation = Speculation(Oracle(answers, 10_000, wrong=wrong), 4, 8)
         got, _ = worker_with(llama_dir, speculation).complete(prompts, params, 256)
-        for a, b in zip(got, plain):
-            for x, y in zip(a.choices, b.choices):
-                assert x.token_ids == y.token_ids
-                assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=1e-5)
-                for u, v in zip(x.logprobs.top_logprobs, y.logprobs.top_logprobs):
-                    assert u.keys() == v.keys() and list(u.values()) == pytest.approx(list(v.values()), abs=1e-5)
+        for prompt, output in zip(prompts, got):
+            check_reference(output, model, tok, prompt, params)
+            for choice in output.choices:
+                want = ref_sampled(model, prompt, params, choice.index, 20, follow=choice.token_ids)
+                assert choice.token_ids == want
+                if choice.index == 0:
+                    assert want == answers[tuple(prompt)]
         assert speculation.draft_tokens > 0
         assert (speculation.accepted_tokens > 0) is not wrong
 
 
 def test_stop_rules_cut_a_run_of_kept_guesses(gpt2_dir, reference):
-    """``max_tokens``, a stop token and a stop string inside a run of kept guesses end the answer where they do
-    without speculation."""
+    """``max_tokens``, a stop token and a stop string inside a run of kept guesses end the answer where they end the
+    reference answer. Oracle: ``greedy_reference`` (a plain forward loop), its text (the tokenizer's decode) cut
+    before the stop string's first occurrence."""
     model, tok = reference(gpt2_dir)
     prompt = prompts_of(tok)[0]
     want = [t for t, _ in greedy_reference(model, prompt, 30)]
@@ -170,14 +181,18 @@ def test_stop_rules_cut_a_run_of_kept_guesses(gpt2_dir, reference):
     cut = tok.decode(want[:20])[len(tok.decode(want[:12])) :].strip()[:3]
     assert cut
     params = SamplingParams(max_tokens=30, temperature=0.0, stop=(cut,), ignore_eos=True)
-    (plain,), _ = worker_with(gpt2_dir).complete([prompt], params, 256)
+    text = continuation(tok, prompt, prompt + want)
+    assert text.index(cut) < len(continuation(tok, prompt, prompt + want[:20]))  # the stop string comes in time
+    accepted = speculation.accepted_tokens
     (spec,), _ = worker.complete([prompt], params, 256)
-    assert plain.choices[0].finish_reason == "stop"
-    assert (spec.choices[0].text, spec.choices[0].finish_reason) == (plain.choices[0].text, "stop")
+    assert (spec.choices[0].text, spec.choices[0].finish_reason) == (text[: text.index(cut)], "stop")
+    assert spec.choices[0].token_ids == want[: len(spec.choices[0].token_ids)]
+    assert speculation.accepted_tokens > accepted  # the stop string came inside a run of kept guesses
 
 
 def test_no_guesses_above_the_row_limit_or_without_room(gpt2_dir, reference):
-    """A batch wider than ``max_rows`` guesses nothing; nor does a row whose answer has no room for a guess."""
+    """A batch wider than ``max_rows`` guesses nothing; nor does a row whose answer has no room for a guess. (No
+    answer is compared here: the counters are the subject.)"""
     model, tok = reference(gpt2_dir)
     prompts = prompts_of(tok)
     speculation = Speculation(NgramProposer(min_n=1), 4, 1)
@@ -192,28 +207,41 @@ def test_no_guesses_above_the_row_limit_or_without_room(gpt2_dir, reference):
 
 
 @pytest.mark.parametrize("wrong", [False, True])
-def test_constrained_rows_guess_what_their_grammar_allows_and_answer_as_without(gpt2_dir, reference, wrong):
+def test_constrained_rows_guess_what_their_grammar_allows_and_answer_as_the_reference(gpt2_dir, reference, wrong):
     """Structured outputs under speculation: a constrained row's guesses are cut to those its grammar allows, each
-    guessed position is sampled under the mask the row would have there, and its matcher takes the tokens kept. An
-    oracle that guesses the unspeculated answer has every guess kept (greedy and seeded sampling, ``n=2``); a wrong
-    one has its guesses cut or refused. Both give the unspeculated answers."""
+    guessed position is sampled under the mask the row would have there, and its matcher takes the tokens kept. A
+    proposer that guesses the reference answer has every guess kept (greedy and seeded sampling, ``n=2``); a wrong
+    one has its guesses cut or refused. Oracle: a plain forward loop under the masks of llguidance's own matcher
+    (``references.grammar_allowed``), its argmax or counter-based draw (``references.ref_sampled``); its
+    log-softmax for the logprobs; each finished text a full match of the pattern."""
+    import re
+
     from app.engine.params import Constraint
 
-    _, tok = reference(gpt2_dir)
+    model, tok = reference(gpt2_dir)
     prompts = prompts_of(tok)
-    constraint = Constraint("regex", "(red|green|blue)( (red|green|blue)){5,30}")
+    pattern = "(red|green|blue)( (red|green|blue)){5,30}"
+    constraint = Constraint("regex", pattern)
+    eos = tok.eos_token_id
+    allowed = grammar_allowed(tok, pattern, eos)
     for params in (
         SamplingParams(max_tokens=40, temperature=0.0, logprobs=1, constraint=constraint),
         SamplingParams(max_tokens=40, temperature=0.9, seed=2, logprobs=1, n=2, constraint=constraint),
     ):
-        plain, _ = worker_with(gpt2_dir).complete(prompts, params, 256)
-        answers = {tuple(p): list(o.choices[0].token_ids) for p, o in zip(prompts, plain)}
+        answers = {tuple(p): ref_sampled(model, p, params, 0, 40, allowed=allowed, eos=eos) for p in prompts}
         speculation = Speculation(Oracle(answers, 400, wrong=wrong), 4, 8)
         got, _ = worker_with(gpt2_dir, speculation).complete(prompts, params, 256)
-        for a, b in zip(got, plain):
-            for x, y in zip(a.choices, b.choices):
-                assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
-                assert x.logprobs.token_logprobs == pytest.approx(y.logprobs.token_logprobs, abs=1e-4)
+        for prompt, output in zip(prompts, got):
+            check_reference(output, model, tok, prompt, params)
+            for choice in output.choices:
+                want = ref_sampled(
+                    model, prompt, params, choice.index, 40, allowed=allowed, eos=eos, follow=choice.token_ids
+                )
+                assert choice.token_ids == want
+                ended = want[-1] == eos or allowed.complete(want)
+                assert choice.finish_reason == ("stop" if ended else "length")
+                if choice.finish_reason == "stop":
+                    assert re.fullmatch(pattern, choice.text)
         if wrong:
             assert speculation.accepted_tokens == 0
         else:
@@ -236,8 +264,9 @@ def truncated(path, out):
 def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, draft):
     """A draft model (``DraftProposer``): the target itself (its greedy guesses are the target's answer: every one
     kept) and the target's first layer alone (guesses often refused, so its cache is cut back and fed again). Both
-    give a plain forward's greedy tokens and logprobs, for two prompts with two candidates each, and sampled rows
-    with a seed give the unspeculated answer."""
+    give a plain forward's greedy tokens and logprobs, for two prompts with two candidates each (oracle:
+    ``greedy_reference``), and sampled rows with a seed give the documented counter-based draws over that forward
+    (oracle: ``references.ref_sampled``)."""
     from app.engine.loader import load_model
     from app.engine.speculative import SpeculativeConfig
 
@@ -259,10 +288,13 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
     else:
         assert 0 < speculation.accepted_tokens < speculation.draft_tokens
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=4, logprobs=2, ignore_eos=True, n=2)
+    drafted = speculation.draft_tokens
     got, _ = worker.complete(prompts, sampled, 256)
-    plain, _ = worker_with(gpt2_dir).complete(prompts, sampled, 256)
-    for a, b in zip(got, plain):
-        assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]
+    assert speculation.draft_tokens > drafted  # the sampled rows were guessed for too
+    for prompt, output in zip(prompts, got):
+        check_reference(output, model, tok, prompt, sampled)
+        for choice in output.choices:
+            assert choice.token_ids == ref_sampled(model, prompt, sampled, choice.index, 16, follow=choice.token_ids)
 
 
 def draft_of(path, rows: int = 4, tokens: int = 4, vocab: int | None = None):
@@ -279,8 +311,8 @@ def draft_of(path, rows: int = 4, tokens: int = 4, vocab: int | None = None):
 
 def test_a_draft_guesses_every_row_at_once_from_its_own_blocks(gpt2_dir, reference):
     """The target as its own draft: the guesses for three sequences at once, and for one alone, are each sequence's
-    greedy continuation (a plain forward loop's argmax); the keys and values are in the draft's block pool, a
-    sequence's blocks covering what it holds (its tokens and the guesses fed)."""
+    greedy continuation (oracle: ``greedy_reference``, a plain forward loop's argmax); the keys and values are in
+    the draft's block pool, a sequence's blocks covering what it holds (its tokens and the guesses fed)."""
     from app.engine.blocks import BLOCK
     from app.engine.speculative import DraftState
 
@@ -300,10 +332,11 @@ def test_a_draft_guesses_every_row_at_once_from_its_own_blocks(gpt2_dir, referen
 def test_a_draft_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt2_dir, reference):
     """After guesses the sequence did not keep, a row's held tokens are cut back to what the sequence holds (their
     positions written again), so its next guess is the one a fresh sequence over the same tokens gives; a draft
-    whose vocabulary is larger than the served model's never guesses past the served one's."""
+    whose vocabulary is larger than the served model's never guesses past the served one's. Oracle:
+    ``greedy_reference`` over the same tokens (the draft is the target itself)."""
     from app.engine.speculative import DraftState
 
-    _, tok = reference(gpt2_dir)
+    model, tok = reference(gpt2_dir)
     proposer = draft_of(gpt2_dir)
     tokens = prompts_of(tok)[0]
     state = DraftState()
@@ -311,15 +344,15 @@ def test_a_draft_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt2_dir,
     assert len(first) == 4 and len(state.held) == len(tokens) + 3
     for taken in ([first[0], (first[1] + 1) % 400], [(first[0] + 7) % 400], first + [first[0]]):
         tokens = tokens + taken
-        assert proposer.propose(state, tokens, 3) == proposer.propose(DraftState(), tokens, 3)
+        assert proposer.propose(state, tokens, 3) == [t for t, _ in greedy_reference(model, tokens, 3)]
         assert state.held[: len(tokens)] == tokens
     assert all(t < 50 for t in draft_of(gpt2_dir, vocab=50).propose(DraftState(), tokens, 4))
 
 
 def test_a_draft_pool_gives_the_least_recent_sequences_blocks_to_a_new_one(gpt2_dir, reference, monkeypatch):
     """A pool for one sequence at a time: two sequences guessing in turn take the blocks from each other (the other
-    is fed again from its start), and each guess is still its greedy continuation. A long prompt is fed a bounded
-    number of tokens per step (``CATCH_UP``): no guesses until it is all in."""
+    is fed again from its start), and each guess is still its greedy continuation (oracle: ``greedy_reference``). A
+    long prompt is fed a bounded number of tokens per step (``CATCH_UP``): no guesses until it is all in."""
     from app.engine import speculative
     from app.engine.speculative import DraftState
 
@@ -389,6 +422,7 @@ def test_prompt_lookup_is_the_default_on_the_cpu_and_off_on_cuda(monkeypatch):
     kernels are not measured there); a value set is kept either way."""
     from app.engine import loader, speculative
 
+    monkeypatch.setattr(loader, "resolve_device", lambda settings: "cpu")  # whatever device this machine has
     assert speculative.method(make_settings()) == "ngram"
     assert speculative.method(make_settings(speculative="off")) == "off"
     monkeypatch.setattr(loader, "resolve_device", lambda settings: "cuda:0")
