@@ -10,7 +10,7 @@ from app.engine.generate import RequestGroup, SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
-from references import check_reference, continuation, ref_greedy, ref_logprobs
+from references import check_reference, continuation, ref_greedy, ref_logprobs, ref_sampled
 
 TOL = 1e-4
 
@@ -127,7 +127,9 @@ def test_greedy_requests_of_different_lengths_match_alone(batch_worker, referenc
 def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_worker, reference):
     """The engine's plain data per candidate: after a greedy request its ``Sequence`` holds generate()'s tokens,
     the positions its blocks held (the prompt and every token but the last, which no step fed), FINISHED and why;
-    a candidate a stop string ended says ``stop``, one the engine ended says its own reason."""
+    a candidate a stop string ended says ``stop``, one the engine ended says its own reason. Sampled candidates'
+    tokens are the documented counter-based draws over a plain forward (``references.ref_sampled``), and the answer
+    the output side makes of them is that reference's text cut before the stop string."""
     from app.engine.generate import SequenceStatus
 
     worker, path = batch_worker
@@ -144,20 +146,26 @@ def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_wo
         tag=1,
     )
     assert [s.status for s in greedy.seqs] == [SequenceStatus.WAITING]
-    for _ in worker.scheduler.submit([greedy, stopped]):
-        pass
+    events = [event for tag, event in worker.scheduler.submit([greedy, stopped]) if tag == 1]
     [seq] = greedy.seqs
     assert seq.output_ids == ref_greedy(model, tok, ids, 7)[len(ids) :]
     assert seq.num_computed_tokens == len(ids) + 7 - 1
     assert (seq.status, seq.finish_reason) == (SequenceStatus.FINISHED, "length")
-    for seq in stopped.seqs:
-        assert seq.status is SequenceStatus.FINISHED and seq.finish_reason in ("stop", "length")
-        text = tok.decode(seq.output_ids)
-        # "stop" only for a row whose text has the stop string (the output side may see it only after the engine
-        # ended the row by its length: which one comes first is the threads' race)
-        assert seq.finish_reason == "length" if "e" not in text else True
-        assert "e" in text if seq.finish_reason == "stop" else True
+    answer = collect(events, stopped.params)
+    for index, seq in enumerate(stopped.seqs):
+        want = ref_sampled(model, ids, stopped.params, index, 40, follow=seq.output_ids)
+        text = continuation(tok, ids, ids + want)
+        assert "e" in text, "the test needs the stop string in each reference answer"
+        at = next(k for k in range(1, 41) if "e" in continuation(tok, ids, ids + want[:k]))  # the stop's token
+        assert seq.output_ids == want[: len(seq.output_ids)] and len(seq.output_ids) >= at
+        # the row leaves when the output side, on the reader's thread, has seen the stop string: unless the engine
+        # ended it by its length first (which comes first is the threads' race), its reason is "stop"
+        assert seq.status is SequenceStatus.FINISHED
+        assert seq.finish_reason == "stop" if len(seq.output_ids) < 40 else seq.finish_reason in ("stop", "length")
         assert seq.num_computed_tokens == len(ids) + len(seq.output_ids) - 1
+        # what the client gets does not depend on that race: the reference text, cut before the stop string
+        [choice] = [c for c in answer.choices if c.index == index]
+        assert (choice.text, choice.finish_reason) == (text[: text.index("e")], "stop")
     assert greedy.running == [] and stopped.running == []
 
 

@@ -183,8 +183,13 @@ def test_echo_scoring_prefills_in_full(workers, reference):
 
 def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
     """The second identical request reuses the prompt's full blocks (all but the one holding its last token) and
-    says so in ``timing`` and a header; its answer and usage are the first one's."""
-    _, tok = reference(gpt2_dir)
+    says so in ``timing`` and a header; its answer and usage are the first one's, and both are a plain forward's
+    (greedy argmax and log-softmax). The session's worker starts this test with its prefix cache emptied, so the
+    first request is computed in full whatever ran before."""
+    model, tok = reference(gpt2_dir)
+    cache = gpt2_client.application.extensions["saker.service"].worker.prefix_cache
+    assert cache.held_blocks == 0  # between requests the engine is idle
+    cache.clear_cached()
     prompt = (
         "Passage: The office is north of the hallway. The bathroom is east of the bedroom. Question: How do "
         "you go from the hallway to the bathroom? Answer:"
@@ -196,16 +201,21 @@ def test_http_reports_cached_prompt_tokens(gpt2_client, reference, gpt2_dir):
     second = gpt2_client.post("/v1/completions", json=body)
     assert second.get_json()["timing"]["cached_prompt_tokens"] == cached > 0
     assert second.headers["X-Saker-Cached-Prompt-Tokens"] == str(cached)
-    assert first.get_json()["timing"]["cached_prompt_tokens"] in (0, cached)  # 0 unless an earlier test sent it
+    assert first.get_json()["timing"]["cached_prompt_tokens"] == 0
+    assert "X-Saker-Cached-Prompt-Tokens" not in first.headers or first.headers["X-Saker-Cached-Prompt-Tokens"] == "0"
     a, b = first.get_json(), second.get_json()
     assert a["usage"] == b["usage"] and a["usage"]["prompt_tokens"] == n
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
-    assert b["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
-        a["choices"][0]["logprobs"]["token_logprobs"], abs=TOL
-    )
+    ids = tok(prompt).input_ids
+    want = ref_greedy(model, tok, ids, 6)
+    lp = ref_logprobs(model, want)
+    for body in (a, b):
+        assert body["choices"][0]["text"] == tok.decode(want[len(ids) :])
+        assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            [lp[len(ids) - 1 + i, t].item() for i, t in enumerate(want[len(ids) :])], abs=TOL
+        )
     metrics = gpt2_client.get("/metrics").get_data(as_text=True)
     samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("saker_prefix_cache"))
-    cache = gpt2_client.application.extensions["saker.service"].worker.prefix_cache
     assert cache.hits >= 1
     assert float(samples["saker_prefix_cache_hits_total"]) == cache.hits
     assert float(samples["saker_prefix_cache_reused_tokens_total"]) == cache.reused_tokens
