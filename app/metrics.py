@@ -71,6 +71,18 @@ class _AdmissionCounters:
             "Requests that gave their KV blocks back to older ones when blocks ran out, and were computed again",
             value=getattr(getattr(self.metrics.worker, "scheduler", None), "preemptions", 0),
         )
+        engine = getattr(self.metrics.worker, "scheduler", None)
+        yield CounterMetricFamily(
+            "saker_engine_step_failures",
+            "Engine steps that failed: the requests they touched failed (500), what they held was given back, and "
+            "the engine served on",
+            value=getattr(engine, "failures", 0),
+        )
+        yield CounterMetricFamily(
+            "saker_engine_repairs",
+            "KV blocks found held with nothing running and taken back (a leak: report it)",
+            value=getattr(engine, "repairs", 0),
+        )
 
 
 class _PrefixCacheCounters:

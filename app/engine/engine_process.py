@@ -85,7 +85,8 @@ def engine_main(settings, conn) -> None:
     def stats() -> tuple:
         counts = scheduler.speculation_counts
         snapshot = scheduler.queue_snapshot()
-        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, snapshot, counts, scheduler.stalled_s()
+        health = scheduler.stalled_s(), scheduler.failures, scheduler.repairs
+        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, snapshot, counts, health
 
     scheduler.deliver = lambda outputs: send(("outputs", _picklable(outputs), stats()))
 
@@ -173,6 +174,7 @@ class EngineClient(Engine):
         self.facts: EngineFacts | None = None
         self.gone: str | None = None  # why the engine process is no longer there
         self._stalled = 0.0  # the engine loop's stall as of the last message (``Scheduler.stalled_s``)
+        self.failures = self.repairs = 0  # the scheduler's counters of failed steps and repaired leaks
         self._heard = time.monotonic()  # when the last message came
         self.on_exit = None  # called with that reason (the worker turns not ready)
 
@@ -222,7 +224,8 @@ class EngineClient(Engine):
                 return
             _, outputs, stats = message  # "outputs"
             self._heard = time.monotonic()
-            self.kv_usage, self.steps, self.preemptions, self._queue, self.speculation_counts, self._stalled = stats
+            self.kv_usage, self.steps, self.preemptions, self._queue, self.speculation_counts, health = stats
+            self._stalled, self.failures, self.repairs = health
             if outputs:
                 self.route(outputs)
 
