@@ -55,17 +55,34 @@ def test_an_idle_batch_gives_its_memory_back(gpt2_worker, reference, gpt2_dir, m
     assert output.choices[0].token_ids == ref_greedy(model, tok, prompt, 8)[len(prompt) :]
 
 
-def test_top_k_beyond_the_vocabulary_is_all_of_it(gpt2_client):
+def test_top_k_beyond_the_vocabulary_is_all_of_it(gpt2_client, reference, gpt2_dir):
+    """A ``top_k`` past the vocabulary (past int64 too) keeps every token: the answer is the seeded draws over the
+    whole distribution (oracle: the sampler's documented counter-based draws over a plain forward,
+    ``references.ref_sampled`` with top-k off), which a cut to the 5 best would not give."""
+    from app.engine.params import SamplingParams
+    from references import continuation, ref_sampled
+
+    model, tok = reference(gpt2_dir)
+    ids = tok("Hello").input_ids
+    whole = SamplingParams(max_tokens=16, temperature=1.0, seed=1)
+    want = ref_sampled(model, ids, whole, 0, 16, eos=tok.eos_token_id)
+    cut = ref_sampled(model, ids, SamplingParams(max_tokens=16, temperature=1.0, seed=1, top_k=5), 0, 16)
+    assert cut[: len(want)] != want  # the check below tells the whole vocabulary from a cut
     for top_k in (2**63, 10**30, 100_000):
         resp = gpt2_client.post(
             "/v1/completions",
             json={
                 "model": "tiny-gpt2",
                 "prompt": "Hello",
-                "max_tokens": 2,
+                "max_tokens": 16,
                 "top_k": top_k,
                 "temperature": 1.0,
                 "seed": 1,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
             },
         )
         assert resp.status_code == 200, resp.get_data(as_text=True)
+        choice = resp.get_json()["choices"][0]
+        assert [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]] == want
+        assert choice["text"] == continuation(tok, ids, ids + want)
