@@ -152,6 +152,19 @@ def test_every_setting_has_its_row_in_configuration_md():
     assert not wrong, "docs/configuration.md disagrees with app/settings.py:\n" + "\n".join(wrong)
 
 
+def test_defaults_the_prose_states_are_the_codes():
+    """ "`SAKER_X` (N by default)" anywhere in the docs is the current default; an old one is written as history
+    ("N by default when this was measured")."""
+    wrong = []
+    for path in DOCS:
+        text = " ".join(path.read_text().split())
+        for name, value, rest in re.findall(r"`SAKER_(\w+)`[,:]? \(?`?([\d,.]+)`?,? by default( when| then)?", text):
+            default = Settings.model_fields[name.lower()].default if name.lower() in Settings.model_fields else None
+            if not rest and default is not None and float(value.replace(",", "")) != float(default):
+                wrong.append(f"{rel(path)}: SAKER_{name} {value} by default; the code's default is {default}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_serve_has_the_flags_configuration_md_gives():
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)
