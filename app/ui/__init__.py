@@ -1,9 +1,10 @@
 """The web page at ``/`` (``SAKER_UI``, on by default): a playground whose tokens are coloured by their probability,
 and a live view of ``/metrics``.
 
-Three static files under ``/ui/`` (``index.html``, ``ui.js``, ``ui.css`` in ``app/ui/static/``), plain HTML, CSS and
-JavaScript with nothing fetched from another host. The page is sent with a strict ``Content-Security-Policy`` (no
-inline script or style, connections to this origin only), so it also works behind a proxy that enforces one. It
+Static files under ``/ui/`` (``index.html``, ``ui.js``, ``ui.css`` and ``icon.svg`` in ``app/ui/static/``), plain
+HTML, CSS and JavaScript with nothing fetched from another host. The page is sent with a strict
+``Content-Security-Policy`` (no inline script or style, connections to this origin only), so it also works behind a
+proxy that enforces one. It
 holds no secret and needs no API key: with keys configured the page asks the user for one, keeps it in the tab's
 ``sessionStorage`` and sends it on the API calls it makes (``/v1/*``, ``/metrics``), which ``app/auth.py`` guards as
 for any other client. Relative URLs throughout, so the page also works under a path prefix (``SAKER_PROXY_HOPS``

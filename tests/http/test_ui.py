@@ -1,5 +1,5 @@
 """The web page at / (app/ui/, SAKER_UI) through the Flask test client: served without a key under a strict
-Content-Security-Policy, off with ui=false, its three files self-contained, and the routes and metric names its
+Content-Security-Policy, off with ui=false, its files self-contained, and the routes and metric names its
 script uses present in the app. The page in a real browser: tests/live/test_page.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from conftest import make_settings
 
 STATIC = Path(__file__).resolve().parents[2] / "app" / "ui" / "static"
-FILES = {"index.html": "text/html", "ui.js": "text/javascript", "ui.css": "text/css"}
+FILES = {"index.html": "text/html", "ui.js": "text/javascript", "ui.css": "text/css", "icon.svg": "image/svg+xml"}
 
 
 def make_app(worker, **values):
@@ -74,6 +74,7 @@ def test_the_files_fetch_nothing_from_another_host():
         urls = set(re.findall(r"(?:https?:)?//[A-Za-z0-9.-]+\.[A-Za-z]{2,}[^\s\"')]*", text))
         assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
         assert "@import" not in text and "url(" not in text, name
+    assert sorted(p.name for p in STATIC.iterdir()) == sorted(FILES)
     html = (STATIC / "index.html").read_text()
     assert re.findall(r"<script\b[^>]*>", html) == ['<script src="ui/ui.js" defer>']
     assert "<style" not in html and not re.search(r"\sstyle=", html) and not re.search(r"\son[a-z]+=", html)

@@ -119,6 +119,7 @@
         const error = await readError(response);
         el.model.replaceChildren(new Option("(the server's default)", ""));
         el.modelsStatus.textContent = `Models: ${response.status} ${error.message}`;
+        el.key.classList.toggle("needs-key", response.status === 401);
         return;
       }
       const body = await response.json();
@@ -127,6 +128,7 @@
       el.model.replaceChildren(...ids.map((id) => new Option(id, id)));
       if (ids.includes(previous)) el.model.value = previous;
       el.modelsStatus.textContent = `${ids.length} model name${ids.length === 1 ? "" : "s"} served.`;
+      el.key.classList.remove("needs-key");
     } catch (error) {
       el.modelsStatus.textContent = `Cannot reach the server: ${error.message}`;
     }
@@ -314,7 +316,8 @@
       for (const token of list) {
         const span = document.createElement("span");
         const i = tokens.length;
-        span.className = `tok ${probabilityClass(token.logprob)}${prompt ? " prompt" : ""}${token.text === "" ? " empty" : ""}`;
+        const shape = token.text === "" ? " empty" : /^\n+$/.test(token.text) ? " nl" : "";
+        span.className = `tok ${probabilityClass(token.logprob)}${prompt ? " prompt" : ""}${shape}`;
         span.textContent = token.text;
         span.tabIndex = i === 0 ? 0 : -1;
         span.dataset.i = String(i);
@@ -820,6 +823,7 @@
     parts.value.textContent = last === null ? "–" : chart.format(last);
     parts.figure.dataset.value = last === null ? "" : String(last);
     parts.figure.dataset.points = String(points.length);
+    parts.figure.dataset.max = numbers.length ? String(Math.max(...numbers)) : "";
     parts.svg.setAttribute(
       "aria-label",
       `${chart.title} over the last 5 minutes: now ${last === null ? "no value" : chart.format(last)}`,
