@@ -6,6 +6,7 @@ being answered; a request that trickles in within the time limit is served; keep
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -36,49 +37,60 @@ def read_response(sock) -> tuple[int, bytes]:
 
 
 def test_slow_clients_do_not_starve_the_server(server):
-    stop = time.time() + SECONDS
+    """The slow clients keep their heads coming (a line every 2 s) for 30 s; a normal client's requests are
+    answered meanwhile. Starvation shows without a clock: with every slow connection held, a request that waited
+    for a thread would be answered only after some slow head was cut (the head timeout), so the first request
+    sent once all are held must be answered before any cut."""
+    stop = time.time() + SECONDS  # the slow clients' script, not a bound checked
     timeouts, held = [], []
+    lock = threading.Lock()
 
     def slow(i: int) -> None:
         while time.time() < stop:
             try:
                 with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
                     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-                    held.append(i)
+                    with lock:
+                        held.append(i)
                     line = 0
                     while time.time() < stop:
-                        time.sleep(2)
+                        readable, _, _ = select.select([sock], [], [], 2)  # a line every 2 s
+                        if readable:  # answered (408) and closed: counted at once, then come back
+                            raise ConnectionResetError
                         line += 1
                         sock.sendall(b"X-Slow-%d: 1\r\n" % line)
             except OSError:  # answered 408 and closed: come back, as an attacker would
-                timeouts.append(i)
+                with lock:
+                    timeouts.append(i)
 
     threads = [threading.Thread(target=slow, args=(i,), daemon=True) for i in range(SLOW_CLIENTS)]
     for t in threads:
         t.start()
-    time.sleep(2)
-    answered = []
+    deadline = time.monotonic() + 60  # a safety net only
+    while len(set(held)) < SLOW_CLIENTS:  # every slow connection in (its first line sent)
+        assert time.monotonic() < deadline, f"{len(set(held))} of {SLOW_CLIENTS} slow clients connected"
+        time.sleep(0.05)
+    answered = []  # (status, slow heads cut while it was waited for)
     while time.time() < stop - 2:
-        started = time.time()
-        resp = requests.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=20)
-        answered.append((resp.status_code, time.time() - started))
-        assert requests.get(server.url + "/health", timeout=20).status_code == 200
-        time.sleep(0.5)
+        cut = len(timeouts)
+        resp = requests.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        answered.append((resp.status_code, len(timeouts) - cut))
+        assert requests.get(server.url + "/health", timeout=60).status_code == 200
+        time.sleep(0.5)  # the normal client's pace
     for t in threads:
-        t.join(timeout=40)
+        t.join(timeout=60)
     assert len(set(held)) == SLOW_CLIENTS
     assert answered and all(status == 200 for status, _ in answered)
-    assert max(seconds for _, seconds in answered) < 10, answered  # not one request waited for the slow ones
+    assert answered[0][1] == 0, answered  # the first one waited for no slow head's cut
     assert timeouts, "slow heads are cut after the time limit"
 
 
 def test_a_slow_head_is_answered_408_in_json(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        started = time.time()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and nothing more: the head never ends
         status, body = read_response(sock)
+    # (a head that does end in time is served: test_a_request_that_trickles_in_in_time_is_served)
     assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
-    assert 8 < time.time() - started < 20
 
 
 def test_a_request_that_trickles_in_in_time_is_served(server):
@@ -111,9 +123,8 @@ def test_keep_alive_pipelining_and_expect_continue(server):
         sock.sendall(
             request.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n", 1).split(b"\r\n\r\n")[0] + b"\r\n\r\n"
         )
-        started = time.time()
-        head = sock.recv(65536)  # the head alone reaches a thread, which says continue
-        assert head.startswith(b"HTTP/1.1 100") and time.time() - started < 2
+        head = sock.recv(65536)  # the head alone reaches a thread, which says continue (else: 408 at the timeout)
+        assert head.startswith(b"HTTP/1.1 100"), head
         sock.sendall(one)
         status, _ = read_response(sock)
         assert status == 200
