@@ -3,7 +3,7 @@ starts its own gunicorn on 127.0.0.1 (``gunicorn.conf.py``, saker's worker) agai
 embedded SmolLM2-135M-Instruct, converted once into ``--cache-dir``), runs the sections below, prints a table and
 writes a JSON report (``--out``). ``--quick`` is the bounded form CI runs (tests/live/test_reliability.py).
 
-Sections (``--only load,bad,slow,memory,close``; all by default):
+Sections (``--only load,bad,slow,memory,close,wedge``; all by default):
 
 - load    16, 32 and 64 closed-loop clients (threads, plain ``http.client``) for ``--load-seconds`` each: plain and
           streamed completions and chat completions; one client in four drops every request it sends (a stream is
@@ -37,9 +37,27 @@ Sections (``--only load,bad,slow,memory,close``; all by default):
           from the close to ``saker_requests_running`` back to 0 (/metrics polled every 20 ms) and to the server's
           "ended early" log line, compared with one decode step and one prefill chunk (timed on the same server
           from ``X-Saker-*`` headers). Goal: <= one step (or chunk).
+- wedge   no request can wedge the server. On the run's server: ``n`` = ``best_of`` = the server's ``max_n``
+          (128) with max_tokens 1, 2, 16 and 200 (quick: 1, 2, 16), through completions and chat, alone, then again
+          beside 3 closed-loop clients (plain and streamed completions; quick: max_tokens 1 only). A 400 saying the
+          candidates cannot fit the KV budget (param ``n``/``best_of``) is a correct answer, and the request is
+          sent again with half the ``n`` until taken. Goal: every wide request 200 with its n choices, every other
+          request answered, nothing running or queued afterwards, a greedy request answers the text it answered
+          before, ``saker_engine_repairs_total`` 0. Then on a second gunicorn
+          (``app.reliability.faulty_wsgi:app``: every fault point of every engine step fails with the probability
+          in the file named by ``RELIABILITY_FAULT_FILE``, app/reliability/faults.py), in process and (full mode)
+          with SAKER_ENGINE_PROCESS: 4 clients send plain, streamed, ``n`` > 1 and chat requests for 30 s (quick 5)
+          and on until 20 (quick 5) steps failed, at p = 0.02, then p = 0. Goal: every request ended (200 whole, a
+          JSON 500 ``server_error`` naming its request id, or a stream's error frame then ``[DONE]``; a connection
+          error or a time-out is a failure), steps did fail (``saker_engine_step_failures_total``), then nothing
+          running or queued, ``saker_kv_cache_usage`` 0 (it counts blocks held by rows and prompts; the prefix
+          cache's blocks with no holder are not in it), no repair, /livez and /health 200, the greedy text of the
+          run's server, the same worker. That server's log is not in the "no traceback" goal: each failed step is
+          logged with its traceback by design.
 
 Timing and memory figures are reported, never asserted; the exit status is 1 when a correctness goal is missed
-(lost requests, 5xx, non-JSON errors, slow clients starving the server, a slot never released), else 0.
+(lost requests, 5xx, non-JSON errors, slow clients starving the server, a slot never released, a wide
+request or an injected fault that leaves a request unanswered or something held), else 0.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ from app.reliability.memory import MemorySection
 from app.reliability.plan import DEFAULT_CACHE, DEFAULT_OUT, SECTIONS
 from app.reliability.report import format_table
 from app.reliability.slow import SlowSection
+from app.reliability.wedge import WedgeSection
 
 
-class Run(LoadSection, BadSection, SlowSection, MemorySection, CloseSection):
+class Run(LoadSection, BadSection, SlowSection, MemorySection, CloseSection, WedgeSection):
     """The sections in the order asked, each a method ``section_<name>`` of its mixin."""
 
     def run(self) -> dict:
@@ -78,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the bounded form for CI: 16 and 64 clients for 5 s, "
         "fewer wrong values, 50 slow clients for 20 s, only the memory variant that fits, no "
-        "close-during-prefill cases",
+        "close-during-prefill cases, wide requests with max_tokens 1-16 and faults for 5 s in process only",
     )
     parser.add_argument("--only", metavar="SECTIONS", help=f"comma-separated sections: {','.join(SECTIONS)}")
     parser.add_argument("--clients", metavar="N,N,...", help="load levels (default 16,32,64; quick 16,64)")

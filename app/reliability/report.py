@@ -83,6 +83,35 @@ def format_table(report: dict) -> str:
                 + (f", {c['tokens_after_close']} tokens after the close" if "tokens_after_close" in c else "")
             )
         lines.append("")
+    wedge = report.get("wedge")
+    if wedge and "wide" in wedge:
+        wide = wedge["wide"]
+        lines.append(f"wide requests      n = best_of = {wide['n']}   max_tokens  alone              beside traffic")
+        beside = {(c["route"], c["max_tokens"]): c for c in wide["beside_traffic"]}
+        for c in wide["alone"]:
+            other = beside.get((c["route"], c["max_tokens"]))
+            lines.append(f"  {c['route']:<29} {c['max_tokens']:>10}  {_wide(c):<17}  {_wide(other) if other else '-'}")
+        t = wide["traffic"]
+        lines.append(
+            f"  beside them: {t['clients']} clients sent {t['sent']}, answered {t['answered']}, busy "
+            f"{t['busy_429_503']}, not answered {t['lost'] + t['failed_clean'] + t['refused_400']}; afterwards "
+            f"settled {'yes' if wide['settled'] else 'NO'}, greedy {'same' if wide['greedy_same'] else 'DIFFERENT'}, "
+            f"repairs {wide['repairs_total']:g}"
+        )
+        for mode, f in wedge.get("faults", {}).items():
+            lines.append(
+                f"injected faults    {mode}: p = {f['fault_rate']:g} for {f['seconds']:g} s, {f['clients']} clients: "
+                f"sent {f['sent']}, 200 whole {f['answered']}, failed clean {f['failed_clean']} "
+                f"({f['failed_in_stream']} in a stream), busy {f['busy_429_503']}, lost {f['lost']}; "
+                f"{f['step_failures']:g} failed steps"
+            )
+            lines.append(
+                f"  afterwards: settled {'yes' if f['settled'] else 'NO'}, KV usage {f['kv_cache_usage_after']:g}, "
+                f"repairs {f['repairs_total']:g}, /livez {f['livez']}, /health {f['health']}, greedy "
+                f"{'same' if f['greedy_same'] else 'DIFFERENT'}, worker boots {f['workers_booted']}, exits "
+                f"{f['worker_exits']}"
+            )
+        lines.append("")
     lines.append("goals")
     for g in report.get("goals", []):
         mark = "ok " if g["met"] else ("n/a" if g["met"] is None else "NOT")
@@ -90,3 +119,9 @@ def format_table(report: dict) -> str:
             f"  [{mark}] {g['section']:<7} {g['goal']}: {g['figure']}" + ("" if g["correctness"] else "  (reported)")
         )
     return "\n".join(lines)
+
+
+def _wide(case: dict) -> str:
+    """A wide request's answer: status, the n it ran with (when a KV 400 halved it), seconds."""
+    halved = f" n={case['n_ran']}" if case["refused_kv_at"] else ""
+    return f"{case['status']}{halved} in {case['seconds']} s" + ("" if case["ok"] else " NOT OK")

@@ -14,9 +14,10 @@ from app.processes import GunicornServer, free_port, without_api_keys
 class Server(GunicornServer):
     """gunicorn -c gunicorn.conf.py wsgi:app on 127.0.0.1 in its own process group, serving ``model_dir`` as
     ``name``; its log (and saker's JSON access log) in files under ``log_dir``. The caller's API keys stay out:
-    this private server needs none (we would not know them)."""
+    this private server needs none (we would not know them). ``app`` is the WSGI entry (``wsgi:app``; the wedge
+    section's second server: ``app.reliability.faulty_wsgi:app``)."""
 
-    def __init__(self, model_dir: Path, name: str, env: dict[str, str], log_dir: Path):
+    def __init__(self, model_dir: Path, name: str, env: dict[str, str], log_dir: Path, app: str = "wsgi:app"):
         port = free_port()
         self.served_name = name
         self.access_path = Path(log_dir) / f"access-{port}.log"
@@ -31,6 +32,7 @@ class Server(GunicornServer):
             log_dir=log_dir,
             inherit=without_api_keys,
             port=port,
+            app=app,
         )
 
     def wait_ready(self, timeout: float = 600, path: str | None = None) -> float:
