@@ -94,3 +94,49 @@ def test_memory_request_and_client_close_end_cleanly(report):
             assert case["generated_tokens_server"] < case["max_tokens"], (name, case)
     # the tiny model may finish a plain request before the server sees the close (it looks every 0.25 s)
     assert report["close"]["cases"]["plain-decode"].get("access_status") in (499, 200, None)
+
+
+def test_no_request_wedges_the_server(report):
+    """Issue 35 in the run: n = best_of = max_n (128) through completions and chat, alone and beside traffic, is
+    answered with its 128 choices (or a KV-budget 400 naming n/best_of, then taken with half the n), and leaves
+    nothing held; steps failing at random on a second server end every request cleanly and leave it serving."""
+    wedge = report["wedge"]
+    assert "error" not in wedge, wedge.get("traceback")
+    wide = wedge["wide"]
+    assert wide["n"] == 128
+    cases = wide["alone"] + wide["beside_traffic"]
+    assert [(c["route"], c["max_tokens"]) for c in wide["alone"]] == [
+        (route, m) for route in ("/v1/completions", "/v1/chat/completions") for m in (1, 2, 16)
+    ]
+    assert [(c["route"], c["max_tokens"]) for c in wide["beside_traffic"]] == [
+        ("/v1/completions", 1),
+        ("/v1/chat/completions", 1),
+    ]
+    for c in cases:
+        assert c["ok"] and c["status"] == 200 and c["choices"] == c["n_ran"], c
+        # the tiny model's default KV budget holds 128 candidates: none was refused
+        assert c["n_ran"] == c["n_asked"] == 128 and not c["refused_kv_at"], c
+    traffic = wide["traffic"]
+    assert traffic["sent"] > 0 and traffic["clients_stopped"], traffic
+    assert traffic["lost"] == traffic["failed_clean"] == traffic["refused_400"] == 0, traffic["lost_examples"]
+    assert traffic["answered"] + traffic["busy_429_503"] == traffic["sent"]
+    assert wide["settled"] and wide["repairs_total"] == 0 and wide["kv_cache_usage_after"] == 0
+    assert wedge["greedy_text_before"] and wide["greedy_same"], (wedge["greedy_text_before"], wide["greedy_text_after"])
+
+    faults = wedge["faults"]
+    assert list(faults) == ["in-process"]  # quick: the engine-process server is the full run's
+    f = faults["in-process"]
+    assert f["lost"] == 0 and f["refused_400"] == 0 and f["every_client_ended"], f["lost_examples"]
+    assert f["sent"] == f["answered"] + f["failed_clean"] + f["busy_429_503"]
+    assert f["step_failures"] >= 1 and f["failed_clean"] >= 1  # the faults fired and failed requests
+    assert f["answered"] >= 1  # and others were served whole beside them
+    # every failed plain request's 500 named its request id (a 500 that does not counts as lost, above)
+    assert f["failed_naming_request_id"].get("500: does not name its request id", 0) == 0
+    assert f["settled"] and f["kv_cache_usage_after"] == 0 and f["repairs_total"] == 0
+    assert f["livez"] == 200 and f["health"] == 200
+    assert f["greedy_same"], (f["greedy_text_after"], wedge["greedy_text_before"])
+    assert f["same_workers"] and f["workers_booted"] == 1 and f["worker_exits"] == 0
+    # the run's own server logged no traceback (the faulty server's log, with its failed steps, is apart)
+    assert report["server"]["tracebacks_in_log"] == 0 and f["log"] != report["server"]["log"]
+    goals = [g for g in report["goals"] if g["section"] == "wedge" and g["correctness"]]
+    assert len(goals) == 7 and all(g["met"] for g in goals), [g for g in goals if not g["met"]]
