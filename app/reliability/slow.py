@@ -74,6 +74,7 @@ class SlowSection(RunBase):
                     sock.close()
                     with lock:
                         state["open"] -= 1
+                        state["closed"] += 1
 
         threads = [threading.Thread(target=slow, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
@@ -81,8 +82,16 @@ class SlowSection(RunBase):
         time.sleep(min(2.0, seconds / 4))
         normal: list[tuple[int | None, float]] = []
         kinds: list[str] = []
+        # completions answered while every slow connection was held and none was cut or closed: such an answer
+        # did not wait for a slow client to let go of anything (the no-clock form of "not starved")
+        while_held = 0
         while time.monotonic() < stop_at - 1:
+            with lock:
+                held_before, closed_before = state["open"], state["closed"]
             answer, _ = post_json(self.port, "/v1/completions", normal_body, timeout=60)
+            with lock:
+                if answer.status == 200 and held_before >= n and state["closed"] == closed_before:
+                    while_held += 1
             normal.append((answer.status, answer.seconds))
             health = exchange(self.port, build("GET", "/health"), timeout=60)
             normal.append((health.status, health.seconds))
@@ -105,6 +114,7 @@ class SlowSection(RunBase):
             "slow_answers_not_json": len(not_json),
             "normal_sent": len(normal),
             "normal_answered": len(ok),
+            "normal_answered_while_all_held": while_held,
             "normal_latency_max_s": rounded(max(ok) if ok else None),
             "completion_latency_p50_s": rounded(percentile(completions, 0.5)),
             "completion_latency_max_s": rounded(max(completions) if completions else None),

@@ -82,12 +82,19 @@ def test_slow_clients_are_held_while_normal_requests_are_answered(report):
     assert slow["held_at_once"] == slow["slow_clients"] == 50
     assert slow["normal_sent"] > 0 and slow["normal_answered"] == slow["normal_sent"]
     assert slow["slow_answers_not_json"] == 0 and set(slow["answers_to_slow_clients"]) <= {"408"}
-    assert slow["normal_latency_max_s"] < 30  # generous: the slow ones never block it
+    # no clock: some completions were answered while all the slow connections were held and none was let go (a
+    # request that needed a slow one's thread would have waited for a cut)
+    assert slow["normal_answered_while_all_held"] > 0, slow
 
 
 def test_memory_request_and_client_close_end_cleanly(report):
     fits = report["memory"]["variants"]["fits"]
-    assert fits["status"] == 200 and fits["peak_rss"] > 0 and fits["after_rss"] > 0
+    assert fits["status"] == 200
+    # the answer is the one asked for: its prompt as /tokenize counts it, n = best_of = 2 candidates of at most 16
+    assert fits["usage"]["prompt_tokens"] == fits["prompt_tokens"] > 0, fits
+    assert 2 <= fits["usage"]["completion_tokens"] <= 2 * 16, fits
+    assert fits["after_rss"] is not None, fits  # the worker was still there after it (its RSS read)
+    assert all(g["met"] for g in report["goals"] if g["section"] == "memory" and g["correctness"]), report["goals"]
     for name, case in report["close"]["cases"].items():
         assert case["released"], (name, case)  # its slot came back
         if case.get("generated_tokens_server") is not None:  # it ended early: before its max_tokens
