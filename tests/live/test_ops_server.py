@@ -458,3 +458,181 @@ def test_a_plain_request_whose_client_left_stops_generating(gpt2_dir, tmp_path):
             gate.unlink()
         srv.stop()
     assert "Traceback" not in srv.output()
+
+
+# -- a client that leaves while its prompt is computed -----------------------------------------------------------------
+PROMPT = "Once upon a time there was a little"  # a few tokens: one step computes it (no chunks)
+
+
+def wait_for(condition, what: str, limit: float = 60) -> None:
+    """Poll ``condition`` until it holds; ``limit`` seconds is a safety net only, never a bound checked."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {limit} s"
+        time.sleep(0.02)
+
+
+def held(gate: Path) -> bool:
+    """Whether an engine step waits at ``gate`` now (tests/decode_gate.py)."""
+    return Path(f"{gate}.held").exists()
+
+
+def send_raw(srv, body: dict) -> socket.socket:
+    """A completion request sent on a socket of its own, its answer not read (the test closes it)."""
+    data = json.dumps({"model": "tiny-gpt2", **body}).encode()
+    host, port = srv.url.split("//")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def access_lines(path: Path) -> list[dict]:
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(x) for x in text.splitlines() if '"/v1/completions"' in x]
+
+
+def check_greedy(answer: dict, reference, gpt2_dir, prompt: str, tokens: int) -> None:
+    """A greedy answer against the references: ``model.generate()``'s tokens (its text, the tokenizer's decode)
+    and a plain forward's log-softmax for each token's logprob."""
+    from references import ref_greedy, ref_logprobs
+
+    model, tok = reference(gpt2_dir)
+    ids = tok(prompt).input_ids
+    want = ref_greedy(model, tok, ids, tokens)
+    lp = ref_logprobs(model, want)
+    choice = answer["choices"][0]
+    assert choice["text"] == tok.decode(want[len(ids) :])
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        [lp[len(ids) - 1 + i, t].item() for i, t in enumerate(want[len(ids) :])], abs=1e-4
+    )
+
+
+def idle(srv) -> bool:
+    return sample(metrics(srv), "saker_requests_running") == 0
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["one-row", "three-candidates"])
+def test_a_client_that_leaves_during_its_prefill_frees_everything(gpt2_dir, tmp_path, reference, n):
+    """A non-streamed request's client closes its connection while the engine computes its prompt (one step, not
+    chunked; with ``n=3`` its candidates share that prompt's blocks), held there by the prefill gate: the request
+    ends (499), at most one decode step runs for it, every block it held is free once nothing runs (KV usage 0),
+    and the next request, the same prompt (whose blocks the prefix cache may now offer), answers as the references
+    (``model.generate()``, a plain forward's log-softmax)."""
+    gate, steps, prompts, access_log = (tmp_path / name for name in ("prefill", "steps", "prompts", "access.log"))
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_THREADS": "8",
+            "TEST_PREFILL_GATE": str(gate),
+            "TEST_DECODE_COUNT": str(steps),
+            "TEST_PREFILL_COUNT": str(prompts),
+            "SAKER_ACCESS_LOG": str(access_log),
+        },
+        args=("--pythonpath", "tests"),
+        app="gated_wsgi:app",
+    )
+    try:
+        srv.wait_ready()
+        gate.touch()  # steps that compute prompt tokens wait from now on
+        steps.write_text("")
+        prompts.write_text("")
+        body = {"prompt": PROMPT, "max_tokens": 50, "n": n, "temperature": 0.8, "seed": 1, "ignore_eos": True}
+        client = send_raw(srv, body)
+        wait_for(lambda: held(gate), "the prompt's step held at the gate")
+        client.close()  # the client goes away while its prompt is computed
+        wait_for(lambda: access_lines(access_log), "the request's access-log line")
+        [line] = access_lines(access_log)
+        assert line["status"] == 499 and line["error_code"] == "client_closed_request"
+        gate.unlink()  # the held step ends; the cancelled request leaves at the next
+        wait_for(lambda: idle(srv), "nothing running")
+        assert sample(metrics(srv), "saker_kv_cache_usage") == 0  # its blocks are free
+        # of its 49 decode steps at most one ran: the one the iteration that computed its prompt had planned (a
+        # prompt that is in joins that iteration's decode step; the cancel is seen when the next one is planned)
+        assert steps.read_text().count("step") <= 1
+        assert prompts.read_text().split() == [str(len(reference(gpt2_dir)[1](PROMPT).input_ids))]  # one step
+        after = requests.post(
+            srv.url + "/v1/completions",
+            json={"model": "tiny-gpt2", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1},
+            timeout=60,
+        )
+        assert after.status_code == 200, after.text
+        check_greedy(after.json(), reference, gpt2_dir, PROMPT, 8)
+        wait_for(lambda: idle(srv), "nothing running")
+        assert sample(metrics(srv), "saker_kv_cache_usage") == 0
+    finally:
+        gate.unlink(missing_ok=True)
+        srv.stop()
+    assert "Traceback" not in srv.output()
+
+
+def test_a_client_that_leaves_a_shared_prefill_step_leaves_the_others_right(gpt2_dir, tmp_path, reference):
+    """Three requests: A decoding (held at its first decode step), then B and C arriving, so that B's and C's
+    prompts are computed in one step together with A's row (held there by the prefill gate; the step's token count
+    shows it). C's client leaves: C ends (499), A and B answer as the references (``model.generate()``, a plain
+    forward's log-softmax), and every block is free once nothing runs."""
+    decode, prefill, counts, access_log = (tmp_path / name for name in ("decode", "prefill", "prompts", "access.log"))
+    srv = Gunicorn(
+        {
+            "SAKER_MODEL": str(gpt2_dir),
+            "SAKER_SERVED_MODEL_NAME": "tiny-gpt2",
+            "SAKER_THREADS": "8",
+            "TEST_DECODE_GATE": str(decode),
+            "TEST_PREFILL_GATE": str(prefill),
+            "TEST_PREFILL_COUNT": str(counts),
+            "SAKER_ACCESS_LOG": str(access_log),
+        },
+        args=("--pythonpath", "tests"),
+        app="gated_wsgi:app",
+    )
+    _, tok = reference(gpt2_dir)
+    texts = {"A": "The capital of France is", "B": PROMPT, "C": "Hello world, this is"}
+    greedy = {"max_tokens": 8, "temperature": 0, "logprobs": 1}
+    try:
+        srv.wait_ready()
+        decode.touch()
+        with ThreadPoolExecutor(2) as pool:
+
+            def post(name: str):
+                return requests.post(
+                    srv.url + "/v1/completions",
+                    json={"model": "tiny-gpt2", "prompt": texts[name], **greedy},
+                    timeout=120,
+                )
+
+            a = pool.submit(post, "A")
+            wait_for(lambda: held(decode), "A decoding, held at its first decode step")
+            prefill.touch()
+            counts.write_text("")
+            b = pool.submit(post, "B")
+            c = send_raw(srv, {"prompt": texts["C"], "max_tokens": 50, "temperature": 0, "ignore_eos": True})
+            wait_for(lambda: sample(metrics(srv), "saker_requests_running") == 3, "B and C in the engine's queue")
+            decode.unlink()  # A's step ends; the next one takes B's and C's prompts with A's row
+            wait_for(lambda: held(prefill), "the shared prompt step held at the gate")
+            shared = 1 + len(tok(texts["B"]).input_ids) + len(tok(texts["C"]).input_ids)
+            c.close()  # C's client goes away while its prompt is computed beside B's
+            wait_for(lambda: access_lines(access_log), "C's access-log line")
+            [line] = access_lines(access_log)
+            assert line["status"] == 499 and line["error_code"] == "client_closed_request"
+            prefill.unlink()
+            answers = {"A": a.result(), "B": b.result()}
+        assert counts.read_text().split()[0] == str(shared)  # A's row and both prompts in the held step
+        for name, answer in answers.items():
+            assert answer.status_code == 200, answer.text
+            check_greedy(answer.json(), reference, gpt2_dir, texts[name], 8)
+        wait_for(lambda: idle(srv), "nothing running")
+        assert sample(metrics(srv), "saker_kv_cache_usage") == 0  # C's blocks are free too
+        after = requests.post(
+            srv.url + "/v1/completions", json={"model": "tiny-gpt2", "prompt": texts["C"], **greedy}, timeout=60
+        )
+        assert after.status_code == 200, after.text
+        check_greedy(after.json(), reference, gpt2_dir, texts["C"], 8)
+    finally:
+        decode.unlink(missing_ok=True)
+        prefill.unlink(missing_ok=True)
+        srv.stop()
+    assert "Traceback" not in srv.output()
