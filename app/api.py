@@ -265,7 +265,7 @@ def _server_sent(chunks, job, record: RequestRecord, frame, done: bool, headers:
                 yield frame(chunk)
             finished = True
         except (APIError, EngineError) as exc:
-            err = as_api_error(exc)
+            err = as_api_error(exc, request_id)
             record.error_code = err.code or err.type
             yield _data_frame(err.body())
         except Exception:

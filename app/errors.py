@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from app.engine.errors import (
+from app.engine.errors import (  # noqa: F401 - ConfigError is the settings' too
     ClientGone,
+    ConfigError,
     ConstraintError,
     EngineError,
     EngineNotReady,
@@ -148,7 +149,20 @@ class InternalServerError(APIError):
     code = "internal_error"
 
 
-def from_engine(exc: EngineError) -> APIError:
+class EngineFailedError(InternalServerError):
+    """500: a step of the engine failed while it computed this request. Its message names the request id, which
+    a stream's generator (outside the request's context) fills in when it answers (``named``)."""
+
+    def __init__(self, template: str, request_id: str | None):
+        self.template = template
+        super().__init__(template.format(request_id=request_id or "?"))
+        self.request_id = request_id
+
+    def named(self, request_id: str) -> "EngineFailedError":
+        return self if self.request_id else EngineFailedError(self.template, request_id)
+
+
+def from_engine(exc: EngineError, request_id: str | None = None) -> APIError:
     """The answer to a request the engine could not serve: its status, headers, code and message."""
     if isinstance(exc, QueueFull):
         return OverloadedError(
@@ -181,20 +195,25 @@ def from_engine(exc: EngineError) -> APIError:
             if exc.fatal
             else "what it held was given back and the server serves on; retry"
         )
-        return InternalServerError(f"The engine failed on this request (request id {_request_id()}): {exc}; {after}")
+        return EngineFailedError(
+            f"The engine failed on this request (request id {{request_id}}): {exc}; {after}",
+            request_id or _request_id(),
+        )
     return InternalServerError(f"The engine could not serve this request: {exc}")
 
 
-def _request_id() -> str:
-    """The current request's id (``X-Request-ID``), "?" outside a request."""
+def _request_id() -> str | None:
+    """The current request's id (``X-Request-ID``), None outside a request's context."""
     from flask import g, has_request_context
 
-    return getattr(g, "request_id", "?") if has_request_context() else "?"
+    return getattr(g, "request_id", None) if has_request_context() else None
 
 
-def as_api_error(exc: APIError | EngineError) -> APIError:
-    """An API error as it is; an engine error as the HTTP layer answers it."""
-    return exc if isinstance(exc, APIError) else from_engine(exc)
+def as_api_error(exc: APIError | EngineError, request_id: str | None = None) -> APIError:
+    """An API error as it is; an engine error as the HTTP layer answers it (``request_id``: the request's, where
+    it is answered outside the request's context: a stream's generator)."""
+    err = exc if isinstance(exc, APIError) else from_engine(exc, request_id)
+    return err.named(request_id) if request_id and isinstance(err, EngineFailedError) else err
 
 
 @contextlib.contextmanager
@@ -204,7 +223,3 @@ def engine_errors_as_api() -> Iterator[None]:
         yield
     except EngineError as exc:
         raise from_engine(exc) from None
-
-
-class ConfigError(Exception):
-    """A bad setting or an impossible load: reported at start-up as one line."""

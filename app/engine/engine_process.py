@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.engine.client import Engine
-from app.engine.errors import EngineNotReady, QueueFull
+from app.engine.errors import ConfigError, EngineNotReady, QueueFull
 from app.engine.generate import RequestGroup
 
 log = logging.getLogger("saker.engine")
@@ -39,7 +39,7 @@ HEARTBEAT_S = 1.0  # how often the engine process sends its counters when it has
 class EngineFacts:
     """What the serving side needs to know of the loaded model."""
 
-    info: object  # worker.ModelInfo
+    info: object  # core.ModelInfo
     tokenizer: object
     eos_token_ids: tuple[int, ...]
     byte_level: bool
@@ -64,15 +64,19 @@ class FrontRunner:
 def engine_main(settings, conn) -> None:
     """The engine process: load (on a thread that exits, so the scheduler thread owns torch's thread pool), then
     serve the pipe until it closes."""
-    from app.engine.worker import Worker
-
+    from app.engine.core import EngineConfig, EngineCore
+    from app.engine.loader import load_model
     from app.log_config import configure_logging
 
     configure_logging(settings)  # the serving processes' one format (text or JSON), in this process too
-    worker = Worker.from_settings(settings.model_copy(update={"engine_process": False}))
-    worker.load_in_background().join()
-    if not worker.ready:
-        conn.send(("error", worker.error or "model load failed"))
+    try:
+        core = EngineCore.load(tuple(settings.model_names), lambda: load_model(settings), EngineConfig.of(settings))
+    except ConfigError as exc:
+        conn.send(("error", str(exc)))
+        return
+    except Exception as exc:
+        log.exception("saker: model load failed")
+        conn.send(("error", f"model load failed: {type(exc).__name__}: {exc}"))
         return
     lock = threading.Lock()
 
@@ -80,7 +84,7 @@ def engine_main(settings, conn) -> None:
         with lock:
             conn.send(message)
 
-    runner, scheduler = worker.runner, worker.scheduler
+    runner, scheduler = core.runner, core.scheduler
 
     def stats() -> tuple:
         counts = scheduler.speculation_counts
@@ -110,13 +114,13 @@ def engine_main(settings, conn) -> None:
         (
             "ready",
             EngineFacts(
-                worker.info,
+                core.info,
                 runner.tokenizer,
                 tuple(runner.eos_token_ids),
                 runner.byte_level,
                 tuple(runner.adapters),
-                worker.kv_cache_tokens,
-                worker.load_seconds or 0.0,
+                core.kv_cache_tokens,
+                core.load_seconds or 0.0,
             ),
         )
     )
@@ -180,8 +184,6 @@ class EngineClient(Engine):
 
     def start(self) -> EngineFacts:
         """Start the engine and wait until it has loaded the model (ConfigError when it could not)."""
-        from app.errors import ConfigError
-
         self.process.start()
         try:
             kind, payload = self._conn.recv()

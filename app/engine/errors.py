@@ -9,6 +9,10 @@ process's pipe (``SAKER_ENGINE_PROCESS``) as it is. No torch and no Flask here.
 from __future__ import annotations
 
 
+class ConfigError(Exception):
+    """A bad setting or an impossible load: reported at start-up as one line (the settings raise it too)."""
+
+
 class EngineError(Exception):
     """A request the engine could not serve, and why, as data."""
 

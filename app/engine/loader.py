@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from app.engine import speculative
+from app.engine.model_files import CHECKSUMS, damage, folder_checksums
 from app.engine.optimize import make_batch_invariant, optimize_for_inference
-from app.errors import ConfigError
+from app.engine.errors import ConfigError
 from app.settings import DEFAULT_MODEL_NAME, Settings
 
 log = logging.getLogger("saker.loader")
@@ -55,35 +55,11 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-CHECKSUMS = "saker-checksums.json"
-
-
-def folder_checksums(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a converted folder (the manifest itself aside)."""
-    import hashlib
-
-    sums = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name != CHECKSUMS:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(1 << 22):
-                    digest.update(block)
-            sums[path.name] = digest.hexdigest()
-    return sums
-
-
-def damage(folder: Path) -> str | None:
-    """What is wrong with a converted folder (None: every file matches the checksums written at conversion)."""
-    import json
-
-    try:
-        want = json.loads((folder / CHECKSUMS).read_text())
-    except (OSError, ValueError):
-        return f"it has no readable {CHECKSUMS}"
-    have = folder_checksums(folder)
-    bad = sorted(name for name in want if have.get(name) != want[name])
-    return f"{', '.join(bad)} does not match its checksum" if bad else None
+def speculative_method(settings: Settings) -> str:
+    """``settings.speculative``, or where it is unset the default: prompt lookup on the CPU, off on CUDA."""
+    if settings.speculative is not None:
+        return settings.speculative
+    return "ngram" if resolve_device(settings) == "cpu" else "off"
 
 
 def ensure_default_model(settings: Settings) -> Path:
@@ -323,7 +299,7 @@ def load_model(settings: Settings) -> LoadedModel:
         if device != "cpu":
             model.to(device)  # what stayed in float (embeddings, norms) joins the packed linears
     optimize_for_inference(model)
-    if settings.batch_invariant if settings.batch_invariant is not None else speculative.method(settings) != "off":
+    if settings.batch_invariant if settings.batch_invariant is not None else speculative_method(settings) != "off":
         if swapped := make_batch_invariant(model):
             log.info("batch-invariant: %d linears and norms in fixed order", swapped)
         elif str(device).startswith("cuda"):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from app.engine.model_files import CHECKSUMS, damage, folder_checksums
 from app.engine.quantize import quantize_model, quantized_state, restore_quantized
 
 log = logging.getLogger("saker.quantize")
@@ -63,7 +64,6 @@ def load_or_quantize(
 ) -> str:
     """Quantize ``model`` in place for ``device`` (from the cache when it holds this model, mode and device); the
     precision in words."""
-    from app.engine.loader import damage
 
     folder = root / "quantized" / cache_key(mode, source, device)
     if (folder / "manifest.json").is_file():
@@ -90,8 +90,6 @@ def load_or_quantize(
 
 def _write(folder: Path, model: torch.nn.Module, precision: str) -> None:
     from safetensors.torch import save_file
-
-    from app.engine.loader import CHECKSUMS, folder_checksums
 
     tensors, modules = quantized_state(model)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")

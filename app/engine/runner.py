@@ -32,7 +32,7 @@ class ModelRunner:
     _active_adapter: object = field(default="", repr=False)  # "": not chosen yet
 
     def __post_init__(self):
-        from app.errors import ConfigError
+        from app.engine.errors import ConfigError
 
         if self.input_device is None:
             self.input_device = self.model.get_input_embeddings().weight.device
@@ -63,6 +63,17 @@ class ModelRunner:
     def can_join(self, running: set, adapter: str | None) -> bool:
         """Whether a request for ``adapter`` may share a decode batch with requests for the ``running`` ones."""
         return self.mixes_adapters or running <= {adapter}
+
+    @property
+    def context_length(self) -> int:
+        """The most positions a sequence may hold: the config's, else the tokenizer's, else 2048."""
+        config = self.model.config
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(config, attr, None) or getattr(getattr(config, "text_config", None), attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        value = getattr(self.tokenizer, "model_max_length", None)
+        return value if isinstance(value, int) and 0 < value < 10**9 else 2048
 
     @property
     def vocab_size(self) -> int:
@@ -166,6 +177,19 @@ class ModelRunner:
         """SAKER_COMPILE: the decode-only step through torch.compile (one graph; CUDA graphs on CUDA)."""
         mode = "reduce-overhead" if self.input_device.type == "cuda" else None
         self.compiled_step = torch.compile(self.rows_step, fullgraph=True, mode=mode)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
 
 
 # the cache layers whose keys and values can live in the block pool: plain ones, and sliding windows (the window

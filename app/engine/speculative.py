@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from app.engine.loader import speculative_method as method  # the setting as it applies on this device
+
 MISSES_TO_PAUSE = 3
 PAUSE = 8
 MAX_PAUSE = 256
@@ -166,10 +168,9 @@ class DraftProposer(Proposer):
 
         from app.engine.batches import BlockBatch
         from app.engine.blocks import BLOCK
-        from app.engine.worker import context_length
 
         self.runner, self.vocab = runner, vocab  # the served model's vocabulary: no guess outside it
-        self.context = context_length(runner.model, runner.tokenizer)
+        self.context = runner.context_length
         self.batch = BlockBatch(runner, rows * (-(-(self.context + tokens) // BLOCK) + 1) * BLOCK)
         self.batch.make_pool()  # and its block count, at once (blocks are zeroed when first handed out)
         self.holding: OrderedDict[int, DraftState] = OrderedDict()  # states with blocks, least recently guessing first
@@ -267,15 +268,6 @@ def _shared(held: list[int], tokens: list[int]) -> int:
     return same
 
 
-def method(settings) -> str:
-    """``settings.speculative``, or where it is unset the default: prompt lookup on the CPU, off on CUDA."""
-    if settings.speculative is not None:
-        return settings.speculative
-    from app.engine.loader import resolve_device
-
-    return "ngram" if resolve_device(settings) == "cpu" else "off"
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """The settings (SAKER_SPECULATIVE, _TOKENS, _MAX_ROWS, _NGRAM_MIN, _NGRAM_MAX)."""
@@ -315,7 +307,7 @@ class SpeculativeConfig:
         if self.method == "ngram":
             return Speculation(NgramProposer(self.ngram_min, self.ngram_max), self.tokens, self.max_rows)
         if self.method == "draft":
-            from app.errors import ConfigError
+            from app.engine.errors import ConfigError
 
             loaded = self.draft()
             if loaded.tokenizer.get_vocab() != runner.tokenizer.get_vocab():

@@ -1,211 +1,88 @@
-"""The one owner of the model in a process: loads it (in the background), then serves requests through the
-scheduler's continuous batch, whose one waiting queue decides how many run at once and how many may wait."""
+"""What the HTTP layer and the batch CLI talk to: loads the model's engine (in the background; ``core.EngineCore``
+in this process, or in the engine process through ``engine_process.EngineClient``), then serves requests through
+it: the scheduler's continuous batch, whose one waiting queue decides how many run at once and how many may wait.
+``ModelInfo`` and ``EngineConfig`` come from ``core``."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
-import time
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from app.engine.errors import ClientGone, ConstraintError, EngineNotReady
+from app.engine.blocks import BLOCK
+from app.engine.core import EngineConfig, EngineCore, ModelInfo
+from app.engine.engine_process import EngineClient, FrontRunner
+from app.engine.errors import ClientGone, ConfigError, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
-from app.engine.generate import RequestGroup, SoloRun
-from app.engine.output import CompletionOutput, OutputStream, Release, collect
+from app.engine.generate import RequestGroup
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_guard
+from app.engine.output import CompletionOutput, OutputStream, Release, collect
 from app.engine.params import SamplingParams, Timings
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler
-from app.engine.speculative import SpeculativeConfig
-from app.errors import ConfigError
 
 log = logging.getLogger("saker.worker")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    names: tuple[str, ...]  # main served name first, then aliases
-    adapters: tuple[str, ...]  # named PEFT adapters, each its own model name
-    context_length: int
-    vocab_size: int
-    source: str
-    precision: str = "float32"  # the weights and activations served, in words
-
-
-def context_length(model, tokenizer) -> int:
-    config = model.config
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, attr, None) or getattr(getattr(config, "text_config", None), attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    return value if isinstance(value, int) and 0 < value < 10**9 else 2048
-
-
-def eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
 
 
 class Worker:
     def __init__(
         self,
         names: tuple[str, ...],
-        loader: Callable[[], LoadedModel],
-        *,
-        max_batch_rows: int = 8,
-        max_running_requests: int | None = None,
-        max_queue: int | None = None,
-        queue_timeout: float | None = None,
-        compile: bool | None = False,
-        prefill_batch_tokens: int = 512,
-        prefix_cache_tokens: int = 4096,
-        prefill_chunk_tokens: int = 32,
-        kv_cache_tokens: int | None = None,
-        speculative: SpeculativeConfig | None = None,
+        loader: Callable[[], LoadedModel] | None,
+        config: EngineConfig | None = None,
+        **config_fields,
     ):
         self.names = names
-        self._loader = loader
-        self.max_batch_rows = max_batch_rows  # candidate rows in the scheduler's decode batch
-        self.prefill_batch_tokens = prefill_batch_tokens  # prompt tokens one step computes (0: one prompt's chunk)
-        self.prefix_cache_tokens = prefix_cache_tokens  # prompt tokens whose KV is kept for reuse (0: off)
-        self.prefill_chunk_tokens = prefill_chunk_tokens  # a prompt's tokens per step while rows decode (0: all)
-        self.kv_cache_tokens = kv_cache_tokens  # the decode batch's KV budget (None: derived at load)
-        self.compile = compile  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
-        self.speculative = speculative  # SAKER_SPECULATIVE* (None: off)
-        self.scheduler: Scheduler | None = None
-        # how many requests run at once (None: as many as the batch has rows), how many may wait and how long
-        self.max_running_requests = max_running_requests or max_batch_rows
-        self.max_queue, self.queue_timeout = max_queue, queue_timeout
+        self._loader = loader  # None: the engine runs in an engine process (``_engine_settings``)
+        self.config = config or EngineConfig(**config_fields)
+        self.kv_cache_tokens = self.config.kv_cache_tokens  # the KV budget in use, once loaded
+        self.scheduler: Scheduler | EngineClient | None = None  # the engine the requests go to
         self.load_seconds: float | None = None
         self._ready = threading.Event()
         self.error: str | None = None
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | FrontRunner | None = None
         self.info: ModelInfo | None = None
+        self._engine_settings = None  # SAKER_ENGINE_PROCESS: the settings the engine process loads with
         # the engine could not be made consistent again after a failed step (or its process exited): called with
         # the reason once every request in it has failed; the app makes the process exit (create_app)
         self.on_fatal: Callable[[str], None] | None = None
 
     @classmethod
     def from_settings(cls, settings) -> "Worker":
-        queue = {
-            "max_running_requests": settings.max_running_requests,
-            "max_queue": settings.max_queue,
-            "queue_timeout": settings.queue_timeout,
-        }
+        config = EngineConfig.of(settings)
         if settings.engine_process:
-            worker = cls(tuple(settings.model_names), None, max_batch_rows=settings.max_batch_rows, **queue)
+            worker = cls(tuple(settings.model_names), None, config)
             worker._engine_settings = settings
             return worker
-        return cls(
-            tuple(settings.model_names),
-            lambda: load_model(settings),
-            **queue,
-            max_batch_rows=settings.max_batch_rows,
-            prefill_batch_tokens=settings.prefill_batch_tokens,
-            prefix_cache_tokens=settings.prefix_cache_tokens,
-            prefill_chunk_tokens=settings.prefill_chunk_tokens,
-            kv_cache_tokens=settings.kv_cache_tokens,
-            compile=settings.compile,
-            speculative=SpeculativeConfig.of(settings),
-        )
+        return cls(tuple(settings.model_names), lambda: load_model(settings), config)
 
     @classmethod
-    def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **kwargs) -> "Worker":
-        worker = cls(names, lambda: loaded, **kwargs)
+    def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **config_fields) -> "Worker":
+        worker = cls(names, lambda: loaded, **config_fields)
         worker.load()
         return worker
 
     # -- loading ----------------------------------------------------------------------------------------
     def load(self) -> None:
-        """Load the model, warm it up and start the scheduler thread.
-
-        The work runs on a thread of its own that exits when it is done. torch's CPU thread pool (OpenMP) belongs
-        to the thread that first runs a parallel operation and lives as long as that thread. A caller that loaded
-        on its own long-lived thread (a script's main thread, the batch CLI) would keep a second pool beside the
-        scheduler thread's; with more OpenMP threads than cores, OpenMP stops spinning and puts its workers to
-        sleep between operations, and every small operation of a decode step pays a wake-up. On the 2-core
-        machine the embedded model decoded at 33-38 ms/token that way, against 18.5-19.3 when loaded like this."""
-        if getattr(self, "_engine_settings", None) is not None:
+        """Load the model and start its engine here (``core.EngineCore.load``) or in the engine process."""
+        if self._engine_settings is not None:
             self._load_engine_process(self._engine_settings)
             return
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self._load_and_start()
-            except BaseException as exc:  # re-raised on the caller's thread
-                failure.append(exc)
-
-        loader = threading.Thread(target=run, name="saker-load")
-        loader.start()
-        loader.join()
-        if failure:
-            raise failure[0]
-
-    def _load_and_start(self) -> None:
         try:
-            loaded = self._loader()
+            core = EngineCore.load(self.names, self._loader, self.config)
         except ConfigError as exc:
             self.error = str(exc)
             raise
-        model, tok = loaded.model, loaded.tokenizer
-        self.runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
-        self.info = ModelInfo(
-            self.names,
-            tuple(loaded.adapters),
-            context_length(model, tok),
-            self.runner.vocab_size,
-            loaded.source,
-            loaded.precision,
-        )
-        self.warm_up()
-        self.scheduler = Scheduler(
-            self.runner,
-            max_batch_rows=self.max_batch_rows,
-            prefill_tokens=self.prefill_batch_tokens,
-            prefill_chunk_tokens=self.prefill_chunk_tokens,
-            kv_cache_tokens=self.kv_cache_tokens,
-            prefix_cache_tokens=self.prefix_cache_tokens,
-            max_running_requests=self.max_running_requests,
-            max_queue=self.max_queue,
-            queue_timeout=self.queue_timeout,
-            speculative=self.speculative,
-        )
+        self.runner, self.info, self.scheduler = core.runner, core.info, core.scheduler
+        self.kv_cache_tokens, self.load_seconds = core.kv_cache_tokens, core.load_seconds
         self.scheduler.on_fatal = self._engine_failed
-        # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
-        self.kv_cache_tokens = self.scheduler.batch.make_pool()
-        if self.compile if self.compile is not None else self.runner.input_device.type == "cuda":
-            self.compile_decode_step()
-        self.scheduler.start()
-        self.load_seconds = loaded.load_seconds
-        log.info(
-            "serving %s as %s from %s (loaded in %.1f s, context %d, %s)",
-            self.names[0],
-            ", ".join(self.names + self.info.adapters),
-            loaded.source,
-            loaded.load_seconds,
-            self.info.context_length,
-            loaded.precision,
-        )
         self._ready.set()
 
     def _load_engine_process(self, settings) -> None:
         """SAKER_ENGINE_PROCESS: the model loads and runs in the engine process; this one keeps its tokenizer and
         an ``EngineClient`` in the scheduler's place."""
-        from app.engine.engine_process import EngineClient, FrontRunner
-
         client = EngineClient(settings)
         try:
             facts = client.start()
@@ -237,33 +114,11 @@ class Worker:
         engine = self.scheduler
         return engine.stalled_s() if engine is not None else 0.0
 
-    def warm_up(self) -> None:
-        """One short greedy generation before /health turns 200, so the first request is not the slow one."""
-        bos = self.runner.tokenizer.bos_token_id
-        ids = [bos if bos is not None else 0]
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        collect(iter(SoloRun(self.runner, ids, params, max_length=self.info.context_length)), params)
-
-    def compile_decode_step(self) -> None:
-        """SAKER_COMPILE: compile the decode-only step and run it once per batch bucket (and window) on the
-        scheduler's own pool, so that no request pays a compile or a CUDA graph capture. Models whose cache cannot be
-        kept in blocks decode eagerly."""
-        batch = self.scheduler.batch
-        if not hasattr(batch, "warm_up"):
-            log.warning("SAKER_COMPILE: this model's cache cannot be kept in blocks; decoding eagerly")
-            return
-        start = time.perf_counter()
-        self.runner.compile_step()
-        import torch
-
-        with torch.inference_mode():
-            batch.warm_up(self.max_batch_rows, self.info.context_length)
-        log.info(
-            "compiled the decode step for batches up to %d rows, windows up to %d positions (%.1f s)",
-            self.max_batch_rows,
-            batch.capacity,
-            time.perf_counter() - start,
-        )
+    @staticmethod
+    def kv_positions(reach: int, candidates: int) -> tuple[int, int]:
+        """The KV positions ``candidates`` sequences of ``reach`` positions each may take at most (whole blocks:
+        what a request's admission is judged by), and the block size."""
+        return candidates * -(-reach // BLOCK) * BLOCK, BLOCK
 
     def queue_snapshot(self) -> dict[str, int]:
         """The engine's waiting queue: requests running (holding a slot), waiting for one, turned away (429) and

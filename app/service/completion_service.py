@@ -10,7 +10,6 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Iterator
 
-from app.engine.blocks import BLOCK
 from app.engine.params import Constraint
 from app.engine.errors import ConstraintError
 from app.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError, engine_errors_as_api
@@ -180,7 +179,7 @@ class CompletionService:
         if not budget:
             return
         reach = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_total_tokens - len(ids))
-        need = params.num_candidates * -(-reach // BLOCK) * BLOCK
+        need, block = self.worker.kv_positions(reach, params.num_candidates)
         if need > budget:
             param = (
                 "best_of"
@@ -191,7 +190,7 @@ class CompletionService:
             )
             raise InvalidRequestError(
                 f"This request needs {need} KV-cache positions ({params.num_candidates} candidates x {reach} "
-                f"positions: prompt + max_tokens, in blocks of {BLOCK}), more than the server's KV budget of {budget} "
+                f"positions: prompt + max_tokens, in blocks of {block}), more than the server's KV budget of {budget} "
                 f"(SAKER_KV_CACHE_TOKENS); ask for fewer candidates or tokens",
                 param=param,
             )

@@ -373,7 +373,7 @@ def test_the_worker_takes_rows_and_running_requests_apart():
     from app.engine.worker import Worker
 
     worker = Worker.from_settings(Settings(max_batch_rows=16, max_running_requests=3))
-    assert worker.max_batch_rows == 16 and worker.max_running_requests == 3
+    assert worker.config.max_batch_rows == 16 and worker.config.running_requests == 3
 
 
 def test_every_setting_is_documented():
