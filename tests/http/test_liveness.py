@@ -88,6 +88,40 @@ def test_a_failed_step_is_a_json_500_naming_the_request_and_the_next_one_answers
     assert error["type"] == "server_error" and error["code"] == "internal_error" and error["param"] is None
     assert "req-fault-1" in error["message"] and "serves on" in error["message"]
     wide = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 128, "temperature": 1})
-    assert wide.status_code == 200 and len(wide.get_json()["choices"]) == 128
+    assert wide.status_code == 200 and len(wide.get_json()["choices"]) == 128, wide.get_data(as_text=True)
     worker.scheduler.wait_idle(60)
     assert worker.scheduler.batch.blocks.held_blocks == 0 and worker.scheduler.inconsistency() is None
+
+
+def test_a_stream_whose_step_fails_ends_with_an_error_frame_naming_the_request(stalling_app):
+    """After the first chunk is out: a ``data: {"error": ...}`` frame naming the request id, then ``[DONE]``."""
+    import json
+
+    app, worker = stalling_app
+    scheduler = worker.scheduler
+
+    def fail(point: str) -> None:
+        if point == "sample":
+            raise RuntimeError("injected fault")
+
+    body = {"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    answer = app.test_client().post(
+        "/v1/completions", json=body, headers={"X-Request-ID": "req-stream-9"}, buffered=False
+    )
+    assert answer.status_code == 200
+    text = ""
+    try:
+        for piece in answer.response:
+            text += piece.decode() if isinstance(piece, bytes) else piece
+            if '"choices"' in text:
+                worker.runner.fault = fail  # the stream has started: its next step fails
+    finally:
+        worker.runner.fault = None
+        answer.close()
+    frames = [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "internal_error" and "req-stream-9" in error["message"], error
+    assert "choices" in json.loads(frames[0])  # a token came before the failure
+    scheduler.wait_idle(60)
+    assert scheduler.batch.blocks.held_blocks == 0
