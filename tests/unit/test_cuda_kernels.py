@@ -174,12 +174,16 @@ def test_fixed_order_rms_norm_is_llamas_norm_row_by_row(jitted, dtype):
     assert torch.equal(run(x[4:5]), got[4:5]) and torch.equal(run(x[2:7]), got[2:7])
 
 
-def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, monkeypatch):
+def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, reference, monkeypatch):
     """With the model in fixed order (``optimize.make_batch_invariant``), a row's guessed positions are computed with
     the numbers its plain steps would have: an oracle's guesses (the unspeculated answer) are all kept, and every
     token, logprob and top logprob is the same bits as without speculation, for two prompts (one prefilled in
     chunks beside the other's decoding). Here the kernels run in Triton's interpreter on float32; on a GPU compiled,
-    where cuBLAS would otherwise give a row other bits in a wider step."""
+    where cuBLAS would otherwise give a row other bits in a wider step.
+
+    Oracles: for the answers, transformers' own model (a plain forward's argmax and log-softmax,
+    ``references.check_reference``); for the bits, the unspeculated answer itself (the subject is that speculation
+    changes no bit, which no independent reference can show)."""
     import torch._inductor.config as inductor_config
 
     from app.engine import optimize
@@ -187,7 +191,7 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
     from app.engine.params import SamplingParams
     from app.engine.speculative import Speculation
     from app.engine.worker import Worker
-    from references import Oracle
+    from references import Oracle, check_reference
     from tests.conftest import make_settings
 
     monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
@@ -211,6 +215,9 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
     params = SamplingParams(max_tokens=14, temperature=0.0, logprobs=2, ignore_eos=True)
     plain, _ = worker().complete(prompts, params, 256)
     assert cuda_kernels.fixed_order() and max(products) > 1
+    model, _ = reference(llama_dir)
+    for ids, output in zip(prompts, plain):
+        check_reference(output, model, tok, ids, params, tol=1e-3 if CUDA else 1e-4)
     answers = {tuple(p): list(o.choices[0].token_ids) for p, o in zip(prompts, plain)}
     speculation = Speculation(Oracle(answers, 10_000), 4, 8)
     got, _ = worker(speculation).complete(prompts, params, 256)
