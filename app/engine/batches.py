@@ -19,8 +19,8 @@ from app.engine.kv_cache import KVPool
 from app.engine.runner import MIXED, ModelRunner
 from app.engine.sampler import SamplingRows
 
-if TYPE_CHECKING:  # a type only: generate imports this module
-    from app.engine.generate import RequestGroup
+if TYPE_CHECKING:  # a type only: sequence's module imports what imports this one
+    from app.engine.sequence import RequestGroup
 
 
 class BatchOutOfMemory(Exception):

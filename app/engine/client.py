@@ -24,7 +24,7 @@ from app.engine.errors import ClientGone
 from app.engine.events import PromptEvent, TokenEvent
 
 if TYPE_CHECKING:
-    from app.engine.generate import RequestGroup
+    from app.engine.sequence import RequestGroup
 
 
 @dataclass(frozen=True)

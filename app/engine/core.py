@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from app.engine.generate import SoloRun
+from app.engine.solo import SoloRun
 from app.engine.loader import LoadedModel
 from app.engine.output import collect
 from app.engine.params import SamplingParams

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from app.engine.client import Engine
 from app.engine.errors import ConfigError, EngineNotReady, QueueFull
-from app.engine.generate import RequestGroup
+from app.engine.sequence import RequestGroup
 
 log = logging.getLogger("saker.engine")
 HEARTBEAT_S = 1.0  # how often the engine process sends its counters when it has nothing else to send

@@ -30,19 +30,10 @@ import torch
 from app.engine.admission import Admission
 from app.engine.client import Ended, Engine
 from app.engine.errors import EngineError, EngineNotReady, EngineStepFailed
-from app.engine.generate import (
-    BatchOutOfMemory,
-    BlockBatch,
-    ChunkedPrefill,
-    Event,
-    RequestGroup,
-    Status,
-    compute_chunks,
-    decode_step,
-    drop,
-    drop_finished,
-    preempt,
-)
+from app.engine.batches import BatchOutOfMemory, BlockBatch
+from app.engine.prefill import ChunkedPrefill
+from app.engine.sequence import RequestGroup, Status
+from app.engine.step import Event, compute_chunks, decode_step, drop, drop_finished, preempt
 from app.engine.runner import MIXED, ModelRunner
 from app.engine.speculative import SpeculativeConfig
 

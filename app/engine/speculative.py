@@ -1,5 +1,5 @@
 """Speculative decoding (``SAKER_SPECULATIVE``): the proposers: guesses of a sequence's next tokens, which one forward
-of the target checks (``generate.decode_step``: a row with ``k`` guesses computes ``1 + k`` positions in the step's
+of the target checks (``step.decode_step``: a row with ``k`` guesses computes ``1 + k`` positions in the step's
 flat forward, and keeps the guesses its own sampler would have picked).
 
 - ``NgramProposer`` is prompt lookup: the sequence's last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) are

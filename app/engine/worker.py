@@ -15,7 +15,7 @@ from app.engine.core import EngineConfig, EngineCore, ModelInfo
 from app.engine.engine_process import EngineClient, FrontRunner
 from app.engine.errors import ClientGone, ConfigError, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
-from app.engine.generate import RequestGroup
+from app.engine.sequence import RequestGroup
 from app.engine.loader import LoadedModel, load_model
 from app.engine.oom import out_of_memory_guard
 from app.engine.output import CompletionOutput, OutputStream, Release, collect

@@ -18,7 +18,8 @@ import torch
 import torch._dynamo
 
 from app.engine.blocks import BLOCK
-from app.engine.generate import RequestGroup, bucket
+from app.engine.batches import bucket
+from app.engine.sequence import RequestGroup
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.generate import RequestGroup, SoloRun
+from app.engine.sequence import RequestGroup
+from app.engine.solo import SoloRun
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
@@ -130,7 +131,7 @@ def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_wo
     a candidate a stop string ended says ``stop``, one the engine ended says its own reason. Sampled candidates'
     tokens are the documented counter-based draws over a plain forward (``references.ref_sampled``), and the answer
     the output side makes of them is that reference's text cut before the stop string."""
-    from app.engine.generate import SequenceStatus
+    from app.engine.sequence import Status
 
     worker, path = batch_worker
     model, tok = reference(path)
@@ -145,12 +146,12 @@ def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_wo
         max_length=256,
         tag=1,
     )
-    assert [s.status for s in greedy.seqs] == [SequenceStatus.WAITING]
+    assert [s.status for s in greedy.seqs] == [Status.WAITING]
     events = [event for tag, event in worker.scheduler.submit([greedy, stopped]) if tag == 1]
     [seq] = greedy.seqs
     assert seq.output_ids == ref_greedy(model, tok, ids, 7)[len(ids) :]
     assert seq.num_computed_tokens == len(ids) + 7 - 1
-    assert (seq.status, seq.finish_reason) == (SequenceStatus.FINISHED, "length")
+    assert (seq.status, seq.finish_reason) == (Status.FINISHED, "length")
     answer = collect(events, stopped.params)
     for index, seq in enumerate(stopped.seqs):
         want = ref_sampled(model, ids, stopped.params, index, 40, follow=seq.output_ids)
@@ -160,7 +161,7 @@ def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_wo
         assert seq.output_ids == want[: len(seq.output_ids)] and len(seq.output_ids) >= at
         # the row leaves when the output side, on the reader's thread, has seen the stop string: unless the engine
         # ended it by its length first (which comes first is the threads' race), its reason is "stop"
-        assert seq.status is SequenceStatus.FINISHED
+        assert seq.status is Status.FINISHED
         assert seq.finish_reason == "stop" if len(seq.output_ids) < 40 else seq.finish_reason in ("stop", "length")
         assert seq.num_computed_tokens == len(ids) + len(seq.output_ids) - 1
         # what the client gets does not depend on that race: the reference text, cut before the stop string

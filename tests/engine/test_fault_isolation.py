@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from app.engine.blocks import BLOCK
 from app.engine.errors import ClientGone, EngineStepFailed
-from app.engine.generate import RequestGroup
+from app.engine.sequence import RequestGroup
 from app.engine.output import collect
 from app.engine.params import Constraint, SamplingParams
 from app.engine.speculative import SpeculativeConfig

@@ -146,7 +146,9 @@ def test_named_adapters_are_models_and_match_peft(llama_dir, loras):
 def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     """Requests for two LoRA adapters and the base model decode in the same steps (peft's ``adapter_names``);
     each one's tokens and logprobs equal peft's own forward for its adapter, and its run alone."""
-    from app.engine.generate import RequestGroup, SoloRun, TokenEvent
+    from app.engine.events import TokenEvent
+    from app.engine.sequence import RequestGroup
+    from app.engine.solo import SoloRun
     from app.engine.loader import load_model
     from app.engine.output import collect
     from app.engine.params import SamplingParams

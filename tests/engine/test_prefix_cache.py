@@ -92,7 +92,7 @@ def workers(request):
 
 def run(worker, ids, params):
     """Through the scheduler, as a request is served."""
-    from app.engine.generate import RequestGroup
+    from app.engine.sequence import RequestGroup
 
     group = RequestGroup(worker.runner, ids, params, max_length=256)
     return collect([event for _, event in worker.scheduler.submit([group])], params)

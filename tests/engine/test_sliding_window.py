@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.generate import RequestGroup
+from app.engine.sequence import RequestGroup
 from app.engine.output import collect
 from app.engine.params import SamplingParams
 from app.tiny_models import copy_tokenizer, llama_model

@@ -368,7 +368,7 @@ def test_made_up_methods_do_not_grow_the_metrics(gpt2_worker):
 
 def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
     """The gauge reads the running batch: a request's rows hold their prompt + tokens so far."""
-    from app.engine.generate import RequestGroup
+    from app.engine.sequence import RequestGroup
     from app.engine.params import SamplingParams
 
     client = make_app(gpt2_worker, access_log="off").test_client()
