@@ -42,12 +42,15 @@ log = logging.getLogger("saker.scheduler")
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes (``Scheduler._plan``): every running row's next token (the batch's rows), the prompt
-    chunks that ride in the same forward, each job with its next tokens, and those computed apart, one forward per
-    PEFT adapter (nothing runs, or the rows use another adapter)."""
+    """What one step computes (``Scheduler._schedule``): the groups whose rows decode (each row its next token, and
+    its guesses with speculation), the prompt chunks that ride in the same forward, each job with its next tokens,
+    those computed apart, one forward per PEFT adapter (nothing runs, or the rows use another adapter), and the
+    groups preempted to make room for the step (their blocks given back, their rows parked)."""
 
+    rows: list[RequestGroup] = field(default_factory=list)
     chunks: list[tuple[ChunkedPrefill, list[int]]] = field(default_factory=list)
     apart: list[list[tuple[ChunkedPrefill, list[int]]]] = field(default_factory=list)
+    preempted: list[RequestGroup] = field(default_factory=list)
 
 
 class Scheduler(Engine):
@@ -365,17 +368,19 @@ class Scheduler(Engine):
         rows = group.params.num_candidates
         return 0 if rows > self.max_batch_rows else rows
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> list[RequestGroup]:
         """Before a step: when the blocks its rows cross into are more than the pool has free, the newest request
         (the last to arrive) among those running and those being prefilled gives its blocks back and waits at the
         head of the queue: its rows are computed again when it comes back (``ChunkedPrefill``), and go on as if
-        they had never left. Older requests never wait for newer ones, and no request fails for want of blocks."""
+        they had never left. Older requests never wait for newer ones, and no request fails for want of blocks.
+        Returns the groups preempted."""
         batch = self.batch
+        preempted: list[RequestGroup] = []
         while batch.groups and batch.blocks_wanted() > batch.free_blocks():
             candidates = [(g.arrival, 0, g) for g in batch.groups]
             candidates += [(job.group.arrival, 1, job) for job in self._prefilling]
             if len(candidates) < 2:
-                return  # one request alone always fits (the 400 check counts its blocks)
+                break  # one request alone always fits (the 400 check counts its blocks)
             _, prefilling, newest = max(candidates, key=lambda c: c[0])
             if prefilling:
                 self._prefilling.remove(newest)
@@ -386,9 +391,11 @@ class Scheduler(Engine):
                 group = newest
                 preempt(batch, group)
             self.preemptions += 1
+            preempted.append(group)
             with self._cond:
                 self._pending.appendleft(group)
             log.info("KV blocks ran out: the newest request waits with its blocks given back (%d)", self.preemptions)
+        return preempted
 
     @property
     def speculation_counts(self) -> dict | None:
@@ -428,17 +435,19 @@ class Scheduler(Engine):
             for group in running:
                 if group.status is Status.FINISHED:
                     self._end(group)
-        return SchedulerOutput(*self._plan())
+        preempted = self._make_room()
+        chunks, apart = self._plan()
+        return SchedulerOutput(list(self.batch.groups), chunks, apart, preempted)
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[tuple[RequestGroup, list[Event]]], float] | None:
-        """The plan's forwards: the chunks apart first (prompts that are in join the batch), then, once the rows
-        have the blocks they cross into (``_make_room``), the step of every row with the riding chunks. Returns each
-        group's events and the step's seconds (None: no row ran, or the step failed, its groups with it)."""
+        """The plan's forwards: the chunks apart first (prompts that are in join the batch), then the step of every
+        row with the riding chunks. Returns each group's events and the step's seconds (None: no row ran). Rows that
+        joined just now and cross into more blocks than are free wait for the next schedule to make room."""
         for alone in plan.apart:  # nothing runs, or the rows use another adapter
             self._chunks_alone(alone)
-        self._make_room()
-        plan.chunks = [(job, chunk) for job, chunk in plan.chunks if job in self._prefilling]
         if not self.batch.groups:
+            return None
+        if plan.apart and self.batch.blocks_wanted() > self.batch.free_blocks():
             return None
         start = time.perf_counter()
         results = self._decode_step(plan.chunks)  # a failure fails what the step touched (``_recover``)
