@@ -4,7 +4,9 @@ chunk alone, or riding with decoding rows) waits while the file named by ``TEST_
 hold requests at that point (and let them go) without timing. While a step is held, the file ``<gate>.held`` exists
 (a test waits for it to know the engine is there). With ``TEST_DECODE_COUNT`` each decode-only step also adds a line
 to that file (how many steps ran); with ``TEST_PREFILL_COUNT`` each prompt step adds its number of tokens (which
-prompts and rows shared it).
+prompts and rows shared it). While the file named by ``TEST_FAULT_FILE`` exists, every sampling of a step fails (the
+runner's test-only fault hook): ``fail`` in it is a failed step the engine recovers from, ``fatal`` one whose
+recovery finds the state inconsistent (the engine stops and the worker is replaced).
 
 With ``SAKER_ENGINE_PROCESS`` the steps run in the engine process, a fresh interpreter: the process is started
 with ``engine_main`` below, which imports this module there first (multiprocessing pickles a function by module
@@ -14,7 +16,7 @@ import contextlib
 import os
 import time
 
-from app.engine import engine_process, runner
+from app.engine import engine_process, runner, scheduler
 
 _decode = runner.ModelRunner.rows_step
 _flat = runner.ModelRunner.flat_step
@@ -62,6 +64,29 @@ def engine_main(settings, conn) -> None:
     _engine_main(settings, conn)
 
 
+def _fault() -> str:
+    path = os.environ.get("TEST_FAULT_FILE")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (TypeError, OSError):
+        return ""
+
+
+def _inject(self, point: str) -> None:
+    if point == "sample" and _fault():
+        raise RuntimeError(f"injected fault ({_fault()}, TEST_FAULT_FILE)")
+
+
+_inconsistency = scheduler.Scheduler.inconsistency
+
+
+def _inconsistent(self):
+    return "the test's fault file says fatal" if _fault() == "fatal" else _inconsistency(self)
+
+
 runner.ModelRunner.rows_step = _gated_decode
 runner.ModelRunner.flat_step = _gated_flat
+runner.ModelRunner.inject = _inject
+scheduler.Scheduler.inconsistency = _inconsistent
 engine_process.engine_main = engine_main
