@@ -5,7 +5,7 @@
 
 (() => {
   const KEY_STORE = "saker.apiKey";
-  const WINDOW_S = 300; // the live charts show the last 5 minutes
+  const KEEP_S = 900; // the live charts keep 15 minutes and show the last 1, 5 (default) or 15
   const POLL_MS = 1000;
 
   const $ = (selector, root = document) => root.querySelector(selector);
@@ -43,6 +43,7 @@
     info: $("#token-info"),
     timing: $("#timing"),
     liveOn: $("#live-on"),
+    liveWindow: $("#live-window"),
     liveStatus: $("#live-status"),
     charts: $("#charts"),
   };
@@ -93,7 +94,7 @@
     const head = document.createElement("strong");
     head.textContent = status ? `${status} ` : "Error ";
     const message = document.createElement("span");
-    message.className = "message";
+    message.className = "error-message";
     message.textContent = error.message;
     el.error.append(head, message);
     const details = [error.type, error.code, error.param ? `param: ${error.param}` : null].filter(Boolean);
@@ -483,8 +484,10 @@
     if (cell) cell.textContent = text;
   }
 
-  function clearTiming() {
+  function clearTiming(streamed) {
     for (const cell of el.timing.querySelectorAll("dd")) cell.textContent = "–";
+    // what the browser timed: the first chunk of a stream, or the whole answer
+    $("#client-ttft-label").textContent = streamed ? "first chunk (browser)" : "whole answer (browser)";
   }
 
   function showTiming(timing, usage) {
@@ -553,9 +556,9 @@
     return views.get(index);
   }
 
-  function resetAnswer() {
+  function resetAnswer(streamed) {
     clearError();
-    clearTiming();
+    clearTiming(streamed);
     tokens = [];
     active = -1;
     views = new Map();
@@ -617,7 +620,7 @@
       showError("", { message: error.message });
       return;
     }
-    resetAnswer();
+    resetAnswer(request.body.stream === true);
     lastAnswer = null;
     el.keepAnswer.disabled = true;
     const { path, body, chat } = request;
@@ -681,7 +684,7 @@
       } else {
         const data = await response.json();
         firstChunk = performance.now();
-        setTiming("client_ttft_ms", `${(firstChunk - started).toFixed(1)} ms (whole answer)`);
+        setTiming("client_ttft_ms", `${(firstChunk - started).toFixed(1)} ms`);
         const promptTokens = echo && data.usage ? data.usage.prompt_tokens : undefined;
         for (const choice of data.choices) {
           if (chat) applyChatChoice(choice, choice.message || {});
@@ -735,7 +738,7 @@
   const CHARTS = [
     { id: "running", title: "Running requests", format: (v) => v.toFixed(0), floor: 1 },
     { id: "waiting", title: "Waiting requests", format: (v) => v.toFixed(0), floor: 1 },
-    { id: "kv", title: "KV cache usage", format: (v) => `${v.toFixed(1)} %`, fixed: 100 },
+    { id: "kv", title: "KV cache usage", format: (v) => `${v >= 10 ? v.toFixed(1) : v.toFixed(2)} %`, floor: 0.1 },
     { id: "tps", title: "Tokens/s generated", format: (v) => v.toFixed(1), floor: 1 },
     { id: "ttft", title: "Time to first token", format: (v) => `${v.toFixed(0)} ms`, floor: 10 },
     { id: "itl", title: "Inter-token latency", format: (v) => `${v.toFixed(1)} ms`, floor: 1 },
@@ -762,7 +765,7 @@
     svg.setAttribute("viewBox", `0 0 ${WIDTH} ${HEIGHT}`);
     svg.setAttribute("preserveAspectRatio", "none");
     svg.setAttribute("role", "img");
-    svg.setAttribute("aria-label", `${chart.title} over the last 5 minutes`);
+    svg.setAttribute("aria-label", chart.title);
     for (const y of [0.25, 0.5, 0.75]) {
       const grid = document.createElementNS(SVG, "line");
       grid.setAttribute("class", "grid");
@@ -782,7 +785,7 @@
     const axis = document.createElement("div");
     axis.className = "axis";
     const left = document.createElement("span");
-    left.textContent = "−5 min";
+    left.className = "since";
     const top = document.createElement("span");
     top.className = "max";
     const right = document.createElement("span");
@@ -790,17 +793,18 @@
     axis.append(left, top, right);
     figure.append(caption, svg, axis);
     el.charts.append(figure);
-    return { figure, value, svg, area, line, top };
+    return { figure, value, svg, area, line, top, left };
   }
   const chartViews = new Map(CHARTS.map((c) => [c.id, makeChart(c)]));
 
   function drawChart(chart, now) {
-    const points = series.get(chart.id).filter((p) => p.t >= now - WINDOW_S);
-    series.set(chart.id, points);
+    series.set(chart.id, series.get(chart.id).filter((p) => p.t >= now - KEEP_S));
+    const shown = Number(el.liveWindow.value) || 300;
+    const points = series.get(chart.id).filter((p) => p.t >= now - shown);
     const parts = chartViews.get(chart.id);
     const numbers = points.filter((p) => p.v !== null).map((p) => p.v);
-    const max = chart.fixed || Math.max(chart.floor, ...numbers) * 1.1;
-    const x = (t) => (((t - (now - WINDOW_S)) / WINDOW_S) * WIDTH).toFixed(1);
+    const max = Math.max(chart.floor, ...numbers) * 1.1;
+    const x = (t) => (((t - (now - shown)) / shown) * WIDTH).toFixed(1);
     const y = (v) => (HEIGHT - 1 - (Math.min(v, max) / max) * (HEIGHT - 2)).toFixed(1);
     let line = "";
     let area = "";
@@ -808,6 +812,7 @@
     const flush = () => {
       if (run.length === 0) return;
       line += run.map((p, i) => `${i ? "L" : "M"}${x(p.t)},${y(p.v)}`).join("");
+      if (run.length === 1) line += "h-2"; // a lone value: a short dash, not an invisible point
       area += `M${x(run[0].t)},${HEIGHT}` + run.map((p) => `L${x(p.t)},${y(p.v)}`).join("") + `L${x(run[run.length - 1].t)},${HEIGHT}Z`;
       run = [];
     };
@@ -818,7 +823,8 @@
     flush();
     parts.line.setAttribute("d", line);
     parts.area.setAttribute("d", area);
-    parts.top.textContent = chart.fixed ? `max ${chart.format(chart.fixed)}` : `max ${chart.format(max / 1.1)}`;
+    parts.top.textContent = `max ${chart.format(max / 1.1)}`;
+    parts.left.textContent = `−${shown / 60} min`;
     const last = points.length ? points[points.length - 1].v : null;
     parts.value.textContent = last === null ? "–" : chart.format(last);
     parts.figure.dataset.value = last === null ? "" : String(last);
@@ -826,7 +832,7 @@
     parts.figure.dataset.max = numbers.length ? String(Math.max(...numbers)) : "";
     parts.svg.setAttribute(
       "aria-label",
-      `${chart.title} over the last 5 minutes: now ${last === null ? "no value" : chart.format(last)}`,
+      `${chart.title} over the last ${shown / 60} minutes: now ${last === null ? "no value" : chart.format(last)}`,
     );
   }
 
@@ -894,6 +900,10 @@
     }
   }
   el.liveOn.addEventListener("change", schedule);
+  el.liveWindow.addEventListener("change", () => {
+    const now = Date.now() / 1000;
+    for (const chart of CHARTS) drawChart(chart, now);
+  });
 
   setState("idle");
   loadModels();
