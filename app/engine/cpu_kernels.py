@@ -1,10 +1,18 @@
 """saker's CPU kernels (``kernels/``): the fixed-order float32 attention over the block pool
-(``kernels/paged_attention.cpp``) and an int8 linear with float32 outputs (``kernels/int8_linear.cpp``, the LM
-head of the int4/int8 models). Built with PyTorch's C++ extension loader at the first use (about 40 s; then cached,
-keyed by the sources), and None where they cannot be (no C++ compiler or ninja, no AVX2 and FMA): attention then
-computes in float64 (``attention.py``) and the head keeps PyTorch's bfloat16 kernel.
+(``kernels/paged_attention.cpp``), an int8 linear with float32 outputs (``kernels/int8_linear.cpp``, the LM head
+of the int4/int8 models) and the raw logprobs' log-softmax (``kernels/log_softmax.cpp``). Built with PyTorch's C++
+extension loader at the first use (about 40 s; then cached, keyed by the sources and flags), and None where they
+cannot be (no C++ compiler or ninja, or PyTorch's CPU capability below AVX2, e.g. ``ATEN_CPU_CAPABILITY=default``):
+attention then computes in float64 (``attention.py``), the head keeps PyTorch's bfloat16 kernel and the
+log-softmax is PyTorch's in float64 (``logprobs.py``).
 
-Both are also ``torch.library`` custom ops (``saker::paged_attention``, ``saker::int8_linear``), so that a compiled
+One instruction set: every kernel is built with ``-mavx2 -mfma`` (``FLAGS``), never for the build machine
+(no ``-march=native``) and with no AVX-512 variant, so an AVX-512 CPU runs the same instructions as an AVX2 one
+and gets the same bits. What changes with the CPU is PyTorch's own kernels (its dispatch picks AVX-512 or AVX2
+at run time; ``ATEN_CPU_CAPABILITY`` lowers it): tests/unit/test_instruction_sets.py runs the width and
+accuracy checks under each capability the CPU has.
+
+They are also ``torch.library`` custom ops (``saker::paged_attention``, ``saker::int8_linear``), so that a compiled
 step keeps each as one opaque call."""
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ import torch
 
 log = logging.getLogger("saker.worker")
 
-SOURCES = [Path(__file__).parent / "kernels" / f for f in ("paged_attention.cpp", "int8_linear.cpp", "bindings.cpp")]
+SOURCES = [
+    Path(__file__).parent / "kernels" / f
+    for f in ("paged_attention.cpp", "int8_linear.cpp", "log_softmax.cpp", "bindings.cpp")
+]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -37,8 +48,13 @@ def kernel():
 
 
 def _build():
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.warning("no CPU kernels: this CPU lacks AVX2 (attention in float64, the LM head in bfloat16)")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        log.warning(
+            "no CPU kernels: PyTorch's CPU capability is %s, not AVX2 (attention and the logprobs' log-softmax in "
+            "float64, the LM head in bfloat16)",
+            capability,
+        )
         return None
     from torch.utils.cpp_extension import load
 
@@ -56,7 +72,8 @@ def _build():
         )
     except Exception as exc:  # no compiler, no ninja, a failed build
         log.warning(
-            "no CPU kernels: they could not be built (%s: %s); attention in float64, the LM head in bfloat16",
+            "no CPU kernels: they could not be built (%s: %s); attention and the logprobs' log-softmax in float64, "
+            "the LM head in bfloat16",
             type(exc).__name__,
             exc,
         )
@@ -117,3 +134,10 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     if torch.compiler.is_compiling():
         return _int8_linear_op(x, weight, scales)
     return kernel().int8_linear(x, weight, scales)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """x (M, V) float32 -> (M, V) float32, each row's log-softmax: its normaliser summed in float64 in one fixed
+    order (``kernels/log_softmax.cpp`` says why PyTorch's float32 one is not used), the same bits whatever M is
+    and on every CPU that runs the kernels."""
+    return kernel().log_softmax(x)

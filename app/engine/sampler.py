@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from app.engine.grammar import RowGrammar, allowed_tokens, prefetch
+from app.engine.logprobs import log_softmax
 from app.engine.params import Constraint, SamplingParams
 
 NEG_INF = float("-inf")
@@ -452,9 +453,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tu
         numbers = StepNumbers(tokens.tolist())
         numbers.complete = rows.advance_grammars(numbers.tokens) if advance else set()
         return tokens, numbers
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = log_softmax(logits)  # exact to float32 rounding on every CPU (``logprobs.log_softmax``)
     if rows.processed is not None:  # logprobs_mode processed_logprobs: what the row sampled from
-        lp = torch.where(rows.processed, torch.log_softmax(scores, dim=-1), lp)
+        lp = torch.where(rows.processed, log_softmax(scores), lp)
     column = tokens.view(-1, 1)
     parts = [column.double(), lp.gather(-1, column).double()]
     k = rows.k

@@ -149,3 +149,48 @@ def test_an_int8_lm_head_gives_float32_logits(llama_dir):
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits.double(), hidden.double() @ head.dequantized().double().T, atol=1e-5, rtol=1e-6)
     assert not torch.equal(logits, logits.to(torch.bfloat16).float())
+
+
+def peaked_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Logits shaped like a language model's: a spread of small ones and one token far above them (its probability
+    from about 0.6 to 1), the case where a float32 sum in few lanes loses the small terms."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    top = torch.randint(0, vocab, (rows,), generator=generator)
+    logits[torch.arange(rows), top] += torch.linspace(12, 25, rows)
+    return logits
+
+
+def assert_exact_to_float32(lp: torch.Tensor, logits: torch.Tensor) -> None:
+    """``lp`` is the float64 log-softmax of ``logits`` rounded to float32, to within 5e-7 (the normaliser's float32
+    exponentials: about an ulp each, 1e-7 to 2e-7 in it)."""
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    half_ulp = (torch.nextafter(lp, torch.tensor(float("inf"))) - lp).double() / 2
+    finite = exact.isfinite()
+    assert torch.equal(lp.isfinite(), finite) and torch.equal(lp[~finite].double(), exact[~finite])
+    excess = ((lp.double() - exact).abs() - half_ulp)[finite]
+    assert excess.max().item() <= 5e-7, f"{(lp.double() - exact)[finite].abs().max().item():.3g} from the exact value"
+
+
+@pytest.mark.parametrize("vocab", [49152, 1003, 8])
+def test_the_log_softmax_is_exact_to_float32_rounding_and_each_row_its_own(vocab):
+    """The raw logprobs' log-softmax: the float64 result rounded to float32 (PyTorch's float32 one is 3.7e-5 off on
+    the embedded model's logits on an AVX2 CPU: its lanes drop the small terms), a vocabulary in whole groups of 8
+    or not, -inf logits (masked tokens) exactly -inf; each row the same bits alone or among others."""
+    logits = peaked_logits(40, vocab, seed=vocab)
+    logits[3, ::3] = float("-inf")
+    out = cpu_kernels.log_softmax(logits)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    assert_exact_to_float32(out, logits)
+    assert torch.equal(out[3, ::3], torch.full_like(out[3, ::3], float("-inf")))
+    for rows in (1, 2, 7, 8, 33):
+        assert torch.equal(cpu_kernels.log_softmax(logits[:rows]), out[:rows]), rows
+    assert torch.equal(cpu_kernels.log_softmax(logits[17:18]), out[17:18])
+    assert torch.equal(cpu_kernels.log_softmax(logits[5:].t().contiguous().t()), out[5:])  # strided input: copied
+
+
+def test_a_row_with_no_finite_maximum_is_nan_as_pytorchs_is():
+    bad = torch.tensor([[float("-inf")] * 9, [0.0] * 4 + [float("nan")] + [0.0] * 4, [float("inf")] + [1.0] * 8])
+    assert cpu_kernels.log_softmax(bad).isnan().all()
+    assert torch.log_softmax(bad, -1).isnan().all()
+    assert cpu_kernels.log_softmax(torch.empty(0, 5)).shape == (0, 5)
