@@ -355,4 +355,8 @@ def use_engine_attention(model: torch.nn.Module) -> bool:
         config._attn_implementation = NAME
     for module in model.modules():  # read by ``attention`` from the module it is called for
         module._saker_exact = exact
+    # on the CPU the kernels are built now, at load, not by the first request that asks for logprobs (their
+    # log-softmax is the kernels': ``logprobs.log_softmax``)
+    if device.type == "cpu":
+        cpu_kernels.kernel()
     return True
