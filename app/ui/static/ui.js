@@ -781,7 +781,10 @@
     const line = document.createElementNS(SVG, "path");
     line.setAttribute("class", "line");
     line.setAttribute("vector-effect", "non-scaling-stroke");
-    svg.append(area, line);
+    const dots = document.createElementNS(SVG, "path"); // values with no neighbour: round dots
+    dots.setAttribute("class", "dots");
+    dots.setAttribute("vector-effect", "non-scaling-stroke");
+    svg.append(area, line, dots);
     const axis = document.createElement("div");
     axis.className = "axis";
     const left = document.createElement("span");
@@ -793,7 +796,7 @@
     axis.append(left, top, right);
     figure.append(caption, svg, axis);
     el.charts.append(figure);
-    return { figure, value, svg, area, line, top, left };
+    return { figure, value, svg, area, line, dots, top, left };
   }
   const chartViews = new Map(CHARTS.map((c) => [c.id, makeChart(c)]));
 
@@ -808,11 +811,12 @@
     const y = (v) => (HEIGHT - 1 - (Math.min(v, max) / max) * (HEIGHT - 2)).toFixed(1);
     let line = "";
     let area = "";
+    let dots = "";
     let run = [];
     const flush = () => {
       if (run.length === 0) return;
-      line += run.map((p, i) => `${i ? "L" : "M"}${x(p.t)},${y(p.v)}`).join("");
-      if (run.length === 1) line += "h-2"; // a lone value: a short dash, not an invisible point
+      if (run.length === 1) dots += `M${x(run[0].t)},${y(run[0].v)}h0.01`;
+      else line += run.map((p, i) => `${i ? "L" : "M"}${x(p.t)},${y(p.v)}`).join("");
       area += `M${x(run[0].t)},${HEIGHT}` + run.map((p) => `L${x(p.t)},${y(p.v)}`).join("") + `L${x(run[run.length - 1].t)},${HEIGHT}Z`;
       run = [];
     };
@@ -822,6 +826,7 @@
     }
     flush();
     parts.line.setAttribute("d", line);
+    parts.dots.setAttribute("d", dots);
     parts.area.setAttribute("d", area);
     parts.top.textContent = `max ${chart.format(max / 1.1)}`;
     parts.left.textContent = `−${shown / 60} min`;
