@@ -39,7 +39,7 @@ def answer_group(service, items: list[Item], on_answer: Callable[[Item], None] |
     request joins as rows free up). This is the one place that decides how a batch reaches the engine.
     ``on_answer`` runs in the calling thread, in completion order."""
     start = time.perf_counter()
-    running = getattr(getattr(service, "worker", None), "max_running_requests", 1)
+    running = service.worker.max_running_requests
     concurrency = min(len(items), max(1, running))
     if concurrency <= 1:
         for item in items:

@@ -161,7 +161,7 @@ class Scheduler(Engine):
         if self.batch.speculation is not None:
             self.batch.speculation.forget(group.seqs)  # a draft's blocks for its sequences
         if error is not None and not isinstance(error, (EngineError, torch.OutOfMemoryError)):
-            error = EngineStepFailed(f"the engine failed on this request ({type(error).__name__}: {error})")
+            error = EngineStepFailed("the engine failed on this request")  # what failed is in the log, not the answer
         rid = group.request_id
         self._outputs += self._held.pop(rid, [])
         self._outputs.append((rid, group.tag, Ended.of(group) if error is None else error))
@@ -197,7 +197,8 @@ class Scheduler(Engine):
                 self._flush()
                 self.last_progress = time.monotonic()
         except BaseException as exc:  # recovery failed, or the thread is being torn down
-            self._stop(f"the engine could not recover from a failed step ({type(exc).__name__}: {exc})")
+            log.error("the engine could not recover: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._stop("the engine could not recover from a failed step")
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the loop waits for work with no request in the engine (every iteration's bookkeeping done);
@@ -223,7 +224,7 @@ class Scheduler(Engine):
         is gone leave, and the draft's pool lets go of everything. Waiting requests, preempted ones included (their
         rows are computed again when they come back), are served on. Raises when the state is still inconsistent
         after that (``_run`` then stops the engine)."""
-        detail = f"a step of the engine failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        detail = "a step of the engine failed"  # the answer's words; the error and its traceback are in the log
         _drop_frames(exc)
         error = exc if isinstance(exc, torch.OutOfMemoryError) else EngineStepFailed(detail)
         with self._cond:

@@ -114,6 +114,11 @@ class Worker:
         engine = self.scheduler
         return engine.stalled_s() if engine is not None else 0.0
 
+    @property
+    def max_running_requests(self) -> int:
+        """How many requests the engine admits at once (the batch CLI sends that many together)."""
+        return self.config.running_requests
+
     @staticmethod
     def kv_positions(reach: int, candidates: int) -> tuple[int, int]:
         """The KV positions ``candidates`` sequences of ``reach`` positions each may take at most (whole blocks:

@@ -206,7 +206,7 @@ def one_example(worker, ref, data) -> None:
     for (ids, params, leave), (kind, value) in zip(batch, outcomes):
         if kind == "error":
             assert isinstance(value, EngineStepFailed) and faults.injected, f"{type(value).__name__}: {value}"
-            assert "injected fault" in str(value)
+            assert "injected" not in str(value)  # what failed inside is logged, not sent
         elif kind == "answer":
             assert len(value.choices) == params.n
             for choice in value.choices:
