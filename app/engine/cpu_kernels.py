@@ -59,7 +59,11 @@ def _build():
     from torch.utils.cpp_extension import load
 
     header = SOURCES[0].with_name("lanes.h")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, header]) + " ".join(FLAGS).encode())
+    # keyed by the sources, the flags and where the sources are: two checkouts of the same code (a CI clone beside a
+    # working tree) built under one name would rebuild each other's extension at every load (torch's build.ninja
+    # names the sources' paths)
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, header])
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + str(header.parent.resolve()).encode())
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path  # requirements.txt's ninja
     try:
