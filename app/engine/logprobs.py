@@ -24,12 +24,12 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """The log-softmax of ``x`` over its last dim, in float32. On the CPU, accurate to float32 rounding and
-    the same bits on every instruction set: saker's kernel (``cpu_kernels.log_softmax``: the normaliser summed in
-    float64 in a fixed order), or where it is not built PyTorch's log-softmax in float64 (a slice of rows at a
-    time), rounded once. Not PyTorch's float32 one: it sums in one vector's lanes and drops the small terms, by an
-    amount that depends on the lane count (3.7e-5 on the embedded model's logprobs on AVX2). On CUDA PyTorch's
-    (its block-wide tree sums do not lose them)."""
+    """The log-softmax of ``x`` over its last dim, in float32. On the CPU exact to float32 rounding (within 5e-7):
+    saker's kernel (``cpu_kernels.log_softmax``: the normaliser summed in float64 in a fixed order, the same bits
+    on every CPU that runs it and for a row alone or among others), or where it is not built PyTorch's
+    log-softmax in float64 (a slice of rows at a time), rounded once. Not PyTorch's float32 one: it sums in one
+    vector's lanes and drops the small terms, by an amount that depends on the lane count (up to 3.7e-5 on the
+    embedded model's logprobs on AVX2). On CUDA PyTorch's own, as before (not measured here)."""
     x = x.float()
     if x.device.type != "cpu":
         return torch.log_softmax(x, dim=-1)
