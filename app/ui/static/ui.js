@@ -112,7 +112,14 @@
   }
 
   // -- models -----------------------------------------------------------------------------------------------------
+  let modelsRetry = null;
+
+  // the model names; while the server loads its model (503) or cannot be reached, asked again every 3 s
   async function loadModels() {
+    clearTimeout(modelsRetry);
+    const retry = () => {
+      modelsRetry = setTimeout(loadModels, 3000);
+    };
     el.modelsStatus.textContent = "Loading the models…";
     try {
       const response = await fetch("v1/models", { headers: headers(false), cache: "no-store" });
@@ -121,6 +128,7 @@
         el.model.replaceChildren(new Option("(the server's default)", ""));
         el.modelsStatus.textContent = `Models: ${response.status} ${error.message}`;
         el.key.classList.toggle("needs-key", response.status === 401);
+        if (response.status >= 500) retry();
         return;
       }
       const body = await response.json();
@@ -132,6 +140,7 @@
       el.key.classList.remove("needs-key");
     } catch (error) {
       el.modelsStatus.textContent = `Cannot reach the server: ${error.message}`;
+      retry();
     }
   }
 
