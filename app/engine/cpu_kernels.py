@@ -17,6 +17,7 @@ step keeps each as one opaque call."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -56,7 +57,7 @@ def _build():
             capability,
         )
         return None
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     header = SOURCES[0].with_name("lanes.h")
     # keyed by the sources, the flags and where the sources are: two checkouts of the same code (a CI clone beside a
@@ -66,14 +67,24 @@ def _build():
     digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + str(header.parent.resolve()).encode())
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path  # requirements.txt's ninja
+    name = f"saker_cpu_kernels_{digest.hexdigest()[:12]}"
     try:
-        return load(
-            name=f"saker_cpu_kernels_{digest.hexdigest()[:12]}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        build = Path(get_default_build_root()) / name
+        build.mkdir(parents=True, exist_ok=True)
+        # one build at a time across processes, under a lock the kernel releases when its holder dies: inside it,
+        # a baton file torch's loader left (``lock``: a process killed while it built) is stale, and would make
+        # every later load wait for it forever
+        with open(build / "saker-build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            return load(
+                name=name,
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a failed build
         log.warning(
             "no CPU kernels: they could not be built (%s: %s); attention and the logprobs' log-softmax in float64, "

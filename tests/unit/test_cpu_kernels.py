@@ -194,3 +194,24 @@ def test_a_row_with_no_finite_maximum_is_nan_as_pytorchs_is():
     assert cpu_kernels.log_softmax(bad).isnan().all()
     assert torch.log_softmax(bad, -1).isnan().all()
     assert cpu_kernels.log_softmax(torch.empty(0, 5)).shape == (0, 5)
+
+
+def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch's loader waits while its ``lock`` file exists; a process killed mid-build leaves it behind. The next
+    load removes it under saker's own lock (released by the kernel when its holder dies) instead of waiting
+    forever (seen: every server start hung on one)."""
+    import threading
+    from pathlib import Path
+
+    from app.engine import cpu_kernels
+
+    built = cpu_kernels.kernel()
+    if built is None:
+        pytest.skip("the CPU kernels are not built here")
+    baton = Path(built.__file__).parent / "lock"
+    baton.touch()
+    out: list = []
+    loading = threading.Thread(target=lambda: out.append(cpu_kernels._build()), daemon=True)
+    loading.start()
+    loading.join(timeout=300)  # a generous deadline: the build is cached, this load takes well under a second
+    assert out and out[0] is not None and not baton.exists()
