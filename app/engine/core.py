@@ -20,7 +20,7 @@ from app.engine.runner import ModelRunner, eos_ids
 from app.engine.scheduler import Scheduler
 from app.engine.speculative import SpeculativeConfig
 
-log = logging.getLogger("saker.engine")
+log = logging.getLogger("saker.worker")  # the line operators grep for: "saker.worker: serving ..."
 
 
 @dataclass(frozen=True)

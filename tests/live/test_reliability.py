@@ -146,4 +146,4 @@ def test_no_request_wedges_the_server(report):
     # the run's own server logged no traceback (the faulty server's log, with its failed steps, is apart)
     assert report["server"]["tracebacks_in_log"] == 0 and f["log"] != report["server"]["log"]
     goals = [g for g in report["goals"] if g["section"] == "wedge" and g["correctness"]]
-    assert len(goals) == 7 and all(g["met"] for g in goals), [g for g in goals if not g["met"]]
+    assert len(goals) == 8 and all(g["met"] for g in goals), [g for g in goals if not g["met"]]
