@@ -9,6 +9,7 @@ import json
 import random
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -136,20 +137,8 @@ class RunBase:
         return [rng.randrange(5, hi) for _ in range(n)]
 
     def settle(self, timeout: float = 60.0) -> tuple[bool, float, dict]:
-        """Wait until the server works on nothing (running, queued and in-flight besides this scrape all 0)."""
-        start = time.monotonic()
-        values: dict = {}
-        while time.monotonic() - start < timeout:
-            with contextlib.suppress(Exception):
-                values = metrics(self.port)
-                if (
-                    sample(values, "saker_requests_running") == 0
-                    and sample(values, "saker_queue_depth") == 0
-                    and sample(values, "saker_requests_in_flight") <= 1
-                ):
-                    return True, time.monotonic() - start, values
-            time.sleep(0.1)
-        return False, time.monotonic() - start, values
+        """Wait until the run's server works on nothing (``wait_settled``)."""
+        return wait_settled(self.port, timeout)
 
     def server_health(self) -> dict:
         out = self.server.output() if self.server else ""
@@ -166,3 +155,21 @@ class RunBase:
             True,
         )
         return health
+
+
+def wait_settled(port: int, timeout: float = 60.0) -> tuple[bool, float, dict]:
+    """Until the server at ``port`` works on nothing (running, queued and in flight besides this scrape all 0)."""
+    start = time.monotonic()
+    values: dict = {}
+    tick = threading.Event()
+    while time.monotonic() - start < timeout:
+        with contextlib.suppress(Exception):
+            values = metrics(port)
+            if (
+                sample(values, "saker_requests_running") == 0
+                and sample(values, "saker_queue_depth") == 0
+                and sample(values, "saker_requests_in_flight") <= 1
+            ):
+                return True, time.monotonic() - start, values
+        tick.wait(0.1)
+    return False, time.monotonic() - start, values

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.reliability.base import RunBase, percentile, rounded
+from app.reliability.base import RunBase, percentile, rounded, wait_settled
 from app.reliability.plan import FAULT_FILE, PROMPTS
 from app.reliability.server import Server
 from app.reliability.wire import build, exchange, is_error_object, metrics, sample
@@ -131,24 +131,6 @@ def _plain(status: int, retry_after: str | None, data: bytes, want: int, request
     if status == 400:
         return Outcome("refused", status, error=error)
     return Outcome("lost", status, f"HTTP {status}: {error['message'][:200]}")
-
-
-def wait_settled(port: int, timeout: float = 60.0) -> tuple[bool, float, dict]:
-    """Until the server at ``port`` works on nothing (running, queued and in flight besides this scrape all 0)."""
-    start = time.monotonic()
-    values: dict = {}
-    tick = threading.Event()
-    while time.monotonic() - start < timeout:
-        with contextlib.suppress(Exception):
-            values = metrics(port)
-            if (
-                sample(values, "saker_requests_running") == 0
-                and sample(values, "saker_queue_depth") == 0
-                and sample(values, "saker_requests_in_flight") <= 1
-            ):
-                return True, time.monotonic() - start, values
-        tick.wait(0.1)
-    return False, time.monotonic() - start, values
 
 
 def get_status(port: int, path: str) -> int | None:
