@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None, worker=None, *, exit_on_load_er
     """Build the Flask app. ``worker``: a ready ``Worker`` (tests); otherwise one is loaded in the background
     from ``settings`` and /health answers 503 until it is ready."""
     from app.api import bp
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
     from app.response_store import ResponseStore
     from app.responses import ResponsesService
     from app.service import CompletionService

@@ -86,7 +86,7 @@ class _AdmissionCounters:
 
 
 class _PrefixCacheCounters:
-    """The prefix cache's own counts (app/engine/blocks.py), once the model is loaded with one."""
+    """The prefix cache's own counts (app/engine/core/blocks.py), once the model is loaded with one."""
 
     def __init__(self, metrics: "Metrics"):
         self.metrics = metrics

@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from app.engine.json_schemas import closed_objects, json_options
+from app.engine.sampling.json_schemas import closed_objects, json_options
 
 PARSERS = ("hermes",)
 ARGUMENT_KEYS = ("arguments", "parameters")  # the key of a call's arguments (Hermes writes "arguments")

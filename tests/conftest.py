@@ -68,8 +68,8 @@ def make_settings(**values):
 
 
 def make_worker(settings):
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     return Worker.from_loaded(tuple(settings.model_names), load_model(settings))
 

@@ -16,7 +16,9 @@ import contextlib
 import os
 import time
 
-from app.engine import engine_process, runner, scheduler
+from app.engine.core import engine_process, scheduler
+
+from app.engine.model import runner
 
 _decode = runner.ModelRunner.rows_step
 _flat = runner.ModelRunner.flat_step

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from app.engine.speculative import Proposer
+from app.engine.core.speculative import Proposer
 
 
 def ref_greedy(model, tok, prompt_ids, max_new):
@@ -24,7 +24,7 @@ def ref_greedy(model, tok, prompt_ids, max_new):
 def pool_attention(q, keys, values, table, lo, hi, scale):
     """One query (Hq, D) over positions [lo, hi) of the block-pool rows ``table`` names (keys, values: (slots, Hkv,
     D)), in float64: the attention kernels' reference."""
-    from app.engine.blocks import BLOCK
+    from app.engine.core.blocks import BLOCK
 
     slots = (table.view(-1, 1) * BLOCK + torch.arange(BLOCK)).view(-1)[lo:hi]
     k, v = keys[slots].double(), values[slots].double()
@@ -108,10 +108,10 @@ class Oracle(Proposer):
         return []
 
 
-# -- seeded sampling, written apart from app/engine/sampler.py ----------------------------------------------------
-# The sampler's documented draw (DESIGN.md, "counter-based draws"; app/engine/sampler.py's docstring): candidate
-# ``i`` of a request with seed ``s`` has its own seed, and its ``t``-th token is the inverse-CDF pick of the
-# uniform number splitmix64(seed_i, t) over the processed distribution. Here in plain Python integers and float64,
+# -- seeded sampling, written apart from app/engine/sampling/sampler.py ------------------------------------------
+# The sampler's documented draw (DESIGN.md, "counter-based draws"; app/engine/sampling/sampler.py's docstring):
+# candidate ``i`` of a request with seed ``s`` has its own seed, and its ``t``-th token is the inverse-CDF pick of
+# the uniform number splitmix64(seed_i, t) over the processed distribution. Here in plain Python integers and float64,
 # over a plain forward's logits: no engine code.
 _MASK = (1 << 64) - 1
 
@@ -230,7 +230,8 @@ def ref_sampled(model, prompt_ids, params, index, max_new, *, allowed=None, foll
 
 def grammar_allowed(tok, pattern: str, eos: int):
     """A regex constraint's masks from the grammar library itself (llguidance's own matcher over the tokenizer,
-    not the engine's ``app/engine/grammar.py``): after ``made``, the tokens it allows next (``.complete(made)``:
+    not the engine's ``app/engine/sampling/grammar.py``): after ``made``, the tokens it allows next
+    (``.complete(made)``:
     only the end may follow). llguidance allows only
     the canonical tokenization of text the pattern forces (after "red g" only "re", not "r"), so a mask read from
     the pattern alone would differ from any engine built on it."""

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from app.engine import runner
+from app.engine.model import runner
 
 _rows_step = runner.ModelRunner.rows_step
 

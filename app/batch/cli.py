@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_service(settings, worker=None):
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
     from app.service import CompletionService
 
     if worker is None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Constraint:
-    """What a row's output must match (structured outputs), compiled by ``app/engine/grammar.py``."""
+    """What a row's output must match (structured outputs), compiled by ``app/engine/sampling/grammar.py``."""
 
     kind: str  # "json_schema", "regex", "choice" or "grammar"
     source: str  # the schema as JSON text, the regex, the choices as a JSON list, the Lark/GBNF text

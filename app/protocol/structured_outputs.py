@@ -1,6 +1,6 @@
 """Structured outputs as requests ask for them: ``response_format`` (OpenAI's and llama.cpp's shapes),
 ``structured_outputs`` (vLLM's) and the older ``guided_*`` fields, checked, and turned into one ``Constraint``
-for the engine (``app/engine/grammar.py`` compiles it)."""
+for the engine (``app/engine/sampling/grammar.py`` compiles it)."""
 
 from __future__ import annotations
 

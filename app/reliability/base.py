@@ -74,7 +74,7 @@ class RunBase:
     def model(self) -> Path:
         if self.args.model:
             return Path(self.args.model).expanduser().resolve()
-        from app.engine.loader import ensure_default_model
+        from app.engine.model.loader import ensure_default_model
         from app.settings import Settings
 
         self.log("converting/checking the embedded SmolLM2 (once)")

@@ -2,7 +2,7 @@
 itself): importing this module patches ``ModelRunner.inject``, the runner's test-only fault hook, so that each
 call (the points "rows", "flat" and "sample" of every step) raises with the probability written in the file named
 by ``RELIABILITY_FAULT_FILE`` (a float 0-1; a missing, empty or unreadable file is 0). The engine then fails the
-requests that step touched and serves on (app/engine/scheduler.py, ``_recover``).
+requests that step touched and serves on (app/engine/core/scheduler.py, ``_recover``).
 
 With ``SAKER_ENGINE_PROCESS`` the steps run in the engine process, a fresh interpreter: ``engine_main`` below
 replaces the engine process's entry, so the process imports this module (and so the patch) first
@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import random
 
-from app.engine import engine_process, runner
+from app.engine.core import engine_process
+
+from app.engine.model import runner
 from app.reliability.plan import FAULT_FILE
 
 _rng = random.Random()

@@ -9,7 +9,7 @@ from app.errors import InvalidRequestError
 from app.settings import Settings
 
 if TYPE_CHECKING:  # the worker (and torch) stay out of this module's imports
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
 
 class ChatTemplate:

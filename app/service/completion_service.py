@@ -33,7 +33,7 @@ from app.settings import Settings
 from app.tool_calls import tool_format
 
 if TYPE_CHECKING:  # the worker (and torch) stay out of this module's imports
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
 
 class CompletionService:

@@ -7,9 +7,9 @@ Llama shape's layer (32 query heads, 8 kv heads, head dim 64, bfloat16) at 1 and
 import torch
 import triton.testing
 
-from app.engine import cuda_kernels
-from app.engine.attention import _read, _sdpa
-from app.engine.blocks import BLOCK
+from app.engine.model import cuda_kernels
+from app.engine.model.attention import _read, _sdpa
+from app.engine.core.blocks import BLOCK
 
 HQ, HKV, D, CAPACITY = 32, 8, 64, 3072
 torch.manual_seed(0)

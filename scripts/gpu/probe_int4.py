@@ -3,7 +3,7 @@ de-quantized in float (bfloat16 scales and zeros), then CUDA's int8 kernel on od
 
 import torch
 
-from app.engine.quantize import GROUP, int4_codes
+from app.engine.model.quantize import GROUP, int4_codes
 
 OUTPUTS = (8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256, 576, 1536, 49152)
 INPUTS = (32, 64, 96, 128, 192, 256, 512, 576, 1536)

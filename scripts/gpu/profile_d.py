@@ -13,11 +13,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from app.engine.batches import windows
-from app.engine.blocks import BLOCK
+from app.engine.core.batches import windows
+from app.engine.core.blocks import BLOCK
 from app.bench.models import model_or_1b
 from app.engine.params import SamplingParams
-from app.engine.worker import Worker
+from app.engine.core.worker import Worker
 from app.settings import Settings
 
 parser = argparse.ArgumentParser()

@@ -15,8 +15,8 @@ import torch
 
 from app.bench.models import model_or_1b
 from app.engine.params import SamplingParams
-from app.engine.speculative import Proposer, Speculation
-from app.engine.worker import Worker
+from app.engine.core.speculative import Proposer, Speculation
+from app.engine.core.worker import Worker
 from app.settings import Settings
 
 parser = argparse.ArgumentParser()
@@ -100,7 +100,7 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(args.device).eval()
 if args.invariant:
-    from app.engine.optimize import make_batch_invariant
+    from app.engine.model.optimize import make_batch_invariant
 
     print("fixed-order modules in the plain model:", make_batch_invariant(model, force=not cuda))
 seq = torch.tensor([ids + answer[:8]], device=args.device)

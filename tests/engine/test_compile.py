@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch._dynamo
 
-from app.engine.blocks import BLOCK
-from app.engine.batches import bucket
-from app.engine.sequence import RequestGroup
-from app.engine.output import collect
+from app.engine.core.blocks import BLOCK
+from app.engine.core.batches import bucket
+from app.engine.core.sequence import RequestGroup
+from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
 from references import check_reference, ref_sampled
@@ -41,8 +41,8 @@ def inductor_cache(saker_cache):
 @pytest.fixture(scope="module")
 def compiled(gpt2_dir):
     """A worker whose decode step is compiled (inductor on the CPU, buckets 1 and 2)."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     torch._dynamo.reset()
     settings = make_settings(model=str(gpt2_dir))
@@ -108,7 +108,7 @@ def test_buckets():
 
 
 def test_windows():
-    from app.engine.batches import window, windows
+    from app.engine.core.batches import window, windows
 
     assert windows(8192) == (256, 512, 1024, 2048, 4096, 8192)
     assert windows(3072) == (256, 512, 1024, 2048, 3072) and windows(200) == (200,)
@@ -166,7 +166,7 @@ def test_guess_checking_steps_run_compiled_and_answer_as_a_plain_forward(compile
     (its next token and the guess, each on the row's blocks at its own position), so it runs in the warmed-up
     bucket of 2, compiles nothing new, and gives a plain forward's greedy answer (oracle: a loop of whole-sequence
     forwards, their argmax and log-softmax, within 1e-4)."""
-    from app.engine.speculative import Proposer, Speculation
+    from app.engine.core.speculative import Proposer, Speculation
     from references import ref_logprobs
 
     model, tok = reference(gpt2_dir)
@@ -200,9 +200,9 @@ def test_an_int4_model_compiles_to_few_graphs_and_answers_as_a_plain_forward(lla
     loaded, no engine: its argmax, its log-softmax within 1e-4)."""
     from torch._dynamo.utils import counters
 
-    from app.engine.loader import load_model
-    from app.engine.quantize import Int4Linear
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.model.quantize import Int4Linear
+    from app.engine.core.worker import Worker
 
     torch._dynamo.reset()
     settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
@@ -237,7 +237,7 @@ def test_inductors_cache_is_kept_with_sakers_when_compiling(gpt2_dir, tmp_path, 
     ``inductor_cache`` set it before, so this ``delenv`` is recorded and undone: the loader's value does not stay.)"""
     import os
 
-    from app.engine.loader import load_model
+    from app.engine.model.loader import load_model
 
     assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.sequence import RequestGroup
-from app.engine.solo import SoloRun
-from app.engine.output import collect
+from app.engine.core.sequence import RequestGroup
+from app.engine.core.solo import SoloRun
+from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
 from conftest import make_settings
 from references import check_reference, continuation, ref_greedy, ref_logprobs, ref_sampled
@@ -27,11 +27,11 @@ def register(worker, reference, path):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "gpt2-packed", "llama-packed"])
 def batch_worker(request, reference):
-    """``-packed``: every linear oneDNN-packed (app/engine/optimize.py leaves the tiny models' small matrices
+    """``-packed``: every linear oneDNN-packed (app/engine/model/optimize.py leaves the tiny models' small matrices
     alone otherwise), so the packed path is checked against the untouched reference too."""
-    from app.engine import optimize
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model import optimize
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     kind, _, packed = request.param.partition("-")
     path = request.getfixturevalue(f"{kind}_dir")
@@ -131,7 +131,7 @@ def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_wo
     a candidate a stop string ended says ``stop``, one the engine ended says its own reason. Sampled candidates'
     tokens are the documented counter-based draws over a plain forward (``references.ref_sampled``), and the answer
     the output side makes of them is that reference's text cut before the stop string."""
-    from app.engine.sequence import Status
+    from app.engine.core.sequence import Status
 
     worker, path = batch_worker
     model, tok = reference(path)
@@ -254,8 +254,8 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
 def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
     """A request with more candidates than max_batch_rows runs alone at first; a small one that comes later
     joins beside it (up to max_batch_rows rows of its own) and ends long before it. Both equal their runs alone."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = register(
         Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=4),
@@ -279,8 +279,8 @@ def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
 
 
 def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = register(
         Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=1),
@@ -302,8 +302,8 @@ def one_slot(gpt2_dir, reference, monkeypatch):
     next step wait until ``gate.go()``."""
     import threading
 
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
         ("m",),
@@ -415,8 +415,8 @@ def test_when_blocks_run_out_the_newest_request_gives_them_back_and_every_answer
     admitted for what they hold now, and when the rows cross into more blocks than are free the newest request gives
     its blocks back, waits, and is computed again. Greedy answers equal ``generate()`` and a plain forward's
     logprobs; the seeded sampled one equals its run alone; nothing is held afterwards."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
         ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=160
@@ -440,8 +440,8 @@ def test_a_request_that_fits_the_budget_alone_is_never_held_back_by_newer_ones(g
     """The oldest request keeps its blocks: a request as long as the whole budget (5 blocks) runs to its end beside
     newer ones that are admitted for what they hold and give their blocks back when it needs them; every answer
     equals ``generate()``. (Submitted together, so that the steps do not depend on thread timing.)"""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
         ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
@@ -462,8 +462,8 @@ def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(gpt2
     """The newest request gives its blocks back (its rows' state parked in the batch) and its client goes away
     before it comes back: it ends without an error, nothing stays parked or held, and the request that kept its
     blocks equals ``generate()``."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
         ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
@@ -498,8 +498,8 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     """n x (prompt + max_tokens), in whole 16-position blocks, beyond the KV budget: a 400 naming n before anything
     runs; within it: served."""
     from app import create_app
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
     worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_rows=8, kv_cache_tokens=100)
@@ -682,8 +682,8 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     settings, all give what they give one at a time on a worker with all of these off."""
     import random
 
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     rng = random.Random(seed)
     path = gpt2_dir if seed % 2 == 0 else llama_dir

@@ -20,7 +20,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def remote(gpt2_dir):
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True, speculative="off"))
     worker.load()
@@ -109,7 +109,7 @@ def test_a_dropped_stream_stops_the_engine(remote):
 
 
 def test_a_dead_engine_fails_waiting_requests(gpt2_dir):
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True))
     worker.load()
@@ -138,7 +138,7 @@ def test_the_engine_process_keeps_the_one_queue_and_its_answers_cross_the_pipe(g
     the serving side (what /metrics reads)."""
     from app.engine.errors import QueueFull
     from app.engine.params import Timings
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_settings(
         make_settings(model=str(gpt2_dir), engine_process=True, max_running_requests=1, max_queue=0)
@@ -171,7 +171,7 @@ def test_speculation_in_the_engine_process_answers_as_the_references_and_reports
     its guesses, and the client sees the engine's counters (what /metrics shows). The prompt is one token over and
     over and a logit bias makes it the answer too, so prompt lookup's guesses (what followed it before: itself) must
     be kept."""
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     model, tok = reference(gpt2_dir)
     settings = make_settings(model=str(gpt2_dir), engine_process=True, speculative="ngram", speculative_ngram_min=1)

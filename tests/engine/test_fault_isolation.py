@@ -24,12 +24,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.engine.blocks import BLOCK
+from app.engine.core.blocks import BLOCK
 from app.engine.errors import ClientGone, EngineStepFailed
-from app.engine.sequence import RequestGroup
-from app.engine.output import collect
+from app.engine.core.sequence import RequestGroup
+from app.engine.output.decoder import collect
 from app.engine.params import Constraint, SamplingParams
-from app.engine.speculative import SpeculativeConfig
+from app.engine.core.speculative import SpeculativeConfig
 from conftest import make_settings
 from references import check_reference
 
@@ -59,8 +59,8 @@ ENGINES = {
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
 def engine(request, gpt2_dir, reference):
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     config = dict(ENGINES[request.param])
     if config.get("speculative") == "draft":
@@ -297,8 +297,8 @@ def test_an_engine_that_cannot_be_made_consistent_stops_and_says_so(gpt2_dir):
     """When recovery itself fails, every request fails with a fatal ``EngineStepFailed``, new ones are refused,
     the worker is no longer ready and its ``on_fatal`` is told (the app makes the process exit)."""
     from app.engine.errors import EngineNotReady
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), kv_cache_tokens=1024)
     told = threading.Event()

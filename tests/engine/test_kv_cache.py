@@ -10,8 +10,8 @@ def test_pool_zeroes_blocks_at_first_use_copies_and_compacts():
     pool keeps exactly the blocks asked for, renumbered 1, 2, ..."""
     from types import SimpleNamespace
 
-    from app.engine.blocks import BLOCK
-    from app.engine.kv_cache import KVPool
+    from app.engine.core.blocks import BLOCK
+    from app.engine.model.kv_cache import KVPool
 
     like = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 2, 1, 4), values=torch.zeros(1, 2, 1, 3))] * 2)
     pool = KVPool(like, num_blocks=10)
@@ -32,7 +32,7 @@ def test_an_idle_batch_gives_its_memory_back(gpt2_worker, reference, gpt2_dir, m
     """After a wide request of long rows, an idle pool keeps only the blocks the prefix cache holds (at most its
     limit), renumbered to the front of a fresh pool: it would otherwise keep every block the rows ever touched, memory
     that never came back. The compacted pool still answers as a plain forward."""
-    from app.engine.blocks import BLOCK
+    from app.engine.core.blocks import BLOCK
     from app.engine.params import SamplingParams
     from references import ref_greedy
 

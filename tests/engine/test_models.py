@@ -25,7 +25,7 @@ def app_for(settings, worker):
 
 @pytest.mark.slow
 def test_embedded_smollm2_says_paris(saker_cache):
-    from app.engine.loader import default_model_dir
+    from app.engine.model.loader import default_model_dir
 
     settings = make_settings(cache_dir=str(saker_cache))
     client = app_for(settings, make_worker(settings))
@@ -44,7 +44,7 @@ def test_a_damaged_default_model_cache_is_converted_again(saker_cache, tmp_path,
     at conversion no longer match, so the folder is converted again (one warning line) instead of served."""
     import shutil
 
-    from app.engine import loader
+    from app.engine.model import loader
 
     source = loader.ensure_default_model(make_settings(cache_dir=str(saker_cache)))
     settings = make_settings(cache_dir=str(tmp_path))
@@ -73,7 +73,7 @@ def test_a_damaged_default_model_cache_is_converted_again(saker_cache, tmp_path,
 def test_an_unwritable_cache_folder_is_one_line(tmp_path):
     """The cache folder cannot be made (here its parent is a file; a full or read-only disk reads the same):
     a ConfigError naming the folder and what to do, not a traceback."""
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
     from app.errors import ConfigError
 
     blocker = tmp_path / "not-a-folder"
@@ -147,12 +147,12 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     """Requests for two LoRA adapters and the base model decode in the same steps (peft's ``adapter_names``);
     each one's tokens and logprobs equal peft's own forward for its adapter, and its run alone."""
     from app.engine.events import TokenEvent
-    from app.engine.sequence import RequestGroup
-    from app.engine.solo import SoloRun
-    from app.engine.loader import load_model
-    from app.engine.output import collect
+    from app.engine.core.sequence import RequestGroup
+    from app.engine.core.solo import SoloRun
+    from app.engine.model.loader import load_model
+    from app.engine.output.decoder import collect
     from app.engine.params import SamplingParams
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
@@ -186,9 +186,9 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
 def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
     """A prompt kept under one adapter is not reused for another (their keys and values differ), and is
     reused for the same one; both agree with peft's own forward."""
-    from app.engine.loader import load_model
+    from app.engine.model.loader import load_model
     from app.engine.params import SamplingParams
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
@@ -261,7 +261,7 @@ def test_bitsandbytes_quantization(llama_dir, mode):
 
 
 def test_quantize_without_gpu_is_a_clear_startup_error(llama_dir):
-    from app.engine.loader import load_model
+    from app.engine.model.loader import load_model
     from app.errors import ConfigError
 
     if torch.cuda.is_available():
@@ -278,7 +278,7 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from app.engine.loader import gpu_order, plan_device_map
+    from app.engine.model.loader import gpu_order, plan_device_map
     from app.settings import Settings
 
     config = AutoConfig.from_pretrained(str(llama_dir))
@@ -302,9 +302,9 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
 def test_compiled_decoding_matches_eager(llama_dir, reference):
     """SAKER_COMPILE on CUDA: the decode-only step replayed as CUDA graphs gives the eager server's greedy text and
     logprobs (fp32), alone and with n > 1 (several rows of one bucket)."""
-    from app.engine.loader import load_model
+    from app.engine.model.loader import load_model
     from app.engine.params import SamplingParams
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     from torch._dynamo.utils import counters
 
@@ -330,7 +330,7 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
 
 def test_a_model_folder_under_home_loads(gpt2_dir, tmp_path, monkeypatch):
     """SAKER_MODEL=~/models/x: the folder is used (not taken for a hub id), tokenizer included."""
-    from app.engine.loader import load_model
+    from app.engine.model.loader import load_model
 
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "x").symlink_to(gpt2_dir)

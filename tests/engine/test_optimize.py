@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.engine.optimize import PackedLinear, fuse_gelu_tanh, optimize_for_inference, pack_linears_onednn
+from app.engine.model.optimize import PackedLinear, fuse_gelu_tanh, optimize_for_inference, pack_linears_onednn
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -3,7 +3,7 @@ request the same whatever path its prompt took: prefilled whole, in chunks of se
 cache, alone or beside other requests. The reference is independent of the engine: a plain greedy loop over the
 same modules, each step one forward of the whole sequence with no cache, its argmax and its log-softmax.
 
-Before ``app/engine/attention.py`` the second of two identical requests (45 of its 46 prompt tokens from the
+Before ``app/engine/model/attention.py`` the second of two identical requests (45 of its 46 prompt tokens from the
 prefix cache) answered ``1+1 = 2`` where the first answered ``1 + 1 = 2``: SDPA's float32 results depend on how
 many queries come together, and the int4 kernels' bfloat16 inputs turn those ulps into logprob changes of 0.2.
 """
@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from app.engine.blocks import BLOCK
+from app.engine.core.blocks import BLOCK
 from app.engine.params import SamplingParams
 from conftest import make_settings, make_worker
 

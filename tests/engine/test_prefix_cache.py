@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.output import collect
+from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
-from app.engine.blocks import BLOCK, BlockManager, NoFreeBlocks
+from app.engine.core.blocks import BLOCK, BlockManager, NoFreeBlocks
 from references import check_reference, ref_greedy, ref_logprobs
 
 TOL = 1e-4
@@ -79,8 +79,8 @@ def test_shared_blocks_free_with_their_last_holder_and_compact_renumbers_the_cac
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def workers(request):
     """The same model twice: prefix cache on and off."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
     from conftest import make_settings
 
     path = request.getfixturevalue(f"{request.param}_dir")
@@ -92,7 +92,7 @@ def workers(request):
 
 def run(worker, ids, params):
     """Through the scheduler, as a request is served."""
-    from app.engine.sequence import RequestGroup
+    from app.engine.core.sequence import RequestGroup
 
     group = RequestGroup(worker.runner, ids, params, max_length=256)
     return collect([event for _, event in worker.scheduler.submit([group])], params)

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 (SAKER_QUANTIZE, app/engine/quantize.py): PyTorch's kernels against the same codes
+"""Weight-only int8/int4 (SAKER_QUANTIZE, app/engine/model/quantize.py): PyTorch's kernels against the same codes
 de-quantized by plain arithmetic, whole tiny models against their float32 selves (the tolerance seen is
 asserted and documented), and the engine serving a quantized model with logprobs equal to that model's own
 forward."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.quantize import GROUP, Int4Linear, Int8Linear, int4_codes, quantize_model
+from app.engine.model.quantize import GROUP, Int4Linear, Int8Linear, int4_codes, quantize_model
 from conftest import make_settings, make_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -145,7 +145,7 @@ def test_served_quantized_logprobs_are_the_quantized_models_own(llama_dir, mode,
 
 def test_weight_only_kernels_are_checked_before_the_load():
     """A device whose kernel cannot run is one clear line at start-up, not a failure at the first request."""
-    from app.engine.quantize import kernel_problem
+    from app.engine.model.quantize import kernel_problem
 
     assert kernel_problem("int4", "cpu") is None and kernel_problem("int8", "cpu") is None
     assert "is not a visible CUDA device" in kernel_problem("int4", "mps")
@@ -159,7 +159,7 @@ def test_smollm2_keeps_its_answers(saker_cache, mode):
     """The embedded SmolLM2 quantized: still says Paris, and its next-token distribution stays close to float32's
     (mean |logprob difference| over the top 10 float32 tokens of three prompts: int8 0.10, int4 0.045 seen: the
     GGUF's Q4_1 weights sit on int4's grid exactly, so int4 is closer than per-channel int8; the head is int8)."""
-    from app.engine.loader import ensure_default_model, load_model
+    from app.engine.model.loader import ensure_default_model, load_model
 
     path = str(ensure_default_model(make_settings(cache_dir=str(saker_cache))))
     exact = load_model(make_settings(model=path)).model
@@ -180,7 +180,7 @@ def test_smollm2_keeps_its_answers(saker_cache, mode):
     assert sum(diffs) / len(diffs) < (0.2 if mode == "int8" else 0.1), diffs
 
 
-# -- GGUF 4-bit tensors served as shipped (app/engine/gguf_codes.py) --------------------------------------------
+# -- GGUF 4-bit tensors served as shipped (app/engine/model/gguf_codes.py) --------------------------------------------
 def _random_blocks(kind: str, rows: int, cols: int, seed: int = 0):
     """Raw GGUF blocks of one (rows, cols) tensor: random codes and scale bytes, sane fp16 scales and offsets."""
     import numpy as np
@@ -205,7 +205,7 @@ def test_gguf_4bit_blocks_decode_to_what_gguf_itself_dequantizes(kind):
     ``dequantize`` of the same bytes (to float32 rounding: the offsets are rearranged)."""
     from gguf.quants import dequantize
 
-    from app.engine.gguf_codes import Int4Rows, decode_blocks
+    from app.engine.model.gguf_codes import Int4Rows, decode_blocks
 
     rows, cols = 48, 512
     blocks, qtype = _random_blocks(kind, rows, cols)
@@ -226,8 +226,8 @@ def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker
     equal to the first. ``none`` keeps the float32 weights."""
     import logging
 
-    from app.engine.gguf_codes import read_int4_tensors
-    from app.engine.loader import embedded_gguf_path, ensure_default_model, load_model
+    from app.engine.model.gguf_codes import read_int4_tensors
+    from app.engine.model.loader import embedded_gguf_path, ensure_default_model, load_model
 
     settings = make_settings(cache_dir=str(saker_cache))
     exact = load_model(make_settings(cache_dir=str(saker_cache), quantize="none"))
@@ -257,7 +257,7 @@ def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker
 def test_a_damaged_quantized_cache_is_quantized_again(llama_dir, tmp_path, caplog):
     import logging
 
-    from app.engine.loader import load_model
+    from app.engine.model.loader import load_model
 
     settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
     first = load_model(settings)
@@ -275,7 +275,7 @@ def test_a_damaged_quantized_cache_is_quantized_again(llama_dir, tmp_path, caplo
 
 
 def test_an_explicit_dtype_or_another_model_is_not_quantized_unasked(llama_dir):
-    from app.engine.loader import weight_only_mode
+    from app.engine.model.loader import weight_only_mode
 
     assert weight_only_mode(make_settings(), "cpu") == "int4"  # the embedded default
     assert weight_only_mode(make_settings(dtype="float32"), "cpu") is None

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.sequence import RequestGroup
-from app.engine.output import collect
+from app.engine.core.sequence import RequestGroup
+from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
 from app.tiny_models import copy_tokenizer, llama_model
 from conftest import make_settings
@@ -33,8 +33,8 @@ def mistral_dir(llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=[0, 5, 12])
 def worker(request, mistral_dir):
     """Prompts whole (0), or in chunks of 5 and 12 tokens: shorter and longer than the window."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     return Worker.from_loaded(
         ("m",), load_model(make_settings(model=str(mistral_dir))), max_batch_rows=8, prefill_chunk_tokens=request.param
@@ -65,7 +65,7 @@ def test_a_model_whose_cache_cannot_live_in_blocks_is_refused_at_load(llama_dir)
     """A tiny Mamba (recurrent state, no keys and values per position): a clear line at load, not a wrong answer."""
     from transformers import AutoTokenizer, MambaConfig, MambaForCausalLM
 
-    from app.engine.runner import ModelRunner
+    from app.engine.model.runner import ModelRunner
     from app.errors import ConfigError
 
     tok = AutoTokenizer.from_pretrained(str(llama_dir))

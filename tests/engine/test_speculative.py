@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Speculation
+from app.engine.core.speculative import MISSES_TO_PAUSE, PAUSE, NgramProposer, NgramState, Speculation
 from conftest import make_settings
 from references import Oracle, check_reference, continuation, grammar_allowed, ref_sampled
 
@@ -41,7 +41,7 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match_longest_first():
 def test_a_long_sequence_is_indexed_over_several_guesses_newest_first(monkeypatch):
     """A long prompt's n-grams go into the index a bounded number of positions per guess, from the newest back, so
     no step stalls on it; an older occurrence indexed later never replaces a newer one."""
-    from app.engine import speculative
+    from app.engine.core import speculative
 
     monkeypatch.setattr(speculative, "INDEX_PER_STEP", 4)
     proposer, state = NgramProposer(min_n=2, max_n=2), NgramState()
@@ -79,8 +79,8 @@ def greedy_reference(model, prompt: list[int], tokens: int) -> list[tuple[int, f
 
 def worker_with(path, speculation=None, **kwargs):
     """A worker on ``path``'s model; ``speculation``: the batch's (a test's proposer), or ``speculative=`` config."""
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(path))), max_batch_rows=8, **kwargs)
     if speculation is not None:
@@ -267,8 +267,8 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
     give a plain forward's greedy tokens and logprobs, for two prompts with two candidates each (oracle:
     ``greedy_reference``), and sampled rows with a seed give the documented counter-based draws over that forward
     (oracle: ``references.ref_sampled``)."""
-    from app.engine.loader import load_model
-    from app.engine.speculative import SpeculativeConfig
+    from app.engine.model.loader import load_model
+    from app.engine.core.speculative import SpeculativeConfig
 
     model, tok = reference(gpt2_dir)
     source = gpt2_dir if draft == "itself" else truncated(gpt2_dir, tmp_path / "draft")
@@ -300,9 +300,9 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
 def draft_of(path, rows: int = 4, tokens: int = 4, vocab: int | None = None):
     """``DraftProposer`` over ``path``'s model (its own runner and block pool), guessing for at most ``rows``
     sequences at once."""
-    from app.engine.loader import load_model
-    from app.engine.runner import ModelRunner
-    from app.engine.speculative import DraftProposer
+    from app.engine.model.loader import load_model
+    from app.engine.model.runner import ModelRunner
+    from app.engine.core.speculative import DraftProposer
 
     loaded = load_model(make_settings(model=str(path)))
     runner = ModelRunner(loaded.model, loaded.tokenizer, ())
@@ -313,8 +313,8 @@ def test_a_draft_guesses_every_row_at_once_from_its_own_blocks(gpt2_dir, referen
     """The target as its own draft: the guesses for three sequences at once, and for one alone, are each sequence's
     greedy continuation (oracle: ``greedy_reference``, a plain forward loop's argmax); the keys and values are in
     the draft's block pool, a sequence's blocks covering what it holds (its tokens and the guesses fed)."""
-    from app.engine.blocks import BLOCK
-    from app.engine.speculative import DraftState
+    from app.engine.core.blocks import BLOCK
+    from app.engine.core.speculative import DraftState
 
     model, tok = reference(gpt2_dir)
     proposer = draft_of(gpt2_dir)
@@ -334,7 +334,7 @@ def test_a_draft_cut_back_after_refused_guesses_guesses_as_a_fresh_one(gpt2_dir,
     positions written again), so its next guess is the one a fresh sequence over the same tokens gives; a draft
     whose vocabulary is larger than the served model's never guesses past the served one's. Oracle:
     ``greedy_reference`` over the same tokens (the draft is the target itself)."""
-    from app.engine.speculative import DraftState
+    from app.engine.core.speculative import DraftState
 
     model, tok = reference(gpt2_dir)
     proposer = draft_of(gpt2_dir)
@@ -353,8 +353,8 @@ def test_a_draft_pool_gives_the_least_recent_sequences_blocks_to_a_new_one(gpt2_
     """A pool for one sequence at a time: two sequences guessing in turn take the blocks from each other (the other
     is fed again from its start), and each guess is still its greedy continuation (oracle: ``greedy_reference``). A
     long prompt is fed a bounded number of tokens per step (``CATCH_UP``): no guesses until it is all in."""
-    from app.engine import speculative
-    from app.engine.speculative import DraftState
+    from app.engine.core import speculative
+    from app.engine.core.speculative import DraftState
 
     model, tok = reference(gpt2_dir)
     proposer = draft_of(gpt2_dir, rows=1)  # 256 positions (the context) and 4 guesses: 17 blocks and the null one
@@ -374,8 +374,8 @@ def test_a_draft_pool_gives_the_least_recent_sequences_blocks_to_a_new_one(gpt2_
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(gpt2_dir, llama_dir):
-    from app.engine.loader import load_model
-    from app.engine.speculative import SpeculativeConfig
+    from app.engine.model.loader import load_model
+    from app.engine.core.speculative import SpeculativeConfig
     from app.errors import ConfigError
 
     from types import SimpleNamespace
@@ -397,9 +397,9 @@ def test_the_default_configuration_gives_the_same_bits_with_speculation(saker_ca
     position's argmax, so a greedy loop would have made the same tokens): 48 forwards of the whole sequence took
     most of this test's 9 minutes on a loaded 2-core machine."""
     from app.bench.parts.p import TASKS
-    from app.engine.loader import load_model
-    from app.engine.speculative import SpeculativeConfig
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.speculative import SpeculativeConfig
+    from app.engine.core.worker import Worker
 
     loaded = load_model(make_settings(cache_dir=str(saker_cache)))
     worker = Worker.from_loaded(("m",), loaded, speculative=SpeculativeConfig("ngram", 4, 4))
@@ -426,7 +426,8 @@ def test_the_default_configuration_gives_the_same_bits_with_speculation(saker_ca
 def test_prompt_lookup_is_the_default_on_the_cpu_and_off_on_cuda(monkeypatch):
     """``SAKER_SPECULATIVE`` unset: ngram on the CPU (where bench part P shows it pays), off on CUDA (its fixed-order
     kernels are not measured there); a value set is kept either way."""
-    from app.engine import loader, speculative
+    from app.engine.model import loader
+    from app.engine.core import speculative
 
     monkeypatch.setattr(loader, "resolve_device", lambda settings: "cpu")  # whatever device this machine has
     assert speculative.method(make_settings()) == "ngram"
@@ -439,9 +440,9 @@ def test_prompt_lookup_is_the_default_on_the_cpu_and_off_on_cuda(monkeypatch):
 def test_the_default_kv_budget_is_taken_after_the_draft_model_loads(gpt2_dir, monkeypatch):
     """On CUDA the default budget is 90 % of the free GPU memory: it must be measured once the draft model and its
     own pool hold theirs, or the served model's pool would take memory the draft already has."""
-    from app.engine.loader import load_model
-    from app.engine.runner import ModelRunner
-    from app.engine.speculative import SpeculativeConfig
+    from app.engine.model.loader import load_model
+    from app.engine.model.runner import ModelRunner
+    from app.engine.core.speculative import SpeculativeConfig
 
     order = []
     real = ModelRunner.default_kv_budget

@@ -167,7 +167,7 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def service(saker_cache):
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
     from app.service import CompletionService
 
     settings = make_settings(model=str(ensure_default_model(make_settings(cache_dir=str(saker_cache)))))

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from app.engine.loader import load_model
+from app.engine.model.loader import load_model
 from app.engine.params import SamplingParams
-from app.engine.worker import Worker
+from app.engine.core.worker import Worker
 from app.errors import ConfigError
 from conftest import make_settings
 

@@ -76,7 +76,7 @@ def test_a_prompt_from_the_prefix_cache_answers_as_the_references(tiny, referenc
     """The cached path, explicitly: a prompt of several blocks answered cold (nothing kept), then again with its
     full blocks (all but the one holding its last token) taken from the prefix cache, and then a longer prompt that
     shares them. Every answer equals ``model.generate()`` (tokens) and a plain forward's log-softmax (logprobs)."""
-    from app.engine.blocks import BLOCK
+    from app.engine.core.blocks import BLOCK
 
     client, path, name = tiny
     model, tok = reference(path)

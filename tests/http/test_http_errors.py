@@ -225,8 +225,8 @@ def _wait_until(predicate, timeout=30.0):
 
 def test_health_503_while_loading_then_200(gpt2_dir):
     from app import create_app
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
     release = threading.Event()
@@ -255,7 +255,7 @@ def test_health_503_while_loading_then_200(gpt2_dir):
 
 def test_health_503_after_a_failed_load(gpt2_dir):
     from app import create_app
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     def loader():
         raise RuntimeError("weights are corrupt")

@@ -12,7 +12,7 @@ import torch
 from jsonschema import Draft202012Validator
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.engine.admission import Admission
+from app.engine.core.admission import Admission
 from app.sse import read_stream
 from conftest import make_settings
 
@@ -176,7 +176,7 @@ def test_out_of_memory_guard_drops_the_failed_request_s_tensors():
     import weakref
 
     from app.engine.errors import EngineOutOfMemory
-    from app.engine.oom import out_of_memory_guard
+    from app.engine.model.oom import out_of_memory_guard
 
     refs = []
 
@@ -368,7 +368,7 @@ def test_made_up_methods_do_not_grow_the_metrics(gpt2_worker):
 
 def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
     """The gauge reads the running batch: a request's rows hold their prompt + tokens so far."""
-    from app.engine.sequence import RequestGroup
+    from app.engine.core.sequence import RequestGroup
     from app.engine.params import SamplingParams
 
     client = make_app(gpt2_worker, access_log="off").test_client()

@@ -47,7 +47,7 @@ def test_probes_are_open_and_follow_readiness(keyed):
 
 def test_readyz_is_503_while_the_model_loads(gpt2_dir):
     from app import create_app
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     settings = make_settings(model=str(gpt2_dir))
     loading = Worker.from_settings(settings)  # never loaded

@@ -38,7 +38,7 @@ BODIES = [
 @pytest.fixture(scope="module")
 def speculating(llama_dir):
     from app import create_app
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     settings = make_settings(
         model=str(llama_dir),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.engine.json_schemas import json_options  # the served grammar's JSON layout (the whitespace it allows)
+from app.engine.sampling.json_schemas import json_options  # the served grammar's JSON layout (the whitespace it allows)
 from app.sse import iter_json
 from conftest import make_settings
 
@@ -285,7 +285,7 @@ def test_gbnf_grammars_are_taken_too(gpt2_client):
 
 
 def test_objects_that_list_properties_take_no_others_unless_the_schema_says():
-    from app.engine.json_schemas import closed_objects
+    from app.engine.sampling.json_schemas import closed_objects
 
     schema = {
         "type": "object",

@@ -31,7 +31,7 @@ CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
 
 @pytest.fixture(scope="module")
 def server(saker_cache):
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
 
     from conftest import make_settings
 

@@ -113,7 +113,7 @@ def test_quick_bench_structured_outputs(tmp_path, saker_cache):
     """Part S on SmolLM2 (the converted folder the other SmolLM2 tests use, linked into the bench's cache). The
     assertions are on the report's shape; the time limit only catches a hang (a loaded machine once took the quick
     run past 540 s)."""
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
     from app.settings import Settings
 
     smol = ensure_default_model(Settings(cache_dir=str(saker_cache)))

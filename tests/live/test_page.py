@@ -68,7 +68,7 @@ def gate(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(saker_cache, gate):
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
 
     ensure_default_model(make_settings(cache_dir=str(saker_cache)))
     srv = Gunicorn(

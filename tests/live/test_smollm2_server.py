@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol_dir(saker_cache):
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
 
     return ensure_default_model(make_settings(cache_dir=str(saker_cache)))
 

@@ -1,4 +1,4 @@
-"""app/engine/admission.py without a model: the scheduler's waiting-queue rules (running slots, the bounded queue's
+"""app/engine/core/admission.py without a model: the scheduler's waiting-queue rules (running slots, the bounded queue's
 429, the queue timeout's 503, first come first served). Admission raises engine errors; the statuses and messages
 are the HTTP layer's answer to them (``from_engine``). The scheduler with a model under the same rules: tests/http
 (test_ops.py: 429 and 503 over HTTP) and tests/engine/test_continuous_batching.py (the queue in the scheduler)."""
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from app.engine.admission import Admission
+from app.engine.core.admission import Admission
 from app.engine.errors import QueueFull, QueueTimeout
 from app.errors import from_engine
 

@@ -1,4 +1,4 @@
-"""The engine's CPU attention (``app/engine/attention.py``) against PyTorch's SDPA math, and its point: a query's
+"""The engine's CPU attention (``app/engine/model/attention.py``) against PyTorch's SDPA math, and its point: a query's
 output does not depend on how many queries came with it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.engine.attention import TILE
-from app.engine.attention import exact_attention as attention
+from app.engine.model.attention import TILE
+from app.engine.model.attention import exact_attention as attention
 
 MODULE = types.SimpleNamespace(is_causal=True)
 

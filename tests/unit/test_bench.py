@@ -90,7 +90,7 @@ def test_plan_s_full_and_quick():
 
 
 def test_s_schemas_are_valid_and_compile():
-    from app.engine.grammar import grammar_text
+    from app.engine.sampling.grammar import grammar_text
     from app.protocol import json_constraint
 
     big = compile_schema()

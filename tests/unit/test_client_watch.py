@@ -59,7 +59,7 @@ def test_a_woken_ticket_asks_its_client_at_once_and_cancels():
     wait: the reader raises ClientGone and the request's groups are cancelled."""
     from types import SimpleNamespace
 
-    from app.engine.client import Ticket
+    from app.engine.core.client import Ticket
     from app.engine.errors import ClientGone
 
     group = SimpleNamespace(tag=0, cancelled=False)

@@ -1,4 +1,4 @@
-"""saker's CPU kernels (``app/engine/kernels/``) against float64 references written here, and their point: a
+"""saker's CPU kernels (``app/engine/model/kernels/``) against float64 references written here, and their point: a
 query's (a row's) output is the same bits whatever else is computed with it. The attention kernel over the block
 pool; the int8 linear with float32 outputs that an int4/int8 model's LM head uses."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine import cpu_kernels
-from app.engine.attention import FlatStep, exact_attention
-from app.engine.blocks import BLOCK
+from app.engine.model import cpu_kernels
+from app.engine.model.attention import FlatStep, exact_attention
+from app.engine.core.blocks import BLOCK
 from references import pool_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU kernels cannot be built here")
@@ -138,7 +138,7 @@ def test_an_int8_lm_head_gives_float32_logits(llama_dir):
     weights in float32, not rounded to bfloat16 (whose grid made two tokens' logprobs tie exactly)."""
     from transformers import AutoModelForCausalLM
 
-    from app.engine.quantize import Int8Linear, quantize_model
+    from app.engine.model.quantize import Int8Linear, quantize_model
 
     model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
     quantize_model(model, "int8")
@@ -203,7 +203,7 @@ def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_load():
     import threading
     from pathlib import Path
 
-    from app.engine import cpu_kernels
+    from app.engine.model import cpu_kernels
 
     built = cpu_kernels.kernel()
     if built is None:

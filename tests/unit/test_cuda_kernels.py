@@ -1,4 +1,4 @@
-"""saker's CUDA kernel (``app/engine/cuda_kernels.py``, Triton): one query per row over the block pool, against a
+"""saker's CUDA kernel (``app/engine/model/cuda_kernels.py``, Triton): one query per row over the block pool, against a
 float64 attention written here. Without a GPU the kernel runs in Triton's interpreter (numpy, on the CPU), and the
 engine's decode steps are run through it on the tests' tiny Llama and checked against a plain forward; on a GPU the
 same checks run compiled, and once inside ``torch.compile`` (the way a CUDA graph holds it).
@@ -12,8 +12,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from app.engine import cuda_kernels  # noqa: E402
-from app.engine.blocks import BLOCK  # noqa: E402
+from app.engine.model import cuda_kernels  # noqa: E402
+from app.engine.core.blocks import BLOCK  # noqa: E402
 from references import pool_attention  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -98,10 +98,10 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(
     monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
     monkeypatch.setattr(cuda_kernels, "decode_attention", counted)
     monkeypatch.setitem(cuda_kernels._state, "kernel", jitted)
-    from app.engine.loader import load_model
-    from app.engine.worker import Worker
+    from app.engine.model.loader import load_model
+    from app.engine.core.worker import Worker
 
-    from app.engine.speculative import SpeculativeConfig
+    from app.engine.core.speculative import SpeculativeConfig
 
     loaded = load_model(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32"))
     extra = {"speculative": SpeculativeConfig("ngram", 4, 8, 1, 3)} if speculative else {}
@@ -186,11 +186,11 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
     changes no bit, which no independent reference can show)."""
     import torch._inductor.config as inductor_config
 
-    from app.engine import optimize
-    from app.engine.loader import load_model
+    from app.engine.model import optimize
+    from app.engine.model.loader import load_model
     from app.engine.params import SamplingParams
-    from app.engine.speculative import Speculation
-    from app.engine.worker import Worker
+    from app.engine.core.speculative import Speculation
+    from app.engine.core.worker import Worker
     from references import Oracle, check_reference
     from tests.conftest import make_settings
 

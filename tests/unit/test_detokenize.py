@@ -1,6 +1,7 @@
-"""The incremental detokenizer (app/engine/detokenize.py): fake tokenizers (byte-level pieces, a sentencepiece-like
-decoder), then the real tiny GPT-2 byte-level BPE and the tiny Llama sentencepiece with byte fallback, against
-the tokenizers' own decode; the top_logprobs keys of candidates (app/engine/logprobs.py) with the Llama one."""
+"""The incremental detokenizer (app/engine/output/detokenize.py): fake tokenizers (byte-level pieces, a
+sentencepiece-like decoder), then the real tiny GPT-2 byte-level BPE and the tiny Llama sentencepiece with byte
+fallback, against the tokenizers' own decode; the top_logprobs keys of candidates (app/engine/output/token_text.py)
+with the Llama one."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import codecs
 
 import pytest
 
-from app.engine.detokenize import IncrementalDetokenizer
-from app.engine.logprobs import candidate_keys, is_byte_level, token_bytes
+from app.engine.output.detokenize import IncrementalDetokenizer
+from app.engine.output.token_text import candidate_keys, is_byte_level, token_bytes
 
 
 # ================================================================================= detokenizer (fake) ===

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from app.engine.grammar import DIGIT_RUN, Grammars
+from app.engine.sampling.grammar import DIGIT_RUN, Grammars
 from app.engine.params import Constraint
 
 OBJECT = {
@@ -116,7 +116,7 @@ def test_grammar_work_off_the_model_thread_starts_no_openmp_team(grammars):
     import os
     import threading
 
-    from app.engine.grammar import DigitTokens
+    from app.engine.sampling.grammar import DigitTokens
 
     tok, compiled = grammars
     torch.zeros(1 << 16).sum()  # this thread's own team exists before counting

@@ -4,7 +4,7 @@ whatever the width of the step that computes it, and raw logprobs are exact to f
 PyTorch picks its CPU kernels when it is imported, by the best instruction set the CPU has
 (``torch.backends.cpu.get_cpu_capability()``: AVX512 or AVX2 on x86); ``ATEN_CPU_CAPABILITY`` (``avx2``,
 ``default``) lowers that choice, so one machine can run each lower path. saker's own kernels
-(``app/engine/kernels/``) have one path, ``-mavx2 -mfma`` on every x86 CPU, and are built only where PyTorch runs
+(``app/engine/model/kernels/``) have one path, ``-mavx2 -mfma`` on every x86 CPU, and are built only where PyTorch runs
 AVX2 or better: under ``default`` the fallbacks run (attention and the log-softmax in float64, the int8 LM head in
 bfloat16). So the checks here run in this process (the CPU's own path) and, by
 ``test_each_lower_capability_passes_these_checks``, again in a subprocess under each lower capability the CPU has:
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.engine import cpu_kernels
-from app.engine.logprobs import raw_logprobs
+from app.engine.model import cpu_kernels
+from app.engine.sampling.logprobs import raw_logprobs
 from test_cpu_kernels import assert_exact_to_float32, peaked_logits
 
 ORDER = ["DEFAULT", "AVX2", "AVX512"]  # PyTorch's x86 capabilities, lowest first
@@ -69,7 +69,7 @@ def same_bits_at_every_width(f, x: torch.Tensor) -> list[str]:
 def linear(kind: str):
     """An int4 / int8 linear (576 -> 1536) of fixed weights; "int8 head": the int8 linear as an LM head (float32
     logits by saker's kernel where it is built)."""
-    from app.engine.quantize import Int4Linear, Int8Linear, mark_head
+    from app.engine.model.quantize import Int4Linear, Int8Linear, mark_head
 
     weight = torch.randn(1536, 576, generator=torch.Generator().manual_seed(1)) * 0.05
     if kind == "int4":
@@ -90,7 +90,7 @@ def attention():
     (the kernel, or float64 where it is not built)."""
     from types import SimpleNamespace
 
-    from app.engine.attention import exact_attention
+    from app.engine.model.attention import exact_attention
 
     generator = torch.Generator().manual_seed(2)
     keys = torch.randn(1, 3, 256, 64, generator=generator)
@@ -168,8 +168,8 @@ def test_an_int4_models_logits_at_a_position_do_not_depend_on_the_tokens_after_i
     numbers do not depend on how many tokens its forward computes (the speculative steps' guesses, chunks)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.engine.attention import use_engine_attention
-    from app.engine.quantize import quantize_model
+    from app.engine.model.attention import use_engine_attention
+    from app.engine.model.quantize import quantize_model
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -198,7 +198,7 @@ def test_raw_logprobs_are_exact_to_float32_rounding():
     a vocabulary of the embedded model's size with a peaked distribution (PyTorch's float32 log-softmax: 4.8e-5 off
     on an AVX2 CPU)."""
     from app.engine.params import SamplingParams
-    from app.engine.sampler import RowSpec, SamplingRows, sample
+    from app.engine.sampling.sampler import RowSpec, SamplingRows, sample
 
     logits = peaked_logits(24, 49152)
     assert_exact_to_float32(raw_logprobs(logits), logits)

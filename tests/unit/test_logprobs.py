@@ -1,4 +1,4 @@
-"""Logprob keys and values (app/engine/logprobs.py): a token's bytes on a byte-level tokenizer, the ``bytes:``
+"""Logprob keys and values (app/engine/output/token_text.py, app/engine/sampling/logprobs.py): a token's bytes on a byte-level tokenizer, the ``bytes:``
 key format, and the raw float32 log-softmax. The keys of candidates on sentencepiece are in test_detokenize.py."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from app.engine.detokenize import IncrementalDetokenizer
-from app.engine.logprobs import bytes_key, is_byte_level, raw_logprobs, token_bytes
+from app.engine.output.detokenize import IncrementalDetokenizer
+from app.engine.output.token_text import bytes_key, is_byte_level, token_bytes
+from app.engine.sampling.logprobs import raw_logprobs
 from test_detokenize import TEXTS
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of the batch-wide sampler (app/engine/sampler.py), without a model: each pass of ``shape_scores``
+"""Unit tests of the batch-wide sampler (app/engine/sampling/sampler.py), without a model: each pass of ``shape_scores``
 against a hand-computed result, which passes a batch turns on, the counter-based draws (seeds reproduce, a row's
 draws depend on its own seed, step and scores only, not on the batch), ``select``/``cat`` keeping each row's
 history, and the raw logprobs ``sample`` reports."""
@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.sampler import RowSpec, SamplingRows, StepNumbers, choose, sample, sequence_seed, shape_scores, uniforms
+from app.engine.sampling.sampler import (
+    RowSpec,
+    SamplingRows,
+    StepNumbers,
+    choose,
+    sample,
+    sequence_seed,
+    shape_scores,
+    uniforms,
+)
 
 NEG_INF = float("-inf")
 PASSES = ("bias", "suppress", "repetition", "presence", "temperature", "top_k", "top_p", "log_min_p")

@@ -370,7 +370,7 @@ def test_a_removed_setting_stops_the_start_saying_what_to_set_instead(monkeypatc
 
 
 def test_the_worker_takes_rows_and_running_requests_apart():
-    from app.engine.worker import Worker
+    from app.engine.core.worker import Worker
 
     worker = Worker.from_settings(Settings(max_batch_rows=16, max_running_requests=3))
     assert worker.config.max_batch_rows == 16 and worker.config.running_requests == 3

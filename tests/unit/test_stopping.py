@@ -1,12 +1,12 @@
 """Stop strings (``StopStrings``: spanning chunks, the earliest match, holdback), the engine's token-level rules
 (``StoppingCriteria.ended_by``: EOS, stop tokens, min_tokens, max_tokens, max_length, a completed output) and the
-output side's decision on the text (``text_decision``) of app/engine/stopping.py, without a model."""
+output side's decision on the text (``text_decision``) of app/engine/output/stopping.py, without a model."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.engine.stopping import StopDecision, StoppingCriteria, StopStrings, text_decision
+from app.engine.output.stopping import StopDecision, StoppingCriteria, StopStrings, text_decision
 
 
 # ====================================================================================== stop strings ===

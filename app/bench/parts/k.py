@@ -289,7 +289,7 @@ def run(bench: Bench) -> dict | None:
     """llama-server first, then saker, each started, measured at every level and stopped before the other starts;
     then the comparison."""
     from app.bench.parts.s import SMOL_NAME, smol_path
-    from app.engine.loader import embedded_gguf_path
+    from app.engine.model.loader import embedded_gguf_path
 
     plan = bench.plan
     binary = llama_binary()

@@ -63,7 +63,7 @@ S_SCHEMA = {
 
 def smol_path(bench: Bench) -> Path:
     """The embedded SmolLM2, converted once into the bench's cache (as the server does into its own)."""
-    from app.engine.loader import ensure_default_model
+    from app.engine.model.loader import ensure_default_model
     from app.settings import Settings
 
     path = ensure_default_model(Settings(cache_dir=str(bench.cache_dir)))

@@ -87,7 +87,7 @@ def compile_costs(bench: Bench, path: Path, texts: list[str], answer_schema: dic
     import torch
     from transformers import AutoTokenizer
 
-    from app.engine.grammar import Grammars, allowed_tokens
+    from app.engine.sampling.grammar import Grammars, allowed_tokens
     from app.protocol import json_constraint
 
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.admission import Admission
-from app.engine.client import Ended, Engine
+from app.engine.core.admission import Admission
+from app.engine.core.client import Ended, Engine
 from app.engine.errors import EngineError, EngineNotReady, EngineStepFailed
-from app.engine.batches import BatchOutOfMemory, BlockBatch
-from app.engine.prefill import ChunkedPrefill
-from app.engine.sequence import RequestGroup, Status
-from app.engine.step import Event, compute_chunks, decode_step, drop, drop_finished, preempt
-from app.engine.runner import MIXED, ModelRunner
-from app.engine.speculative import SpeculativeConfig
+from app.engine.core.batches import BatchOutOfMemory, BlockBatch
+from app.engine.core.prefill import ChunkedPrefill
+from app.engine.core.sequence import RequestGroup, Status
+from app.engine.core.step import Event, compute_chunks, decode_step, drop, drop_finished, preempt
+from app.engine.model.runner import MIXED, ModelRunner
+from app.engine.core.speculative import SpeculativeConfig
 
 log = logging.getLogger("saker.scheduler")
 
@@ -585,7 +585,7 @@ class Scheduler(Engine):
     def _after_failure(self, exc: BaseException) -> None:
         self.failures += 1
         if isinstance(exc, torch.OutOfMemoryError):
-            from app.engine.oom import free_memory
+            from app.engine.model.oom import free_memory
 
             self.batch.blocks.clear_cached()  # kept prompts are the first memory to give back
             free_memory()

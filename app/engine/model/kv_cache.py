@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.blocks import BLOCK
+BLOCK = 16  # positions per block (a prefix-cache hit is at least one block)
 
 
 def kv_bytes_per_token(cache, dtype: torch.dtype | None = None) -> int:

@@ -27,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from app.engine.detokenize import tokenizer_memo
-from app.engine.json_schemas import closed_objects, json_options
+from app.engine.output.detokenize import tokenizer_memo
+from app.engine.sampling.json_schemas import closed_objects, json_options
 from app.engine.params import Constraint
 
 CACHE_SIZE = 256

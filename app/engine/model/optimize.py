@@ -132,7 +132,7 @@ class FixedOrderLinear(nn.Module):
         self.weight, self.bias = module.weight, module.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from app.engine import cuda_kernels
+        from app.engine.model import cuda_kernels
 
         return cuda_kernels.linear(x, self.weight, self.bias)
 
@@ -145,7 +145,7 @@ class FixedOrderRMSNorm(nn.Module):
         self.weight, self.variance_epsilon = module.weight, float(module.variance_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from app.engine import cuda_kernels
+        from app.engine.model import cuda_kernels
 
         return cuda_kernels.rms_norm(x, self.weight, self.variance_epsilon)
 
@@ -171,7 +171,7 @@ def make_batch_invariant(model: nn.Module, force: bool = False) -> int:
     bits whether its step computes it alone or among others (a decode row, a row's guessed positions, a wider
     batch). Returns the modules swapped, checked like the other passes (a short forward before and after must agree
     to the dtype's rounding). ``force``: on any device (the tests, through Triton's interpreter)."""
-    from app.engine import cuda_kernels
+    from app.engine.model import cuda_kernels
 
     device = next(model.parameters()).device
     if not (force or cuda_kernels.available(device)) or cuda_kernels.triton is None:

@@ -27,9 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from app.engine.client import Engine
+from app.engine.core.client import Engine
 from app.engine.errors import ConfigError, EngineNotReady, QueueFull
-from app.engine.sequence import RequestGroup
+from app.engine.core.sequence import RequestGroup
 
 log = logging.getLogger("saker.engine")
 HEARTBEAT_S = 1.0  # how often the engine process sends its counters when it has nothing else to send
@@ -64,8 +64,8 @@ class FrontRunner:
 def engine_main(settings, conn) -> None:
     """The engine process: load (on a thread that exits, so the scheduler thread owns torch's thread pool), then
     serve the pipe until it closes."""
-    from app.engine.core import EngineConfig, EngineCore
-    from app.engine.loader import load_model
+    from app.engine.core.engine_core import EngineConfig, EngineCore
+    from app.engine.model.loader import load_model
     from app.log_config import configure_logging
 
     configure_logging(settings)  # the serving processes' one format (text or JSON), in this process too

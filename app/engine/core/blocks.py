@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-BLOCK = 16  # positions per block (a prefix-cache hit is at least one block)
+from app.engine.model.kv_cache import BLOCK
 
 Key = tuple  # (previous key's hash, salt, tokens)
 

@@ -197,7 +197,7 @@ def decode_attention(
     (T,). Returns (T, Hq, D) in q's dtype; a query with no position (``lo == hi``) gets zeros. ``jitted``: another
     jitting of the kernel (the tests' interpreted one). Traced by torch.compile as a user-defined Triton kernel, so
     a compiled step keeps it inside its CUDA graph."""
-    from app.engine.blocks import BLOCK
+    from app.engine.model.kv_cache import BLOCK
 
     tokens, heads, dim = q.shape
     kv_heads = keys.shape[1]

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.attention import use_engine_attention
-from app.engine.blocks import BLOCK
-from app.engine.kv_cache import default_kv_budget, kv_bytes_per_token
-from app.engine.logprobs import is_byte_level
+from app.engine.model.attention import use_engine_attention
+from app.engine.model.kv_cache import BLOCK
+from app.engine.model.kv_cache import default_kv_budget, kv_bytes_per_token
+from app.engine.output.token_text import is_byte_level
 
 MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
 
@@ -45,7 +45,7 @@ class ModelRunner:
                 "blocks of its KV pool, which needs plain (or sliding-window) attention layers"
             )
         if getattr(self.model, "_saker_exact", False):  # fixed-order attention: the float32 kernel's pool, or float64
-            from app.engine import cpu_kernels
+            from app.engine.model import cpu_kernels
 
             head_dim = self.probe_cache().layers[0].keys.shape[-1]
             self.kv_dtype = torch.float32 if cpu_kernels.supports(head_dim) else torch.float64
@@ -142,7 +142,7 @@ class ModelRunner:
         CUDA graph per batch bucket. Float32 logits (n, V). ``adapter_names`` (eager only, under
         ``adapter(MIXED)``): each row's LoRA adapter, ``"__base__"`` for the base model. ``scratch`` (eager only):
         ``attention.Scratch`` buffers to read the rows' blocks into."""
-        from app.engine.attention import FlatStep
+        from app.engine.model.attention import FlatStep
 
         n, width = gather.shape[0], gather.shape[1] * BLOCK
         mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)

@@ -9,13 +9,13 @@ from typing import Iterator
 
 import torch
 
-from app.engine.batches import BlockBatch
+from app.engine.core.batches import BlockBatch
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.params import SamplingParams, Timings
-from app.engine.prefill import ChunkedPrefill
-from app.engine.runner import ModelRunner
-from app.engine.sequence import RequestGroup
-from app.engine.step import Event, compute_chunks, decode_step, drop_finished
+from app.engine.core.prefill import ChunkedPrefill
+from app.engine.model.runner import ModelRunner
+from app.engine.core.sequence import RequestGroup
+from app.engine.core.step import Event, compute_chunks, decode_step, drop_finished
 
 
 def admit(batch: BlockBatch, group: RequestGroup) -> list[Event]:
@@ -48,7 +48,7 @@ class SoloRun:
         self.group.make_grammars(runner)
 
     def __iter__(self) -> Iterator[PromptEvent | TokenEvent]:
-        from app.engine.output import RequestDecoder
+        from app.engine.output.decoder import RequestDecoder
 
         group = self.group
         runner = self.runner

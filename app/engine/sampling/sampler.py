@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.grammar import RowGrammar, allowed_tokens, prefetch
-from app.engine.logprobs import log_softmax
+from app.engine.sampling.grammar import RowGrammar, allowed_tokens, prefetch
+from app.engine.sampling.logprobs import log_softmax
 from app.engine.params import Constraint, SamplingParams
 
 NEG_INF = float("-inf")
@@ -293,7 +293,7 @@ class SamplingRows:
     def _position_grammars(self, per_row: list[int], masks: dict[int, list]) -> list:
         """The grammars of ``expand``'s positions: a constrained row's masks ahead, one per position, where it
         guessed; its own grammar where it did not."""
-        from app.engine.grammar import FixedMask
+        from app.engine.sampling.grammar import FixedMask
 
         out = []
         for row, count in enumerate(per_row):

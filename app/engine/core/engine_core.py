@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from app.engine.solo import SoloRun
-from app.engine.loader import LoadedModel
-from app.engine.output import collect
+from app.engine.core.solo import SoloRun
+from app.engine.model.loader import LoadedModel
+from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
-from app.engine.runner import ModelRunner, eos_ids
-from app.engine.scheduler import Scheduler
-from app.engine.speculative import SpeculativeConfig
+from app.engine.model.runner import ModelRunner, eos_ids
+from app.engine.core.scheduler import Scheduler
+from app.engine.core.speculative import SpeculativeConfig
 
 log = logging.getLogger("saker.worker")  # the line operators grep for: "saker.worker: serving ..."
 

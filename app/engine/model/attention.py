@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine import cpu_kernels, cuda_kernels
-from app.engine.blocks import BLOCK
+from app.engine.model import cpu_kernels, cuda_kernels
+from app.engine.model.kv_cache import BLOCK
 
 NAME = "saker"
 TILE = 256  # queries per block of scores: a 256 x 8,192 float64 block per head is 16 MB
@@ -342,7 +342,7 @@ def use_engine_attention(model: torch.nn.Module) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from app.engine.quantize import rounds_activations
+    from app.engine.model.quantize import rounds_activations
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]

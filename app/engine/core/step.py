@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from app.engine.batches import BlockBatch
+from app.engine.core.batches import BlockBatch
 from app.engine.events import PromptNumbers, TokenNumbers
-from app.engine.runner import MIXED
-from app.engine.sampler import SamplingRows, sample
-from app.engine.sequence import RequestGroup, Status
+from app.engine.model.runner import MIXED
+from app.engine.sampling.sampler import SamplingRows, sample
+from app.engine.core.sequence import RequestGroup, Status
 
 if TYPE_CHECKING:  # a type only: prefill imports this module
-    from app.engine.prefill import ChunkedPrefill
+    from app.engine.core.prefill import ChunkedPrefill
 
 
 def sample_step(

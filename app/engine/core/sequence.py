@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.engine.blocks import BLOCK
+from app.engine.core.blocks import BLOCK
 from app.engine.events import PromptNumbers, TokenNumbers
-from app.engine.grammar import grammars_for
-from app.engine.logprobs import raw_logprobs
+from app.engine.sampling.grammar import grammars_for
+from app.engine.sampling.logprobs import raw_logprobs
 from app.engine.params import SamplingParams, Timings
-from app.engine.runner import ModelRunner
-from app.engine.sampler import RowSpec, SamplingRows, StepNumbers, sequence_seed
-from app.engine.stopping import StoppingCriteria
+from app.engine.model.runner import ModelRunner
+from app.engine.sampling.sampler import RowSpec, SamplingRows, StepNumbers, sequence_seed
+from app.engine.output.stopping import StoppingCriteria
 
 
 class Status(enum.Enum):

@@ -10,18 +10,18 @@ import logging
 import threading
 from typing import Callable, Iterator
 
-from app.engine.blocks import BLOCK
-from app.engine.core import EngineConfig, EngineCore, ModelInfo
-from app.engine.engine_process import EngineClient, FrontRunner
+from app.engine.core.blocks import BLOCK
+from app.engine.core.engine_core import EngineConfig, EngineCore, ModelInfo
+from app.engine.core.engine_process import EngineClient, FrontRunner
 from app.engine.errors import ClientGone, ConfigError, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
-from app.engine.sequence import RequestGroup
-from app.engine.loader import LoadedModel, load_model
-from app.engine.oom import out_of_memory_guard
-from app.engine.output import CompletionOutput, OutputStream, Release, collect
+from app.engine.core.sequence import RequestGroup
+from app.engine.model.loader import LoadedModel, load_model
+from app.engine.model.oom import out_of_memory_guard
+from app.engine.output.decoder import CompletionOutput, OutputStream, Release, collect
 from app.engine.params import SamplingParams, Timings
-from app.engine.runner import ModelRunner
-from app.engine.scheduler import Scheduler
+from app.engine.model.runner import ModelRunner
+from app.engine.core.scheduler import Scheduler
 
 log = logging.getLogger("saker.worker")
 
@@ -179,7 +179,7 @@ class Worker:
     def compile_constraint(self, constraint) -> None:
         """Compile a request's structured-output constraint before it is admitted (cached by constraint): one
         that llguidance cannot take raises ``ConstraintError`` with llguidance's message."""
-        from app.engine.grammar import GrammarError, grammars_for
+        from app.engine.sampling.grammar import GrammarError, grammars_for
 
         info = self.require_ready()
         try:

@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from app.engine.batches import BlockBatch
-from app.engine.blocks import BLOCK
-from app.engine.sequence import RequestGroup, Status
-from app.engine.step import Event, sample_step
+from app.engine.core.batches import BlockBatch
+from app.engine.core.blocks import BLOCK
+from app.engine.core.sequence import RequestGroup, Status
+from app.engine.core.step import Event, sample_step
 
 
 class ChunkedPrefill:

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from app.engine.attention import Scratch
-from app.engine.blocks import BLOCK, BlockManager
-from app.engine.kv_cache import KVPool
-from app.engine.runner import MIXED, ModelRunner
-from app.engine.sampler import SamplingRows
+from app.engine.model.attention import Scratch
+from app.engine.core.blocks import BLOCK, BlockManager
+from app.engine.model.kv_cache import KVPool
+from app.engine.model.runner import MIXED, ModelRunner
+from app.engine.sampling.sampler import SamplingRows
 
 if TYPE_CHECKING:  # a type only: sequence's module imports what imports this one
-    from app.engine.sequence import RequestGroup
+    from app.engine.core.sequence import RequestGroup
 
 
 class BatchOutOfMemory(Exception):
@@ -438,7 +438,7 @@ class BlockBatch:
         ``guesses`` (speculative decoding; row order, fitted by ``fit_guesses``): each row computes its next token and
         its guesses at its next positions, and the rows' logits are every one of those tokens' (T, V), a row's in a
         run; the rows' lengths then advance by what the caller keeps (``advance``), not here."""
-        from app.engine.attention import FlatStep
+        from app.engine.model.attention import FlatStep
 
         pool = self._pool()
         device = pool.keys[0].device

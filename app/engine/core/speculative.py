@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.engine.loader import speculative_method as method  # the setting as it applies on this device
+from app.engine.model.loader import speculative_method as method  # the setting as it applies on this device
 
 MISSES_TO_PAUSE = 3
 PAUSE = 8
@@ -166,8 +166,8 @@ class DraftProposer(Proposer):
     def __init__(self, runner, vocab: int, rows: int, tokens: int):
         from collections import OrderedDict
 
-        from app.engine.batches import BlockBatch
-        from app.engine.blocks import BLOCK
+        from app.engine.core.batches import BlockBatch
+        from app.engine.core.blocks import BLOCK
 
         self.runner, self.vocab = runner, vocab  # the served model's vocabulary: no guess outside it
         self.context = runner.context_length
@@ -238,7 +238,7 @@ class DraftProposer(Proposer):
     def _fit(self, state: DraftState, positions: int, now: set[int]) -> bool:
         """Blocks for ``positions`` positions on ``state`` (taken from the sequences that guessed least recently, not
         those of this step, when none are free); False when they cannot be had."""
-        from app.engine.blocks import BLOCK
+        from app.engine.core.blocks import BLOCK
 
         self.holding[id(state)] = state
         self.holding.move_to_end(id(state))
@@ -283,7 +283,7 @@ class SpeculativeConfig:
     def of(cls, settings) -> "SpeculativeConfig":
         draft = None
         if settings.speculative == "draft":
-            from app.engine.loader import load_model
+            from app.engine.model.loader import load_model
 
             draft_settings = settings.model_copy(
                 update={"model": settings.speculative_model, "gguf_file": None, "tokenizer": None, "peft_weights": None}
@@ -315,7 +315,7 @@ class SpeculativeConfig:
                     f"the speculative model ({loaded.source}) has another vocabulary than the served model's: a draft "
                     "model must use the same tokenizer"
                 )
-            from app.engine.runner import ModelRunner
+            from app.engine.model.runner import ModelRunner
 
             draft = ModelRunner(loaded.model, loaded.tokenizer, ())
             proposer = DraftProposer(draft, runner.vocab_size, self.max_rows, self.tokens)

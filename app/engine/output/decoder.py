@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from app.engine.detokenize import IncrementalDetokenizer
+from app.engine.output.detokenize import IncrementalDetokenizer
 from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers
-from app.engine.logprobs import candidate_keys
+from app.engine.output.token_text import candidate_keys
 from app.engine.params import SamplingParams, TokenLogprobs
-from app.engine.stopping import StopDecision, StopStrings, text_decision
+from app.engine.output.stopping import StopDecision, StopStrings, text_decision
 
 
 def _top_dict(

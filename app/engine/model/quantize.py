@@ -27,7 +27,7 @@ import logging
 import torch
 from torch import nn
 
-from app.engine import cpu_kernels
+from app.engine.model import cpu_kernels
 
 log = logging.getLogger("saker.quantize")
 
@@ -152,7 +152,7 @@ def mark_head(model: nn.Module) -> None:
 def rounds_activations(model: nn.Module) -> bool:
     """Whether some linear of ``model`` rounds its float inputs to bfloat16 (``KERNEL_DTYPE``) before its product:
     a few float32 ulps before such a linear can then move its output by a bfloat16 step (see
-    ``app/engine/attention.py``)."""
+    ``app/engine/model/attention.py``)."""
     return any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()) and KERNEL_DTYPE != torch.float32
 
 
@@ -211,7 +211,7 @@ def quantize_model(model: nn.Module, mode: str, gguf: str | None = None, device:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     index = None
     if gguf and mode == "int4":
-        from app.engine.gguf_codes import read_int4_tensors
+        from app.engine.model.gguf_codes import read_int4_tensors
 
         _, index = read_int4_tensors(gguf)
     shipped = 0

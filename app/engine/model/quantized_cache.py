@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from app.engine.model_files import CHECKSUMS, damage, folder_checksums
-from app.engine.quantize import quantize_model, quantized_state, restore_quantized
+from app.engine.model.model_files import CHECKSUMS, damage, folder_checksums
+from app.engine.model.quantize import quantize_model, quantized_state, restore_quantized
 
 log = logging.getLogger("saker.quantize")
 

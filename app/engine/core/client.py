@@ -24,7 +24,7 @@ from app.engine.errors import ClientGone
 from app.engine.events import PromptEvent, TokenEvent
 
 if TYPE_CHECKING:
-    from app.engine.sequence import RequestGroup
+    from app.engine.core.sequence import RequestGroup
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Ticket:
     waiting requests do not take the interpreter from the model thread at every step."""
 
     def __init__(self, engine: "Engine", rid: int, groups: list[RequestGroup], eager: bool = True):
-        from app.engine.output import RequestDecoder
+        from app.engine.output.decoder import RequestDecoder
 
         self.engine, self.rid = engine, rid
         self.groups = groups
