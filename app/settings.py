@@ -16,9 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.engine.model.load_config import DEFAULT_MODEL_NAME  # the embedded default: the engine's
 from app.errors import ConfigError
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def parse_gpu_memory(value: str) -> dict[int, float]:
@@ -486,6 +485,13 @@ class Settings(BaseSettings):
             if names:
                 return names
         return [self.model or DEFAULT_MODEL_NAME]
+
+    def configure_logging(self) -> None:
+        """This process's logging in the one format these settings give (``app/log_config.py``); the engine
+        process calls it (it imports nothing of the server: the settings it was handed bring their logging)."""
+        from app.log_config import configure_logging
+
+        configure_logging(self)
 
 
 # settings that are gone, and what to set instead (a start with one of them says so)

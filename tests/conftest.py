@@ -68,10 +68,11 @@ def make_settings(**values):
 
 
 def make_worker(settings):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
-    return Worker.from_loaded(tuple(settings.model_names), load_model(settings))
+    return Worker.from_loaded(tuple(settings.model_names), load_model(LoadConfig.of(settings)))
 
 
 @pytest.fixture(scope="session")

@@ -41,12 +41,13 @@ def inductor_cache(saker_cache):
 @pytest.fixture(scope="module")
 def compiled(gpt2_dir):
     """A worker whose decode step is compiled (inductor on the CPU, buckets 1 and 2)."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     torch._dynamo.reset()
     settings = make_settings(model=str(gpt2_dir))
-    yield Worker.from_loaded(("m",), load_model(settings), max_batch_rows=2, compile=True)
+    yield Worker.from_loaded(("m",), load_model(LoadConfig.of(settings)), max_batch_rows=2, compile=True)
     torch._dynamo.reset()
 
 
@@ -200,6 +201,7 @@ def test_an_int4_model_compiles_to_few_graphs_and_answers_as_a_plain_forward(lla
     loaded, no engine: its argmax, its log-softmax within 1e-4)."""
     from torch._dynamo.utils import counters
 
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.model.quantize import Int4Linear
     from app.engine.core.worker import Worker
@@ -207,11 +209,11 @@ def test_an_int4_model_compiles_to_few_graphs_and_answers_as_a_plain_forward(lla
     torch._dynamo.reset()
     settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
     before = counters["stats"]["unique_graphs"]
-    compiled = Worker.from_loaded(("m",), load_model(settings), max_batch_rows=2, compile=True)
+    compiled = Worker.from_loaded(("m",), load_model(LoadConfig.of(settings)), max_batch_rows=2, compile=True)
     # buckets 1 and 2, each with every window (256, 512, ... the capacity): a handful of graphs, not one per pair
     # (the first shapes static; then the window and the rows dynamic; the whole capacity its own)
     assert counters["stats"]["unique_graphs"] - before <= 4
-    plain = load_model(settings).model
+    plain = load_model(LoadConfig.of(settings)).model
     assert any(isinstance(m, Int4Linear) for m in compiled.runner.model.modules())
     assert any(isinstance(m, Int4Linear) for m in plain.modules())
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
@@ -237,9 +239,10 @@ def test_inductors_cache_is_kept_with_sakers_when_compiling(gpt2_dir, tmp_path, 
     ``inductor_cache`` set it before, so this ``delenv`` is recorded and undone: the loader's value does not stay.)"""
     import os
 
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
 
     assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    load_model(make_settings(model=str(gpt2_dir), device="cpu", compile=compile_, cache_dir=str(tmp_path)))
+    load_model(LoadConfig(model=str(gpt2_dir), device="cpu", compile=compile_, cache_dir=str(tmp_path)))
     assert (os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(tmp_path / "inductor")) is kept

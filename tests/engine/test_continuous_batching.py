@@ -30,6 +30,7 @@ def batch_worker(request, reference):
     """``-packed``: every linear oneDNN-packed (app/engine/model/optimize.py leaves the tiny models' small matrices
     alone otherwise), so the packed path is checked against the untouched reference too."""
     from app.engine.model import optimize
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
@@ -39,7 +40,7 @@ def batch_worker(request, reference):
     with pytest.MonkeyPatch.context() as patch:
         if packed:
             patch.setattr(optimize, "MIN_PACKED_ELEMENTS", 0)
-        loaded = load_model(settings)
+        loaded = load_model(LoadConfig.of(settings))
     assert any(isinstance(m, optimize.PackedLinear) for m in loaded.model.modules()) == bool(packed)
     worker = Worker.from_loaded(("m",), loaded, max_batch_rows=16)
     return register(worker, reference, path), path
@@ -254,11 +255,12 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
 def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
     """A request with more candidates than max_batch_rows runs alone at first; a small one that comes later
     joins beside it (up to max_batch_rows rows of its own) and ends long before it. Both equal their runs alone."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     worker = register(
-        Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=4),
+        Worker.from_loaded(("m",), load_model(LoadConfig(model=str(gpt2_dir))), max_batch_rows=4),
         reference,
         gpt2_dir,
     )
@@ -279,11 +281,12 @@ def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
 
 
 def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     worker = register(
-        Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=1),
+        Worker.from_loaded(("m",), load_model(LoadConfig(model=str(gpt2_dir))), max_batch_rows=1),
         reference,
         gpt2_dir,
     )
@@ -302,12 +305,13 @@ def one_slot(gpt2_dir, reference, monkeypatch):
     next step wait until ``gate.go()``."""
     import threading
 
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
         ("m",),
-        load_model(make_settings(model=str(gpt2_dir))),
+        load_model(LoadConfig(model=str(gpt2_dir))),
         max_batch_rows=8,
         max_running_requests=1,
         max_queue=1,
@@ -415,11 +419,12 @@ def test_when_blocks_run_out_the_newest_request_gives_them_back_and_every_answer
     admitted for what they hold now, and when the rows cross into more blocks than are free the newest request gives
     its blocks back, waits, and is computed again. Greedy answers equal ``generate()`` and a plain forward's
     logprobs; the seeded sampled one equals its run alone; nothing is held afterwards."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
-        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=160
+        ("m",), load_model(LoadConfig(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=160
     )
     model, tok = reference(gpt2_dir)
     ids = tok("Once upon a time").input_ids
@@ -440,11 +445,12 @@ def test_a_request_that_fits_the_budget_alone_is_never_held_back_by_newer_ones(g
     """The oldest request keeps its blocks: a request as long as the whole budget (5 blocks) runs to its end beside
     newer ones that are admitted for what they hold and give their blocks back when it needs them; every answer
     equals ``generate()``. (Submitted together, so that the steps do not depend on thread timing.)"""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
-        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
+        ("m",), load_model(LoadConfig(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
     )
     model, tok = reference(gpt2_dir)
     ids = tok("Once upon a time").input_ids
@@ -462,11 +468,12 @@ def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(gpt2
     """The newest request gives its blocks back (its rows' state parked in the batch) and its client goes away
     before it comes back: it ends without an error, nothing stays parked or held, and the request that kept its
     blocks equals ``generate()``."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     worker = Worker.from_loaded(
-        ("m",), load_model(make_settings(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
+        ("m",), load_model(LoadConfig(model=str(gpt2_dir))), max_batch_rows=8, kv_cache_tokens=80
     )
     model, tok = reference(gpt2_dir)
     ids = tok("Once upon a time").input_ids
@@ -498,11 +505,14 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
     """n x (prompt + max_tokens), in whole 16-position blocks, beyond the KV budget: a 400 naming n before anything
     runs; within it: served."""
     from app import create_app
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2")
-    worker = Worker.from_loaded(("tiny-gpt2",), load_model(settings), max_batch_rows=8, kv_cache_tokens=100)
+    worker = Worker.from_loaded(
+        ("tiny-gpt2",), load_model(LoadConfig.of(settings)), max_batch_rows=8, kv_cache_tokens=100
+    )
     client = create_app(settings, worker=worker).test_client()
     body = {"model": "tiny-gpt2", "prompt": [5, 6, 7, 8], "max_tokens": 30, "temperature": 0.5, "seed": 1}
     too_many = client.post("/v1/completions", json={**body, "n": 4})
@@ -682,6 +692,7 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     settings, all give what they give one at a time on a worker with all of these off."""
     import random
 
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
@@ -691,7 +702,7 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     settings = make_settings(model=str(path))
     fast = Worker.from_loaded(
         ("m",),
-        load_model(settings),
+        load_model(LoadConfig.of(settings)),
         max_batch_rows=16,
         prefix_cache_tokens=2048,
         prefill_batch_tokens=4096,
@@ -699,7 +710,7 @@ def test_random_mixes_of_shared_prefixes_settings_and_arrivals_match_alone(seed,
     )
     plain = Worker.from_loaded(
         ("m",),
-        load_model(settings),
+        load_model(LoadConfig.of(settings)),
         max_batch_rows=1,
         prefix_cache_tokens=0,
         prefill_batch_tokens=0,

@@ -30,7 +30,6 @@ from app.engine.core.sequence import RequestGroup
 from app.engine.output.decoder import collect
 from app.engine.params import Constraint, SamplingParams
 from app.engine.core.speculative import SpeculativeConfig
-from conftest import make_settings
 from references import check_reference
 
 CONTEXT = 256  # the tiny models' positions
@@ -59,15 +58,16 @@ ENGINES = {
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
 def engine(request, gpt2_dir, reference):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     config = dict(ENGINES[request.param])
     if config.get("speculative") == "draft":
         config["speculative"] = SpeculativeConfig(
-            "draft", tokens=3, max_rows=4, draft=lambda: load_model(make_settings(model=str(gpt2_dir)))
+            "draft", tokens=3, max_rows=4, draft=lambda: load_model(LoadConfig(model=str(gpt2_dir)))
         )
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), **config)
+    worker = Worker.from_loaded(("m",), load_model(LoadConfig(model=str(gpt2_dir))), **config)
     yield worker, reference(gpt2_dir)
     worker.runner.fault = None
 
@@ -297,10 +297,11 @@ def test_an_engine_that_cannot_be_made_consistent_stops_and_says_so(gpt2_dir):
     """When recovery itself fails, every request fails with a fatal ``EngineStepFailed``, new ones are refused,
     the worker is no longer ready and its ``on_fatal`` is told (the app makes the process exit)."""
     from app.engine.errors import EngineNotReady
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(gpt2_dir))), kv_cache_tokens=1024)
+    worker = Worker.from_loaded(("m",), load_model(LoadConfig(model=str(gpt2_dir))), kv_cache_tokens=1024)
     told = threading.Event()
     worker.on_fatal = lambda reason: told.set()
 

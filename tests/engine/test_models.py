@@ -25,11 +25,12 @@ def app_for(settings, worker):
 
 @pytest.mark.slow
 def test_embedded_smollm2_says_paris(saker_cache):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import default_model_dir
 
     settings = make_settings(cache_dir=str(saker_cache))
     client = app_for(settings, make_worker(settings))
-    assert (default_model_dir(settings) / "model.safetensors").is_file()
+    assert (default_model_dir(LoadConfig.of(settings)) / "model.safetensors").is_file()
     body = post(client, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in body["choices"][0]["text"]
     assert body["model"] == "SmolLM2-135M-Instruct"
@@ -45,22 +46,23 @@ def test_a_damaged_default_model_cache_is_converted_again(saker_cache, tmp_path,
     import shutil
 
     from app.engine.model import loader
+    from app.engine.model.load_config import LoadConfig
 
-    source = loader.ensure_default_model(make_settings(cache_dir=str(saker_cache)))
-    settings = make_settings(cache_dir=str(tmp_path))
-    target = loader.default_model_dir(settings)
+    source = loader.ensure_default_model(LoadConfig(cache_dir=str(saker_cache)))
+    config = LoadConfig(cache_dir=str(tmp_path))
+    target = loader.default_model_dir(config)
     shutil.copytree(source, target)
     assert loader.damage(target) is None
     converted = []
     monkeypatch.setattr(loader, "_convert_default_model", lambda folder: converted.append(folder) or folder)
-    assert loader.ensure_default_model(settings) == target and not converted
+    assert loader.ensure_default_model(config) == target and not converted
     weights = target / "model.safetensors"
     with open(weights, "r+b") as f:
         f.seek(64 * 1024 * 1024)
         f.write(b"\x7f" * (16 * 1024 * 1024))
     assert "model.safetensors does not match its checksum" in loader.damage(target)
     with caplog.at_level("WARNING", logger="saker.loader"):
-        loader.ensure_default_model(settings)
+        loader.ensure_default_model(config)
     assert converted == [target]
     assert any("damaged" in r.message and "converting it again" in r.message for r in caplog.records)
     with open(weights, "r+b") as f:
@@ -73,13 +75,14 @@ def test_a_damaged_default_model_cache_is_converted_again(saker_cache, tmp_path,
 def test_an_unwritable_cache_folder_is_one_line(tmp_path):
     """The cache folder cannot be made (here its parent is a file; a full or read-only disk reads the same):
     a ConfigError naming the folder and what to do, not a traceback."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model
     from app.errors import ConfigError
 
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
     with pytest.raises(ConfigError) as caught:
-        ensure_default_model(make_settings(cache_dir=str(blocker)))
+        ensure_default_model(LoadConfig(cache_dir=str(blocker)))
     message = str(caught.value)
     assert "\n" not in message and str(blocker) in message and "SAKER_CACHE_DIR" in message
 
@@ -149,6 +152,7 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     from app.engine.events import TokenEvent
     from app.engine.core.sequence import RequestGroup
     from app.engine.core.solo import SoloRun
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.output.decoder import collect
     from app.engine.params import SamplingParams
@@ -156,7 +160,7 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
 
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
-    worker = Worker.from_loaded(("base",), load_model(settings), max_batch_rows=8)
+    worker = Worker.from_loaded(("base",), load_model(LoadConfig.of(settings)), max_batch_rows=8)
     assert worker.runner.mixes_adapters
     prompts = {"alpha": [1, 40, 41, 42], "beta": [1, 50, 51, 52, 53, 54], None: [1, 60, 61]}
     runs = [
@@ -186,13 +190,14 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
 def test_prefix_cache_keeps_adapters_apart(llama_dir, loras):
     """A prompt kept under one adapter is not reused for another (their keys and values differ), and is
     reused for the same one; both agree with peft's own forward."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.core.worker import Worker
 
     a, b = loras
     settings = make_settings(model=str(llama_dir), served_model_name="base", peft_weights=f"alpha={a} beta={b}")
-    worker = Worker.from_loaded(("base",), load_model(settings), prefix_cache_tokens=4096)
+    worker = Worker.from_loaded(("base",), load_model(LoadConfig.of(settings)), prefix_cache_tokens=4096)
     cache = worker.prefix_cache
     prompt = [1] + list(range(40, 60))  # one full block of 16 can be reused
     for name, adapter_dir, reused in (("alpha", a, False), ("beta", b, False), ("beta", b, True), (None, None, False)):
@@ -261,15 +266,16 @@ def test_bitsandbytes_quantization(llama_dir, mode):
 
 
 def test_quantize_without_gpu_is_a_clear_startup_error(llama_dir):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.errors import ConfigError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        load_model(make_settings(model=str(llama_dir), quantize="bitsandbytes-8bit"))
+        load_model(LoadConfig(model=str(llama_dir), quantize="bitsandbytes-8bit"))
     with pytest.raises(ConfigError, match="no CUDA GPU"):
-        load_model(make_settings(model=str(llama_dir), gpu_memory="0:24"))
+        load_model(LoadConfig(model=str(llama_dir), gpu_memory_map={0: 24.0}))
 
 
 def test_device_map_fills_the_primary_gpu_first(llama_dir):
@@ -278,6 +284,7 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import gpu_order, plan_device_map
     from app.settings import Settings
 
@@ -288,7 +295,7 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
     embed_bytes = sum(p.numel() * 4 for p in meta.model.embed_tokens.parameters())
     gib = (embed_bytes + layer_bytes * 1.5) / 2**30  # room for the embeddings and one layer
     settings = Settings(gpu_id=5, gpu_memory=f"2:{gib:.9f} 5:{gib:.9f}", cpu_memory=1)
-    max_memory = gpu_order(settings)
+    max_memory = gpu_order(LoadConfig.of(settings))
     assert list(max_memory) == [5, 2, "cpu"]
     plan = plan_device_map(meta, max_memory, torch.float32)
     # the primary GPU is filled first (inputs go to the embeddings' device), the overflow goes to GPU 2
@@ -302,6 +309,7 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
 def test_compiled_decoding_matches_eager(llama_dir, reference):
     """SAKER_COMPILE on CUDA: the decode-only step replayed as CUDA graphs gives the eager server's greedy text and
     logprobs (fp32), alone and with n > 1 (several rows of one bucket)."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.core.worker import Worker
@@ -316,7 +324,7 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
     # every bucket is replayed as a CUDA graph: none skipped (the KV pool's in-place writes are allowed because
     # its tensors are static addresses)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    eager = Worker.from_loaded(("m",), load_model(make_settings(model=str(llama_dir), dtype="float32")))
+    eager = Worker.from_loaded(("m",), load_model(LoadConfig(model=str(llama_dir), dtype="float32")))
     _, tok = reference(llama_dir)
     for prompt, n in (("Hello", 1), ("Once upon a time there was", 3)):
         ids = tok(prompt).input_ids
@@ -330,10 +338,11 @@ def test_compiled_decoding_matches_eager(llama_dir, reference):
 
 def test_a_model_folder_under_home_loads(gpt2_dir, tmp_path, monkeypatch):
     """SAKER_MODEL=~/models/x: the folder is used (not taken for a hub id), tokenizer included."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
 
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "x").symlink_to(gpt2_dir)
     monkeypatch.setenv("HOME", str(tmp_path))
-    loaded = load_model(make_settings(model="~/models/x"))
+    loaded = load_model(LoadConfig(model="~/models/x"))
     assert loaded.tokenizer("Hello").input_ids and loaded.model.config.model_type == "gpt2"

@@ -79,14 +79,14 @@ def test_shared_blocks_free_with_their_last_holder_and_compact_renumbers_the_cac
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def workers(request):
     """The same model twice: prefix cache on and off."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
-    from conftest import make_settings
 
     path = request.getfixturevalue(f"{request.param}_dir")
-    loaded = load_model(make_settings(model=str(path)))
+    loaded = load_model(LoadConfig(model=str(path)))
     on = Worker.from_loaded(("m",), loaded, prefix_cache_tokens=4096)
-    off = Worker.from_loaded(("m",), load_model(make_settings(model=str(path))), prefix_cache_tokens=0)
+    off = Worker.from_loaded(("m",), load_model(LoadConfig(model=str(path))), prefix_cache_tokens=0)
     return on, off, path
 
 

@@ -159,11 +159,12 @@ def test_smollm2_keeps_its_answers(saker_cache, mode):
     """The embedded SmolLM2 quantized: still says Paris, and its next-token distribution stays close to float32's
     (mean |logprob difference| over the top 10 float32 tokens of three prompts: int8 0.10, int4 0.045 seen: the
     GGUF's Q4_1 weights sit on int4's grid exactly, so int4 is closer than per-channel int8; the head is int8)."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model, load_model
 
-    path = str(ensure_default_model(make_settings(cache_dir=str(saker_cache))))
-    exact = load_model(make_settings(model=path)).model
-    quantized = load_model(make_settings(model=path, quantize=mode)).model
+    path = str(ensure_default_model(LoadConfig(cache_dir=str(saker_cache))))
+    exact = load_model(LoadConfig(model=path)).model
+    quantized = load_model(LoadConfig(model=path, quantize=mode)).model
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -227,17 +228,18 @@ def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker
     import logging
 
     from app.engine.model.gguf_codes import read_int4_tensors
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import embedded_gguf_path, ensure_default_model, load_model
 
-    settings = make_settings(cache_dir=str(saker_cache))
-    exact = load_model(make_settings(cache_dir=str(saker_cache), quantize="none"))
+    config = LoadConfig(cache_dir=str(saker_cache))
+    exact = load_model(LoadConfig(cache_dir=str(saker_cache), quantize="none"))
     assert exact.precision == "float32" and not any(isinstance(m, Int4Linear) for m in exact.model.modules())
-    first = load_model(settings)
+    first = load_model(config)
     assert "210 of them the GGUF file's 4-bit codes as shipped" in first.precision, first.precision
     assert first.precision.endswith("the LM head int8, float32 activations")
     from safetensors.torch import load_file
 
-    folder = ensure_default_model(settings)  # the GGUF de-quantized by transformers: the float32 reference
+    folder = ensure_default_model(config)  # the GGUF de-quantized by transformers: the float32 reference
     floats = load_file(folder / "model.safetensors")
     for name, module in first.model.named_modules():
         if isinstance(module, Int4Linear):
@@ -247,7 +249,7 @@ def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker
     tensors, _ = read_int4_tensors(embedded_gguf_path())
     assert {t.kind for t in tensors} == {"Q4_1"} and len(tensors) == 210
     with caplog.at_level(logging.INFO, logger="saker.quantize"):
-        second = load_model(settings)
+        second = load_model(config)
     assert "quantized weights loaded from" in caplog.text and second.precision == first.precision
     ids = torch.tensor([first.tokenizer("The capital of France is")["input_ids"]])
     with torch.no_grad():
@@ -257,17 +259,18 @@ def test_the_embedded_default_is_served_int4_from_its_own_codes_and_cached(saker
 def test_a_damaged_quantized_cache_is_quantized_again(llama_dir, tmp_path, caplog):
     import logging
 
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
 
-    settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
-    first = load_model(settings)
+    config = LoadConfig(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
+    first = load_model(config)
     [folder] = (tmp_path / "quantized").iterdir()
     weights = folder / "weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[-64:] = bytes(64)
     weights.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="saker.quantize"):
-        again = load_model(settings)
+        again = load_model(config)
     assert "are damaged" in caplog.text and "quantizing again" in caplog.text
     ids = torch.tensor([[1, 2, 3, 4]], device=first.model.get_input_embeddings().weight.device)
     with torch.no_grad():
@@ -275,10 +278,11 @@ def test_a_damaged_quantized_cache_is_quantized_again(llama_dir, tmp_path, caplo
 
 
 def test_an_explicit_dtype_or_another_model_is_not_quantized_unasked(llama_dir):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import weight_only_mode
 
-    assert weight_only_mode(make_settings(), "cpu") == "int4"  # the embedded default
-    assert weight_only_mode(make_settings(dtype="float32"), "cpu") is None
-    assert weight_only_mode(make_settings(quantize="none"), "cpu") is None
-    assert weight_only_mode(make_settings(model=str(llama_dir)), "cpu") is None
-    assert weight_only_mode(make_settings(model=str(llama_dir), quantize="int8"), "cpu") == "int8"
+    assert weight_only_mode(LoadConfig(), "cpu") == "int4"  # the embedded default
+    assert weight_only_mode(LoadConfig(dtype="float32"), "cpu") is None
+    assert weight_only_mode(LoadConfig(quantize="none"), "cpu") is None
+    assert weight_only_mode(LoadConfig(model=str(llama_dir)), "cpu") is None
+    assert weight_only_mode(LoadConfig(model=str(llama_dir), quantize="int8"), "cpu") == "int8"

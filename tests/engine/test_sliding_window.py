@@ -13,7 +13,6 @@ from app.engine.core.sequence import RequestGroup
 from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
 from app.tiny_models import copy_tokenizer, llama_model
-from conftest import make_settings
 from references import continuation, ref_greedy, ref_logprobs
 
 WINDOW = 8
@@ -33,11 +32,12 @@ def mistral_dir(llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=[0, 5, 12])
 def worker(request, mistral_dir):
     """Prompts whole (0), or in chunks of 5 and 12 tokens: shorter and longer than the window."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     return Worker.from_loaded(
-        ("m",), load_model(make_settings(model=str(mistral_dir))), max_batch_rows=8, prefill_chunk_tokens=request.param
+        ("m",), load_model(LoadConfig(model=str(mistral_dir))), max_batch_rows=8, prefill_chunk_tokens=request.param
     )
 
 

@@ -79,10 +79,11 @@ def greedy_reference(model, prompt: list[int], tokens: int) -> list[tuple[int, f
 
 def worker_with(path, speculation=None, **kwargs):
     """A worker on ``path``'s model; ``speculation``: the batch's (a test's proposer), or ``speculative=`` config."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
-    worker = Worker.from_loaded(("m",), load_model(make_settings(model=str(path))), max_batch_rows=8, **kwargs)
+    worker = Worker.from_loaded(("m",), load_model(LoadConfig(model=str(path))), max_batch_rows=8, **kwargs)
     if speculation is not None:
         worker.scheduler.batch.speculation = speculation
     return worker
@@ -267,12 +268,13 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
     give a plain forward's greedy tokens and logprobs, for two prompts with two candidates each (oracle:
     ``greedy_reference``), and sampled rows with a seed give the documented counter-based draws over that forward
     (oracle: ``references.ref_sampled``)."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.speculative import SpeculativeConfig
 
     model, tok = reference(gpt2_dir)
     source = gpt2_dir if draft == "itself" else truncated(gpt2_dir, tmp_path / "draft")
-    config = SpeculativeConfig("draft", 4, 8, draft=lambda: load_model(make_settings(model=str(source))))
+    config = SpeculativeConfig("draft", 4, 8, draft=lambda: load_model(LoadConfig(model=str(source))))
     worker = worker_with(gpt2_dir, speculative=config)
     speculation = worker.scheduler.batch.speculation
     prompts, tokens = prompts_of(tok), 24
@@ -300,11 +302,12 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
 def draft_of(path, rows: int = 4, tokens: int = 4, vocab: int | None = None):
     """``DraftProposer`` over ``path``'s model (its own runner and block pool), guessing for at most ``rows``
     sequences at once."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.model.runner import ModelRunner
     from app.engine.core.speculative import DraftProposer
 
-    loaded = load_model(make_settings(model=str(path)))
+    loaded = load_model(LoadConfig(model=str(path)))
     runner = ModelRunner(loaded.model, loaded.tokenizer, ())
     return DraftProposer(runner, vocab or loaded.model.config.vocab_size, rows, tokens)
 
@@ -374,14 +377,15 @@ def test_a_draft_pool_gives_the_least_recent_sequences_blocks_to_a_new_one(gpt2_
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(gpt2_dir, llama_dir):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.speculative import SpeculativeConfig
     from app.errors import ConfigError
 
     from types import SimpleNamespace
 
-    config = SpeculativeConfig("draft", draft=lambda: load_model(make_settings(model=str(llama_dir))))
-    target = load_model(make_settings(model=str(gpt2_dir)))
+    config = SpeculativeConfig("draft", draft=lambda: load_model(LoadConfig(model=str(llama_dir))))
+    target = load_model(LoadConfig(model=str(gpt2_dir)))
     with pytest.raises(ConfigError, match="another vocabulary"):
         config.build(SimpleNamespace(tokenizer=target.tokenizer, vocab_size=target.model.config.vocab_size))
     with pytest.raises(ValueError, match="speculative_model"):
@@ -397,11 +401,12 @@ def test_the_default_configuration_gives_the_same_bits_with_speculation(saker_ca
     position's argmax, so a greedy loop would have made the same tokens): 48 forwards of the whole sequence took
     most of this test's 9 minutes on a loaded 2-core machine."""
     from app.bench.parts.p import TASKS
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.speculative import SpeculativeConfig
     from app.engine.core.worker import Worker
 
-    loaded = load_model(make_settings(cache_dir=str(saker_cache)))
+    loaded = load_model(LoadConfig(cache_dir=str(saker_cache)))
     worker = Worker.from_loaded(("m",), loaded, speculative=SpeculativeConfig("ngram", 4, 4))
     assert "int4" in worker.info.precision
     messages = [{"role": "user", "content": TASKS["grounded"]}]
@@ -427,19 +432,21 @@ def test_prompt_lookup_is_the_default_on_the_cpu_and_off_on_cuda(monkeypatch):
     """``SAKER_SPECULATIVE`` unset: ngram on the CPU (where bench part P shows it pays), off on CUDA (its fixed-order
     kernels are not measured there); a value set is kept either way."""
     from app.engine.model import loader
+    from app.engine.model.load_config import LoadConfig
     from app.engine.core import speculative
 
-    monkeypatch.setattr(loader, "resolve_device", lambda settings: "cpu")  # whatever device this machine has
-    assert speculative.method(make_settings()) == "ngram"
-    assert speculative.method(make_settings(speculative="off")) == "off"
-    monkeypatch.setattr(loader, "resolve_device", lambda settings: "cuda:0")
-    assert speculative.method(make_settings()) == "off"
-    assert speculative.method(make_settings(speculative="ngram")) == "ngram"
+    monkeypatch.setattr(loader, "resolve_device", lambda config: "cpu")  # whatever device this machine has
+    assert speculative.method(LoadConfig()) == "ngram"
+    assert speculative.method(LoadConfig(speculative="off")) == "off"
+    monkeypatch.setattr(loader, "resolve_device", lambda config: "cuda:0")
+    assert speculative.method(LoadConfig()) == "off"
+    assert speculative.method(LoadConfig(speculative="ngram")) == "ngram"
 
 
 def test_the_default_kv_budget_is_taken_after_the_draft_model_loads(gpt2_dir, monkeypatch):
     """On CUDA the default budget is 90 % of the free GPU memory: it must be measured once the draft model and its
     own pool hold theirs, or the served model's pool would take memory the draft already has."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.model.runner import ModelRunner
     from app.engine.core.speculative import SpeculativeConfig
@@ -453,7 +460,7 @@ def test_the_default_kv_budget_is_taken_after_the_draft_model_loads(gpt2_dir, mo
 
     def draft():
         order.append("draft")
-        return load_model(make_settings(model=str(gpt2_dir)))
+        return load_model(LoadConfig(model=str(gpt2_dir)))
 
     monkeypatch.setattr(ModelRunner, "default_kv_budget", budget)
     worker = worker_with(gpt2_dir, speculative=SpeculativeConfig("draft", 4, 4, draft=draft))

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
+from app.engine.model.load_config import LoadConfig
 from app.engine.model.loader import load_model
 from app.engine.params import SamplingParams
 from app.engine.core.worker import Worker
 from app.errors import ConfigError
-from conftest import make_settings
 
 
 def test_the_model_loads_on_a_thread_that_exits(gpt2_dir):
@@ -20,7 +20,7 @@ def test_the_model_loads_on_a_thread_that_exits(gpt2_dir):
 
     def loader():
         seen.append(threading.current_thread())
-        return load_model(make_settings(model=str(gpt2_dir)))
+        return load_model(LoadConfig(model=str(gpt2_dir)))
 
     worker = Worker(("tiny-gpt2",), loader)
     worker.load()

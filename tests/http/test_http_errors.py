@@ -225,6 +225,7 @@ def _wait_until(predicate, timeout=30.0):
 
 def test_health_503_while_loading_then_200(gpt2_dir):
     from app import create_app
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
@@ -235,7 +236,7 @@ def test_health_503_while_loading_then_200(gpt2_dir):
     def loader():
         started.set()
         assert release.wait(30)
-        return load_model(settings)
+        return load_model(LoadConfig.of(settings))
 
     worker = Worker(("tiny-gpt2",), loader)
     app = create_app(settings, worker=worker)

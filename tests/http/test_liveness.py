@@ -14,11 +14,12 @@ from conftest import make_settings
 @pytest.fixture(scope="module")
 def stalling_app(gpt2_dir):
     from app import create_app
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     settings = make_settings(model=str(gpt2_dir), served_model_name="tiny-gpt2", liveness_timeout=0.2)
-    worker = Worker.from_loaded(tuple(settings.model_names), load_model(settings))
+    worker = Worker.from_loaded(tuple(settings.model_names), load_model(LoadConfig.of(settings)))
     app = create_app(settings, worker=worker)
     app.config["TESTING"] = True
     yield app, worker

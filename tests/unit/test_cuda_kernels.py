@@ -84,7 +84,6 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(
     greedy token is a plain float32 forward's argmax and its logprob that forward's log-softmax within 1e-4 (1e-3
     on a GPU, whose float32 products differ from the CPU's). Here the kernel is interpreted on the CPU; on a GPU it
     is the compiled one."""
-    from tests.conftest import make_settings
 
     from app.engine.params import SamplingParams
 
@@ -98,12 +97,13 @@ def test_engine_decode_steps_through_the_kernel_equal_a_plain_forward(
     monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
     monkeypatch.setattr(cuda_kernels, "decode_attention", counted)
     monkeypatch.setitem(cuda_kernels._state, "kernel", jitted)
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.worker import Worker
 
     from app.engine.core.speculative import SpeculativeConfig
 
-    loaded = load_model(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32"))
+    loaded = load_model(LoadConfig(model=str(llama_dir), device=DEVICE, dtype="float32"))
     extra = {"speculative": SpeculativeConfig("ngram", 4, 8, 1, 3)} if speculative else {}
     # the long prompt's chunks beside decode rows
     worker = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8, **extra)
@@ -187,12 +187,12 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
     import torch._inductor.config as inductor_config
 
     from app.engine.model import optimize
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.params import SamplingParams
     from app.engine.core.speculative import Speculation
     from app.engine.core.worker import Worker
     from references import Oracle, check_reference
-    from tests.conftest import make_settings
 
     monkeypatch.setattr(cuda_kernels, "available", lambda device: True)
     monkeypatch.setitem(cuda_kernels._state, "kernel", jitted)
@@ -203,7 +203,7 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
     monkeypatch.setattr(cuda_kernels, "linear", lambda x, *a: products.append(x.shape[0]) or real(x, *a))
 
     def worker(speculation=None):
-        loaded = load_model(make_settings(model=str(llama_dir), device=DEVICE, dtype="float32", speculative="off"))
+        loaded = load_model(LoadConfig(model=str(llama_dir), device=DEVICE, dtype="float32", speculative="off"))
         assert optimize.make_batch_invariant(loaded.model, force=True) == 2 * 7 + 1 + 2 * 2 + 1
         assert optimize.make_batch_invariant(loaded.model, force=True) == 0  # once only
         made = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8)

@@ -376,6 +376,68 @@ def test_the_worker_takes_rows_and_running_requests_apart():
     assert worker.config.max_batch_rows == 16 and worker.config.running_requests == 3
 
 
+def test_the_load_config_is_the_settings_the_loader_reads():
+    """``LoadConfig.of(settings)``: every field from the setting of its name (gpu_memory and peft_weights parsed,
+    the primary GPU derived); the engine's defaults are the server's."""
+    from dataclasses import fields
+
+    from app.engine.model.load_config import LoadConfig
+
+    assert LoadConfig.of(Settings()) == LoadConfig()  # the embedded default, placed automatically
+    settings = Settings(
+        model="/m",
+        gguf_file="m.gguf",
+        tokenizer="/t",
+        revision="r1",
+        trust_remote_code=True,
+        cache_dir="/c",
+        device="cuda",
+        dtype="bfloat16",
+        quantize="bitsandbytes-4bit",
+        gpu_memory="3:10 1:20",
+        cpu_memory=4,
+        offload_folder="/o",
+        peft_weights="/x",
+        peft_merge=True,
+        compile=True,
+        batch_invariant=False,
+        speculative="draft",
+        speculative_model="/d",
+    )
+    config = LoadConfig.of(settings)
+    assert config == LoadConfig(
+        model="/m",
+        gguf_file="m.gguf",
+        tokenizer="/t",
+        revision="r1",
+        trust_remote_code=True,
+        cache_dir="/c",
+        device="cuda",
+        dtype="bfloat16",
+        quantize="bitsandbytes-4bit",
+        gpu_memory_map={3: 10.0, 1: 20.0},
+        primary_gpu=3,
+        cpu_memory=4.0,
+        offload_folder="/o",
+        peft_adapters={None: "/x"},
+        peft_merge=True,
+        compile=True,
+        batch_invariant=False,
+        speculative="draft",
+    )
+    assert list(config.gpu_memory_map) == [3, 1]  # the order given: the device map fills the primary first
+    assert {f.name for f in fields(LoadConfig)} <= set(dir(settings))
+    draft = config.draft("/d")  # the speculative draft: loaded like the model, without its GGUF, tokenizer, PEFT
+    assert (draft.model, draft.tokenizer, draft.gguf_file, draft.peft_adapters) == ("/d", None, None, {})
+    assert (draft.device, draft.dtype, draft.quantize, draft.gpu_memory_map, draft.cache_dir) == (
+        "cuda",
+        "bfloat16",
+        "bitsandbytes-4bit",
+        {3: 10.0, 1: 20.0},
+        "/c",
+    )
+
+
 def test_every_setting_is_documented():
     """docs/configuration.md has a row for every field: its env var and its flag."""
     from pathlib import Path

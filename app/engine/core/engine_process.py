@@ -65,12 +65,15 @@ def engine_main(settings, conn) -> None:
     """The engine process: load (on a thread that exits, so the scheduler thread owns torch's thread pool), then
     serve the pipe until it closes."""
     from app.engine.core.engine_core import EngineConfig, EngineCore
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
-    from app.log_config import configure_logging
 
-    configure_logging(settings)  # the serving processes' one format (text or JSON), in this process too
+    setup_logging = getattr(settings, "configure_logging", None)  # the server's Settings: its log format
+    if setup_logging is not None:
+        setup_logging()  # the serving processes' one format (text or JSON), in this process too
+    load_config = LoadConfig.of(settings)
     try:
-        core = EngineCore.load(tuple(settings.model_names), lambda: load_model(settings), EngineConfig.of(settings))
+        core = EngineCore.load(tuple(settings.model_names), lambda: load_model(load_config), EngineConfig.of(settings))
     except ConfigError as exc:
         conn.send(("error", str(exc)))
         return

