@@ -56,7 +56,7 @@ bench: $(VENV)/.bench-installed
 # the router's added latency; needs nginx. Extra flags: make bench-replicas REPLICA_BENCH_ARGS="--model tiny --seconds 10"
 REPLICA_BENCH_ARGS ?=
 bench-replicas: install
-	$(PY) -m app.bench.replicas $(REPLICA_BENCH_ARGS)
+	$(PY) -m tooling.bench.replicas $(REPLICA_BENCH_ARGS)
 
 # the reliability figures (docs/deployment.md, Reliability): load with drops, bad inputs, slow clients, memory and
 # client close, on a gunicorn of its own; table on stdout, JSON in .cache/reliability/reliability.json.

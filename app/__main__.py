@@ -3,7 +3,11 @@
 (see ``app/batch/`` and docs/batch.md).
 ``python -m app bench [...]``: the performance suite (docs/performance.md).
 ``python -m app reliability [--quick] [--model DIR] [--out FILE]``: the reliability figures (docs/deployment.md,
-Reliability)."""
+Reliability).
+``python -m app chat [--url ...]``: the terminal chat client.
+
+chat, bench and reliability are the tooling (``tooling/``, not the server): thin forwards that import it only when
+one of them runs, so the server (and the Docker image, which holds app/ alone) never loads it."""
 
 from __future__ import annotations
 
@@ -14,7 +18,62 @@ from app.errors import ConfigError
 from app.settings import add_settings_arguments, settings_from_args
 
 
+# the tooling's commands: (help, description); each runs through its forward below
+TOOLING = {
+    "chat": ("an interactive chat shell for a running server (this one or any OpenAI-compatible one)", None),
+    "bench": (
+        "the performance suite: table, JSON and plot in docs/performance/ (docs/performance.md)",
+        "Benchmark our server (started here) or any OpenAI-compatible one (--url).",
+    ),
+    "reliability": (
+        "the reliability figures: load with drops, bad inputs, slow clients, memory, client close (docs/deployment.md)",
+        "Start a gunicorn on 127.0.0.1 and measure how it holds up.",
+    ),
+}
+
+
+def _tooling_parser(command: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"python -m app {command}", description=TOOLING[command][1])
+
+
+def chat(argv: list[str]) -> int:
+    from tooling import chat_client
+
+    parser = _tooling_parser("chat")
+    chat_client.add_arguments(parser)
+    return chat_client.main(parser.parse_args(argv))
+
+
+def bench(argv: list[str]) -> int:
+    from tooling.bench import cli
+
+    parser = _tooling_parser("bench")
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args(argv))
+
+
+def reliability(argv: list[str]) -> int:
+    from tooling import reliability as command
+
+    parser = _tooling_parser("reliability")
+    command.add_arguments(parser)
+    return command.main(parser.parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    forwards = {"chat": chat, "bench": bench, "reliability": reliability}
+    if argv and argv[0] in forwards:
+        try:
+            return forwards[argv[0]](argv[1:])
+        except ModuleNotFoundError as exc:
+            if exc.name != "tooling":
+                raise
+            print(
+                f"saker: {argv[0]} is part of the tooling (tooling/), which is not here (the server alone is)",
+                file=sys.stderr,
+            )
+            return 2
     parser = argparse.ArgumentParser(prog="python -m app", description="saker: OpenAI-compatible completions")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
@@ -30,39 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Answer JSONL files of completion requests offline.",
     )
     batch_command.add_arguments(batch)
-    from app import chat_client
-
-    chat = sub.add_parser(
-        "chat", help="an interactive chat shell for a running server (this one or any OpenAI-compatible one)"
-    )
-    chat_client.add_arguments(chat)
-    from app.bench import cli as bench_command
-
-    bench = sub.add_parser(
-        "bench",
-        help="the performance suite: table, JSON and plot in docs/performance/ (docs/performance.md)",
-        description="Benchmark our server (started here) or any OpenAI-compatible one (--url).",
-    )
-    bench_command.add_arguments(bench)
-    from app import reliability as reliability_command
-
-    reliability = sub.add_parser(
-        "reliability",
-        help="the reliability figures: load with drops, bad inputs, slow "
-        "clients, memory, client close (docs/deployment.md)",
-        description="Start a gunicorn on 127.0.0.1 and measure how it holds up.",
-    )
-    reliability_command.add_arguments(reliability)
+    for command, (help_text, _) in TOOLING.items():  # listed in --help; they run above, before this parser
+        sub.add_parser(command, help=help_text, add_help=False)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's own usage, not the top-level one
-        commands = {"serve": serve, "batch": batch, "chat": chat, "bench": bench}
+        commands = {"serve": serve, "batch": batch}
         commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "chat":
-        return chat_client.main(args)
-    if args.command == "bench":
-        return bench_command.main(args)
-    if args.command == "reliability":
-        return reliability_command.main(args)
     try:
         settings = settings_from_args(args)
     except ConfigError as exc:

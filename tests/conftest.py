@@ -1,4 +1,4 @@
-"""Session fixtures: tiny models built offline in seconds (``app/tiny_models.py``), apps and clients over them.
+"""Session fixtures: tiny models built offline in seconds (``tooling/tiny_models.py``), apps and clients over them.
 
 The tests are in tiers, one folder each (pytest.ini says how to run one): ``unit/`` (no model), ``engine/``
 (the engine on tiny models), ``http/`` (the Flask test client over a tiny engine), ``live/`` (real gunicorn,
@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():  # before anything imports Triton: its kernels run in its interpreter, on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests/unit/test_cuda_kernels.py)
 
-from app.tiny_models import build_gpt2, build_llama
+from tooling.tiny_models import build_gpt2, build_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

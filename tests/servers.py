@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from app.processes import GunicornServer, NginxServer, free_port, nginx_binary
+from tooling.processes import GunicornServer, NginxServer, free_port, nginx_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 __all__ = [
@@ -76,7 +76,7 @@ def read_response(sock: socket.socket, *, cut: bool = False) -> bytes:
 
 class Nginx(NginxServer):
     """nginx serving ``deploy/nginx/saker.conf`` with its upstream pointed at ``upstream`` and its listener on a
-    free loopback port (everything else: ``app.processes.NginxServer``)."""
+    free loopback port (everything else: ``tooling.processes.NginxServer``)."""
 
     def __init__(self, root: Path, upstream: str, site: Path = ROOT / "deploy" / "nginx" / "saker.conf"):
         import re

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from app.engine.core.batches import windows
 from app.engine.core.blocks import BLOCK
-from app.bench.models import model_or_1b
+from tooling.bench.models import model_or_1b
 from app.engine.params import SamplingParams
 from app.engine.core.worker import Worker
 from app.settings import Settings

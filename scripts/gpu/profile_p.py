@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from app.bench.models import model_or_1b
+from tooling.bench.models import model_or_1b
 from app.engine.params import SamplingParams
 from app.engine.core.speculative import Proposer, Speculation
 from app.engine.core.worker import Worker

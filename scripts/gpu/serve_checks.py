@@ -2,7 +2,7 @@
 
 1. the decode step at 1 row against 32 rows: one greedy request alone, then 32 at once (``ignore_eos``), each
    request's ``timing.decode_ms`` over its tokens after the first (goal: a 32-row step <= 2x a 1-row step);
-2. part M on the GPU: ``app.bench.parts.m.measure`` against this server, with longer streams so that several long
+2. part M on the GPU: ``tooling.bench.parts.m.measure`` against this server, with longer streams so that several long
    prompts arrive while they decode (a 1B model on a GPU decodes 256 tokens before the second one would come).
 
     python3 scripts/gpu/serve_checks.py [--device cuda] [--model PATH] [--quick] [--out FILE]
@@ -22,11 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from app.bench.client import Client
-from app.bench.models import model_or_1b
-from app.bench.parts import m as part_m
-from app.bench.plan import Plan
-from app.bench.server import Server, batch_env
+from tooling.bench.client import Client
+from tooling.bench.models import model_or_1b
+from tooling.bench.parts import m as part_m
+from tooling.bench.plan import Plan
+from tooling.bench.server import Server, batch_env
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="cuda")

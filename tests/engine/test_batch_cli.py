@@ -170,7 +170,7 @@ def long_gpt2(gpt2_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from app import create_app
-    from app.tiny_models import copy_tokenizer, gpt2_model
+    from tooling.tiny_models import copy_tokenizer, gpt2_model
     from tests.conftest import make_worker
 
     path = tmp_path_factory.mktemp("long-gpt2")

@@ -12,7 +12,7 @@ import pytest
 from app.engine.core.sequence import RequestGroup
 from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
-from app.tiny_models import copy_tokenizer, llama_model
+from tooling.tiny_models import copy_tokenizer, llama_model
 from references import continuation, ref_greedy, ref_logprobs
 
 WINDOW = 8

@@ -400,7 +400,7 @@ def test_the_default_configuration_gives_the_same_bits_with_speculation(saker_ca
     of up to 5 tokens. The reference is one forward of the prompt and the answer (each answer token must be its
     position's argmax, so a greedy loop would have made the same tokens): 48 forwards of the whole sequence took
     most of this test's 9 minutes on a loaded 2-core machine."""
-    from app.bench.parts.p import TASKS
+    from tooling.bench.parts.p import TASKS
     from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.core.speculative import SpeculativeConfig

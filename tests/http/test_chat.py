@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.sse import iter_json, read_stream
+from tooling.sse import iter_json, read_stream
 from conftest import make_settings
 from references import continuation
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.sse import iter_json
+from tooling.sse import iter_json
 from conftest import make_settings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

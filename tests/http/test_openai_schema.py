@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from app.sse import iter_json
+from tooling.sse import iter_json
 from conftest import make_settings
 from test_tools import TOOL_TEMPLATE, TOOLS
 

@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.engine.core.admission import Admission
-from app.sse import read_stream
+from tooling.sse import read_stream
 from conftest import make_settings
 
 URL = "/v1/completions"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.sse import iter_json
+from tooling.sse import iter_json
 from references import ref_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

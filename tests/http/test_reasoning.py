@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from app.reasoning import ThinkStream, starts_inside
-from app.sse import iter_json
+from tooling.sse import iter_json
 from conftest import make_settings
 from test_tools import TOOL_TEMPLATE
 

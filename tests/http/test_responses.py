@@ -34,7 +34,7 @@ import jsonschema
 import pytest
 import requests
 
-from app.sse import iter_events
+from tooling.sse import iter_events
 from conftest import make_settings
 from servers import Gunicorn, openai_client, running
 from test_tools import TOOL_TEMPLATE
@@ -1122,7 +1122,7 @@ def build_echo_llama(path: Path, tokenizer_dir: Path, answer: str, positions: in
     import torch
     from transformers import AutoTokenizer
 
-    from app.tiny_models import llama_model
+    from tooling.tiny_models import llama_model
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     path.mkdir(parents=True, exist_ok=True)

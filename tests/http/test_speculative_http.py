@@ -15,7 +15,7 @@ import json
 import pytest
 
 from app.engine.params import SamplingParams
-from app.sse import iter_events
+from tooling.sse import iter_events
 from conftest import make_settings
 from references import continuation, grammar_allowed, ref_logprobs, ref_sampled
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app.sse import iter_events
+from tooling.sse import iter_events
 
 
 def frames(response) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app.engine.sampling.json_schemas import json_options  # the served grammar's JSON layout (the whitespace it allows)
-from app.sse import iter_json
+from tooling.sse import iter_json
 from conftest import make_settings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

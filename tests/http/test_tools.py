@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from app.sse import iter_json
+from tooling.sse import iter_json
 from conftest import make_settings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from app.bench.parts.s_grammar import compile_schema
+from tooling.bench.parts.s_grammar import compile_schema
 from servers import ROOT
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import requests
 
-from app.sse import read_stream
+from tooling.sse import read_stream
 from servers import ROOT, Gunicorn, Nginx, nginx_binary
 
 pytestmark = [

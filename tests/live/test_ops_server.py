@@ -18,7 +18,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.sse import read_stream
+from tooling.sse import read_stream
 from servers import Gunicorn, read_response
 
 pytestmark = pytest.mark.slow

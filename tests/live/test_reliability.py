@@ -1,4 +1,4 @@
-"""``python -m app reliability --quick`` against the tiny GPT-2 on a real gunicorn (app/reliability/): the goals
+"""``python -m app reliability --quick`` against the tiny GPT-2 on a real gunicorn (tooling/reliability/): the goals
 that are not timing. Under load with drops no request is lost and no slot is left held; no bad input gets a 5xx
 or an error that is not JSON in the OpenAI shape, and a normal request is served afterwards; slow clients are
 all held while normal requests are answered; the memory request and the client-close cases end cleanly. Timing

@@ -33,7 +33,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.nginx import REPLICAS_CONF, Router, nginx_binary, render_replicas_conf
+from tooling.bench.nginx import REPLICAS_CONF, Router, nginx_binary, render_replicas_conf
 from servers import Gunicorn
 
 pytestmark = [

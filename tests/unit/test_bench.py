@@ -1,4 +1,4 @@
-"""The benchmark suite's parts, plan, report table and options (app/bench/), checked without running a bench:
+"""The benchmark suite's parts, plan, report table and options (tooling/bench/), checked without running a bench:
 part S's schemas, the table's rows, --help and the parts read from one definition, --quick's plan, R against a
 stub server, part K's plan and goal check, part V's reading of `vllm bench serve` results and its skip lines. The
 quick bench run for real is in tests/live/test_bench_run.py."""
@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.bench import cli, parts, plan
-from app.bench import report as bench_report
-from app.bench.parts import s as part_s
-from app.bench.parts.s_grammar import compile_schema
+from tooling.bench import cli, parts, plan
+from tooling.bench import report as bench_report
+from tooling.bench.parts import s as part_s
+from tooling.bench.parts.s_grammar import compile_schema
 from servers import ROOT
 
 
@@ -36,7 +36,7 @@ def test_parts_include_s():
 
 
 def test_part_m_reads_its_goal_from_the_gaps():
-    from app.bench.parts import m
+    from tooling.bench.parts import m
 
     full, quick = plan.Plan(), plan.Plan.quick()
     assert (full.m_clients, full.m_tokens, full.m_long) == (16, 256, 2048) and quick.m_long < full.m_long
@@ -56,8 +56,8 @@ def test_part_m_reads_its_goal_from_the_gaps():
 
 
 def test_part_p_summarizes_each_server_and_judges_its_goals():
-    from app.bench.client import Reply
-    from app.bench.parts import p
+    from tooling.bench.client import Reply
+    from tooling.bench.parts import p
 
     def reply(tokens, seconds, text, drafted=0, kept=0):
         timing = {"speculative_draft_tokens": drafted, "speculative_accepted_tokens": kept}
@@ -176,7 +176,7 @@ def test_table_rows_for_s():
 
 # -- issue 13: the parts and their defaults are defined once ---------------------------------------------------------
 def test_help_and_docstring_read_the_parts_from_one_definition():
-    import app.bench
+    import tooling.bench
 
     proc = subprocess.run(
         [sys.executable, "-m", "app", "bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -185,17 +185,17 @@ def test_help_and_docstring_read_the_parts_from_one_definition():
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines
     default = ",".join(parts.DEFAULT_PARTS)
     assert parts.DEFAULT_PARTS == parts.ALL_PARTS[:-1] and parts.GPU_PARTS == ("D",)
-    assert f"default {default}" in help_text and f"default {default}" in app.bench.__doc__
-    assert parts.overview() in app.bench.__doc__
+    assert f"default {default}" in help_text and f"default {default}" in tooling.bench.__doc__
+    assert parts.overview() in tooling.bench.__doc__
     for part in parts.PARTS:
-        assert f" {part.letter} {part.title}" in help_text and f"  {part.letter}  {part.title}" in app.bench.__doc__
+        assert f" {part.letter} {part.title}" in help_text and f"  {part.letter}  {part.title}" in tooling.bench.__doc__
     assert parts_of() == parts.DEFAULT_PARTS and parts_of(gpu=True) == parts.ALL_PARTS
 
 
 def test_every_part_has_its_module():
     for part in parts.PARTS:
         module = parts.module(part.letter)
-        assert module.__name__ == f"app.bench.parts.{part.letter.lower()}"
+        assert module.__name__ == f"tooling.bench.parts.{part.letter.lower()}"
         assert module.__doc__.startswith(part.letter) and callable(module.run) and callable(module.rows)
 
 
@@ -225,7 +225,7 @@ class _BusyCpu:
 
 
 def test_no_budget_means_disturbed_repetitions_are_kept_not_replaced():
-    from app.bench.runner import Bench
+    from tooling.bench.runner import Bench
 
     fake = SimpleNamespace(cpu=_BusyCpu(), log=lambda message: None)
     assert len(Bench.repeat(fake, lambda i: i, reps=3, extra=3, budget=0.0)) == 3
@@ -240,7 +240,7 @@ def test_elapsed_line():
 
 # -- issue 13: R against a server the bench did not start says what it measured -------------------------------------
 def test_r_sides_are_labelled_with_what_is_known():
-    from app.bench.parts import r
+    from tooling.bench.parts import r
 
     def bench(env=None, external=False):
         return SimpleNamespace(external=external, main_name="m", server_info={"m": {"env": env or {}}})
@@ -252,7 +252,7 @@ def test_r_sides_are_labelled_with_what_is_known():
 
 
 def test_prefix_counters_from_metrics_text():
-    from app.bench.parts import r
+    from tooling.bench.parts import r
 
     text = (
         "# TYPE vllm:prefix_cache_queries counter\n"
@@ -353,7 +353,7 @@ def test_plan_k_full_and_quick():
 
 
 def test_k_skips_with_one_line_without_llama_server(tmp_path, monkeypatch):
-    from app.bench.parts import k
+    from tooling.bench.parts import k
 
     line = "part K skipped: build llama.cpp's server with scripts/build-llama-server.sh"
     binary = tmp_path / "bin" / "llama-server"
@@ -378,7 +378,7 @@ def _k_level(clients, tokens_per_s, ms_per_token):
 
 
 def test_k_goal_check_and_rows():
-    from app.bench.parts import k
+    from tooling.bench.parts import k
 
     levels = {
         "llama.cpp": [_k_level(1, 50.0, 20.0), _k_level(8, 200.0, 40.0), _k_level(32, 300.0, 100.0)],
@@ -472,7 +472,7 @@ def test_plan_v_full_and_quick():
 
 
 def test_v_reads_a_saved_vllm_bench_serve_result():
-    from app.bench.parts import v
+    from tooling.bench.parts import v
 
     got = v.parse_result(json.loads(json.dumps(VLLM_RESULT)))
     assert (got["clients"], got["prompts"], got["completed"], got["failed"]) == (8, 8, 8, 0)
@@ -487,7 +487,7 @@ def test_v_reads_a_saved_vllm_bench_serve_result():
 
 
 def test_v_client_command_and_mixed_lengths(tmp_path):
-    from app.bench.parts import v
+    from tooling.bench.parts import v
 
     command = v.client_command(
         tmp_path / "venv",
@@ -524,7 +524,7 @@ def _v_side(rates, mixed):
 
 
 def test_v_goal_check_and_rows():
-    from app.bench.parts import v
+    from tooling.bench.parts import v
 
     servers = {
         "vLLM": _v_side((50.0, 200.0, 300.0), (250.0, 3250.0, 40.0)),
@@ -580,21 +580,21 @@ def test_v_goal_check_and_rows():
 def test_v_shim_and_preload(tmp_path):
     import importlib.metadata
 
-    from app.bench.parts import v
+    from tooling.bench.parts import v_vllm
 
     site = tmp_path / "site"
-    v.write_shim(site, "0.31.0")
-    v.write_shim(site, "0.32.0")  # the older shim goes
+    v_vllm.write_shim(site, "0.31.0")
+    v_vllm.write_shim(site, "0.32.0")  # the older shim goes
     (dist,) = importlib.metadata.distributions(path=[str(site)])
     assert dist.metadata["Name"] == "vllm" and dist.version == "0.32.0+cpu"
 
     libs, venv = tmp_path / "lib", tmp_path / "venv"
-    assert v.preload(venv, (libs,)) == {"tcmalloc": None, "iomp": None, "LD_PRELOAD": ""}
+    assert v_vllm.preload(venv, (libs,)) == {"tcmalloc": None, "iomp": None, "LD_PRELOAD": ""}
     (venv / "lib").mkdir(parents=True)
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
     libs.mkdir()
     (libs / "libtcmalloc_minimal.so.4").write_bytes(b"")
-    found = v.preload(venv, (libs,))
+    found = v_vllm.preload(venv, (libs,))
     assert found["LD_PRELOAD"] == f"{libs / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
 
 
@@ -612,7 +612,7 @@ def _v_bench(tmp_path, logged):
 
 
 def test_v_skips_with_one_line_when_vllm_cannot_be_installed(tmp_path, monkeypatch):
-    from app.bench.parts import v
+    from tooling.bench.parts import v
 
     venv = tmp_path / "vllm-venv"
     monkeypatch.setenv("BENCH_VLLM_VENV", str(venv))
@@ -637,8 +637,8 @@ def test_v_skips_with_one_line_when_vllm_cannot_be_installed(tmp_path, monkeypat
 def test_v_skips_with_one_line_when_vllm_does_not_start(tmp_path, monkeypatch):
     """A 'virtualenv' whose vllm exits at once (a two-line script, no server): the part says so in one line and
     leaves nothing running."""
-    from app.bench.parts import s as part_s
-    from app.bench.parts import v
+    from tooling.bench.parts import s as part_s
+    from tooling.bench.parts import v, v_vllm
 
     venv = tmp_path / "vllm-venv"
     (venv / "bin").mkdir(parents=True)
@@ -646,7 +646,7 @@ def test_v_skips_with_one_line_when_vllm_does_not_start(tmp_path, monkeypatch):
     script = venv / "bin" / "vllm"
     script.write_text("#!/bin/sh\necho 'RuntimeError: Failed to infer device type' >&2\nexit 1\n")
     script.chmod(0o755)
-    (venv / v.MARKER).write_text(v.requirements_digest() + "\n")
+    (venv / v_vllm.MARKER).write_text(v_vllm.requirements_digest() + "\n")
     monkeypatch.setenv("BENCH_VLLM_VENV", str(venv))
     monkeypatch.setattr(part_s, "smol_path", lambda bench: tmp_path / "smol")
     logged: list[str] = []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app.chat_client import (
+from tooling.chat_client import (
     ChatError,
     ChatAnswer,
     ChatShell,

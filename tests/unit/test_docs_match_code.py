@@ -177,8 +177,9 @@ def test_serve_has_the_flags_configuration_md_gives():
 @cache
 def command_flags() -> dict[str, set[str]]:
     """Every flag of each saker command, from the parsers themselves."""
-    from app import batch, chat_client, reliability
-    from app.bench import cli as bench
+    from app import batch
+    from tooling import chat_client, reliability
+    from tooling.bench import cli as bench
 
     out = {}
     for command, add in {
@@ -191,7 +192,7 @@ def command_flags() -> dict[str, set[str]]:
         parser = argparse.ArgumentParser()
         add(parser)
         out[command] = {s for action in parser._actions for s in action.option_strings}
-    from app.bench import replicas
+    from tooling.bench import replicas
 
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
@@ -202,7 +203,7 @@ def command_flags() -> dict[str, set[str]]:
 
 
 INVOCATION = re.compile(
-    r"python -m app\.bench\.replicas\b|python -m app (serve|batch|chat|bench|reliability)\b"
+    r"python -m tooling\.bench\.replicas\b|python -m app (serve|batch|chat|bench|reliability)\b"
     r"|make (bench|reliability|bench-replicas) (?:BENCH|RELIABILITY|REPLICA_BENCH)_ARGS="
 )
 
@@ -253,7 +254,9 @@ def test_every_flag_the_docs_give_a_saker_command_exists():
 
 
 # -- paths -----------------------------------------------------------------------------------------------------------
-PATH = re.compile(r"(?<![\w./-])((?:app|tests|deploy|docs|scripts|\.ci)/[\w./{},*-]*[\w}*]/?)(`? at `[0-9a-f]{7,40}`)?")
+PATH = re.compile(
+    r"(?<![\w./-])((?:app|tooling|tests|deploy|docs|scripts|\.ci)/[\w./{},*-]*[\w}*]/?)(`? at `[0-9a-f]{7,40}`)?"
+)
 
 
 def expand(path: str) -> list[str]:
@@ -269,13 +272,13 @@ def path_exists(path: str) -> bool:
     path = path.split("::")[0]
     if glob.glob(str(ROOT / path.rstrip("/"))):
         return True
-    module, dot, name = path.rpartition(".")  # app/processes.GunicornServer: a name in a module
+    module, dot, name = path.rpartition(".")  # tooling/processes.GunicornServer: a name in a module
     source = ROOT / f"{module}.py"
     return bool(dot) and source.is_file() and re.search(rf"^(class|def) {name}\b|^{name} =", source.read_text(), re.M)
 
 
 def test_every_path_the_docs_name_exists():
-    """Paths under app/, tests/, deploy/, docs/, scripts/ and .ci/ in the README and docs/ exist (globs and
+    """Paths under app/, tooling/, tests/, deploy/, docs/, scripts/ and .ci/ in the README and docs/ exist (globs and
     ``{a,b}`` expanded; ``module.Name`` is a name defined in that module). A path pinned to a commit (`path` at
     `abc1234`) is history and may be gone."""
     gone = []

@@ -1,5 +1,5 @@
-"""The shared helpers: the SSE reader (``app/sse.py``) on tricky frames, ``free_port`` and the gunicorn starter's
-errors (``app/processes.py``), and that the HTTP-side helpers stay free of torch and Flask. Fast cases only."""
+"""The shared helpers: the SSE reader (``tooling/sse.py``) on tricky frames, ``free_port`` and the gunicorn starter's
+errors (``tooling/processes.py``), and that the HTTP-side helpers stay free of torch and Flask. Fast cases only."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from app.processes import ROOT, GunicornServer, ServerNotReady, ServerStartError, free_port, stop_process
-from app.sse import Event, iter_data, iter_events, iter_json, iter_lines, read_stream
+from tooling.processes import ROOT, GunicornServer, ServerNotReady, ServerStartError, free_port, stop_process
+from tooling.sse import Event, iter_data, iter_events, iter_json, iter_lines, read_stream
 
 
 # -- SSE --------------------------------------------------------------------------------------------------
@@ -132,13 +132,11 @@ def test_a_server_that_never_answers_raises_not_ready(tmp_path):
 
 
 def test_http_side_helpers_import_neither_torch_nor_flask():
-    """Loaded as plain files (the ``app`` package itself imports Flask): their own imports pull in none of these."""
+    """Imported through the tooling package (whose ``__init__`` imports nothing): their own imports pull in none of
+    these, nor the server (``app``)."""
     code = (
-        "import importlib.util, sys\n"
-        "for name in ('sse', 'processes'):\n"
-        "    spec = importlib.util.spec_from_file_location(name, f'app/{name}.py')\n"
-        "    sys.modules[name] = importlib.util.module_from_spec(spec)\n"
-        "    spec.loader.exec_module(sys.modules[name])\n"
+        "import sys\n"
+        "import tooling.processes, tooling.sse\n"
         "print([m for m in ('torch', 'flask', 'transformers', 'app') if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
