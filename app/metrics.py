@@ -69,9 +69,9 @@ class _AdmissionCounters:
         yield CounterMetricFamily(
             "saker_preemptions",
             "Requests that gave their KV blocks back to older ones when blocks ran out, and were computed again",
-            value=getattr(getattr(self.metrics.worker, "scheduler", None), "preemptions", 0),
+            value=getattr(getattr(self.metrics.worker, "engine", None), "preemptions", 0),
         )
-        engine = getattr(self.metrics.worker, "scheduler", None)
+        engine = getattr(self.metrics.worker, "engine", None)
         yield CounterMetricFamily(
             "saker_engine_step_failures",
             "Engine steps that failed: the requests they touched failed (500), what they held was given back, and "
@@ -116,7 +116,7 @@ class _SpeculationCounters:
         self.metrics, self.model_name = metrics, model_name
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        counts = getattr(getattr(self.metrics.worker, "scheduler", None), "speculation_counts", None)
+        counts = getattr(getattr(self.metrics.worker, "engine", None), "speculation_counts", None)
         if not counts:
             return
         for name, doc, key in (
@@ -154,7 +154,7 @@ class _VllmAliases:
             family.add_metric(label, value)
             return family
 
-        usage = getattr(getattr(worker, "scheduler", None), "kv_usage", 0.0)
+        usage = getattr(getattr(worker, "engine", None), "kv_usage", 0.0)
         queue = worker.queue_snapshot()
         yield gauge("vllm:num_requests_waiting", "Requests waiting for the model (saker_queue_depth)", queue["waiting"])
         yield gauge(
@@ -167,7 +167,7 @@ class _VllmAliases:
             "Requests that gave their KV blocks back to older ones and were computed again (saker_preemptions)",
             labels=["model_name"],
         )
-        preempted.add_metric(label, getattr(getattr(worker, "scheduler", None), "preemptions", 0))
+        preempted.add_metric(label, getattr(getattr(worker, "engine", None), "preemptions", 0))
         yield preempted
         cache = getattr(worker, "prefix_cache", None)
         if cache is not None:
@@ -248,7 +248,7 @@ class Metrics:
             "saker_kv_cache_usage",
             "Token positions the running batch holds in its KV cache, as a share of the KV budget (0-1)",
             registry=r,
-        ).set_function(lambda: getattr(getattr(self.worker, "scheduler", None), "kv_usage", 0.0))
+        ).set_function(lambda: getattr(getattr(self.worker, "engine", None), "kv_usage", 0.0))
         Gauge(
             "saker_kv_cache_budget_tokens",
             "The running batch's KV budget in token positions (SAKER_KV_CACHE_TOKENS, or derived at load)",

@@ -236,11 +236,11 @@ def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_serv
     real_prepare = gpt2_service.prepare
     monkeypatch.setattr(gpt2_service, "prepare", lambda request: prepared.append(request) or real_prepare(request))
     sizes, rows_seen = {}, {}
-    scheduler = getattr(gpt2_service.worker, "scheduler", None)
+    engine = getattr(gpt2_service.worker, "engine", None)
     for budget in (1, 64, 10**6):
         out = tmp_path / f"out_{budget}.jsonl"
-        if scheduler is not None:
-            scheduler.max_rows_seen = 0
+        if engine is not None:
+            engine.max_rows_seen = 0
         code, counting = run_batch(gpt2_service, src, "-o", out, "--max-batch-tokens", budget)
         assert code == 0 and len(counting.calls) == len(MIXED)
         assert len(prepared) == len(MIXED)  # each line is prepared (tokenized, checked) once, not twice
@@ -250,12 +250,12 @@ def test_mixed_requests_equal_http_whatever_the_batch_budget(tmp_path, gpt2_serv
         assert [line["request"] for line in lines] == MIXED
         assert_same([stable(line["result"]) for line in lines], expected, f"budget {budget}")
         sizes[budget] = [line["result"]["request_time"]["batch_size"] for line in lines]
-        rows_seen[budget] = scheduler.max_rows_seen if scheduler is not None else None
+        rows_seen[budget] = engine.max_rows_seen if engine is not None else None
     assert sizes[1] == [1] * len(MIXED)  # every request over the budget goes alone
     assert sizes[10**6] == [len(MIXED)] * len(MIXED)  # one batch
     # costs (prompt + max_tokens) x sequences: 17, 10, 15, 57 (n=3), 57 (best_of=3), 11 (2 prompts), 28, 22
     assert sizes[64] == [3, 3, 3, 1, 1, 3, 3, 3]
-    if scheduler is not None:  # the engine decoded a batch's requests together (best_of=3 alone: 3 rows)
+    if engine is not None:  # the engine decoded a batch's requests together (best_of=3 alone: 3 rows)
         assert rows_seen[1] <= 3 < rows_seen[10**6]
     n4 = read_jsonl(tmp_path / "out_1.jsonl")[3]["result"]
     assert [c["index"] for c in n4["choices"]] == [0, 1, 2]

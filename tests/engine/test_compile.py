@@ -70,7 +70,7 @@ def run(worker, requests):
         RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, (ids, params) in enumerate(requests)
     ]
     per = {i: [] for i in range(len(requests))}
-    for tag, event in worker.scheduler.submit(groups):
+    for tag, event in worker.engine.submit(groups):
         per[tag].append(event)
     return [collect(per[i], params) for i, (_, params) in enumerate(requests)]
 
@@ -94,7 +94,7 @@ def count_calls(worker, monkeypatch) -> dict:
 
     def counted(tokens, positions, write, gather, *args, **kwargs):
         calls[tokens.shape[0]] = calls.get(tokens.shape[0], 0) + 1
-        views.append((gather.shape[1] * BLOCK, worker.scheduler.batch.capacity))
+        views.append((gather.shape[1] * BLOCK, worker.engine.batch.capacity))
         return step(tokens, positions, write, gather, *args, **kwargs)
 
     views: list[tuple[int, int]] = []
@@ -140,7 +140,7 @@ def test_compiled_step_is_one_graph_and_joins_and_leaves_recompile_nothing(compi
         with no_new_graphs():  # warm-up compiled every bucket
             got = run(compiled, requests)
         check(model, tok, requests, got)
-    assert compiled.scheduler.max_rows_seen == 2
+    assert compiled.engine.max_rows_seen == 2
     views = calls.pop("views")
     # decode-only steps ran compiled, in the buckets of the rows they had (a step that carries a prompt's chunk
     # runs the eager flat step instead)
@@ -184,7 +184,7 @@ def test_guess_checking_steps_run_compiled_and_answer_as_a_plain_forward(compile
             return answer[len(tokens) - len(ids) : len(tokens) - len(ids) + k]
 
     speculation = Speculation(Right(), 1, 1)
-    monkeypatch.setattr(compiled.scheduler.batch, "speculation", speculation)
+    monkeypatch.setattr(compiled.engine.batch, "speculation", speculation)
     calls = count_calls(compiled, monkeypatch)
     with no_new_graphs():
         (got,) = run(compiled, [(ids, params)])

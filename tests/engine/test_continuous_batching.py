@@ -60,7 +60,7 @@ def batched(worker, requests, late=()):
     when those end before that many events)."""
 
     def submit(items, first_tag):
-        return worker.scheduler.submit(
+        return worker.engine.submit(
             [
                 RequestGroup(worker.runner, ids, params, max_length=256, tag=first_tag + i)
                 for i, (ids, params) in enumerate(items)
@@ -113,9 +113,9 @@ def test_greedy_requests_of_different_lengths_match_alone(batch_worker, referenc
         (tok(t).input_ids, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, logprobs=2, ignore_eos=True))
         for i, t in enumerate(texts)
     ]
-    monkeypatch.setattr(worker.scheduler, "max_rows_seen", 0)  # this test's steps only, not earlier tests'
+    monkeypatch.setattr(worker.engine, "max_rows_seen", 0)  # this test's steps only, not earlier tests'
     results = batched(worker, requests)
-    assert worker.scheduler.max_rows_seen == len(texts)  # every request decoded in the same steps
+    assert worker.engine.max_rows_seen == len(texts)  # every request decoded in the same steps
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
         # and against a plain forward of the whole sequence
@@ -148,7 +148,7 @@ def test_each_candidate_is_a_sequence_whose_numbers_match_the_reference(batch_wo
         tag=1,
     )
     assert [s.status for s in greedy.seqs] == [Status.WAITING]
-    events = [event for tag, event in worker.scheduler.submit([greedy, stopped]) if tag == 1]
+    events = [event for tag, event in worker.engine.submit([greedy, stopped]) if tag == 1]
     [seq] = greedy.seqs
     assert seq.output_ids == ref_greedy(model, tok, ids, 7)[len(ids) :]
     assert seq.num_computed_tokens == len(ids) + 7 - 1
@@ -212,8 +212,8 @@ def test_cancelled_request_leaves_the_others_intact(batch_worker, reference):
         max_length=256,
     )
     kept = RequestGroup(worker.runner, keep_ids, keep_params, max_length=256)
-    doomed_ticket = worker.scheduler.submit([doomed])
-    kept_ticket = worker.scheduler.submit([kept])
+    doomed_ticket = worker.engine.submit([doomed])
+    kept_ticket = worker.engine.submit([kept])
     for n, _ in enumerate(doomed_ticket):
         if n == 5:
             doomed_ticket.cancel()
@@ -240,7 +240,7 @@ def test_a_stop_string_ends_its_row_and_nothing_past_it_is_returned(batch_worker
     other_ids = tok("Hello").input_ids
     other = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=0)
     group = RequestGroup(worker.runner, ids, stopped, max_length=256, tag=0)
-    ticket = worker.scheduler.submit([group, RequestGroup(worker.runner, other_ids, other, max_length=256, tag=1)])
+    ticket = worker.engine.submit([group, RequestGroup(worker.runner, other_ids, other, max_length=256, tag=1)])
     per = {0: [], 1: []}
     for tag, event in ticket:
         per[tag].append(event)
@@ -269,13 +269,13 @@ def test_a_small_request_does_not_wait_for_a_large_one(gpt2_dir, reference):
     big_params = SamplingParams(max_tokens=40, temperature=0.8, seed=4, n=6, ignore_eos=True)
     small_params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     big = RequestGroup(worker.runner, big_ids, big_params, max_length=256)
-    big_ticket = worker.scheduler.submit([big])
+    big_ticket = worker.engine.submit([big])
     big_events = iter(big_ticket)
     first = [next(big_events) for _ in range(7)]  # the prompt and the first tokens: it is running
-    small = worker.scheduler.submit([RequestGroup(worker.runner, small_ids, small_params, max_length=256)])
+    small = worker.engine.submit([RequestGroup(worker.runner, small_ids, small_params, max_length=256)])
     small_events = [event for _, event in small]
     assert big.tokens_made < 6 * 40  # the small one ended while the big one ran
-    assert worker.scheduler.max_rows_seen == 7
+    assert worker.engine.max_rows_seen == 7
     same(collect(small_events, small_params), alone(worker, small_ids, small_params))
     same(collect([e for _, e in first] + [e for _, e in big_events], big_params), alone(worker, big_ids, big_params))
 
@@ -293,7 +293,7 @@ def test_batch_size_one_serves_one_at_a_time(gpt2_dir, reference):
     _, tok = reference(gpt2_dir)
     requests = [(tok(t).input_ids, SamplingParams(max_tokens=6, temperature=0.0)) for t in ("Hello", "Once upon")]
     results = batched(worker, requests)
-    assert worker.scheduler.max_rows_seen == 1
+    assert worker.engine.max_rows_seen == 1
     for (ids, params), result in zip(requests, results):
         same(result, alone(worker, ids, params))
 
@@ -356,15 +356,15 @@ def test_the_one_queue_runs_requests_in_order_within_the_running_limit(one_slot,
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     first_ids, second_ids = tok("Hello there").input_ids, tok("Once upon a time").input_ids
     gate.hold()
-    first = worker.scheduler.submit([RequestGroup(worker.runner, first_ids, params, max_length=256)])
+    first = worker.engine.submit([RequestGroup(worker.runner, first_ids, params, max_length=256)])
     assert gate.held.wait(10)  # the first is in a step
     second_group = RequestGroup(worker.runner, second_ids, params, max_length=256)
-    second = worker.scheduler.submit([second_group])
+    second = worker.engine.submit([second_group])
     assert worker.queue_snapshot() == {"active": 1, "waiting": 1, "rejected": 0, "timed_out": 0}
     with pytest.raises(QueueFull) as info:
-        worker.scheduler.submit([RequestGroup(worker.runner, second_ids, params, max_length=256)])
+        worker.engine.submit([RequestGroup(worker.runner, second_ids, params, max_length=256)])
     assert (info.value.waiting, info.value.limit) == (1, 1)
-    assert worker.scheduler.open_requests == 2  # the refused one left nothing behind
+    assert worker.engine.open_requests == 2  # the refused one left nothing behind
     gate.go()
     first_result = collect([e for _, e in first], params)
     assert second_group.timings.queue_s > 0  # it waited for the first one's slot
@@ -384,16 +384,16 @@ def test_a_waiting_request_that_is_cancelled_or_times_out_leaves_the_queue(one_s
     _, tok = reference(gpt2_dir)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ids = tok("Hello there").input_ids
-    worker.scheduler.admission.max_queue = 2
+    worker.engine.scheduler.admission.max_queue = 2
     gate.hold()
-    running = worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
+    running = worker.engine.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
     assert gate.held.wait(10)
-    doomed = worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
-    late = worker.scheduler.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
+    doomed = worker.engine.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
+    late = worker.engine.submit([RequestGroup(worker.runner, ids, params, max_length=256)])
     assert worker.queue_snapshot()["waiting"] == 2
     doomed.cancel()
-    with worker.scheduler._cond:  # the late one's deadline passes (the clock is not waited on)
-        worker.scheduler.admission._waiting[late.rid] -= 120
+    with worker.engine._cond:  # the late one's deadline passes (the clock is not waited on)
+        worker.engine.scheduler.admission._waiting[late.rid] -= 120
     gate.go()  # the next iteration, before the running request's next token, takes both out of the queue
     assert list(doomed) == []
     with pytest.raises(QueueTimeout) as info:
@@ -401,7 +401,7 @@ def test_a_waiting_request_that_is_cancelled_or_times_out_leaves_the_queue(one_s
     assert info.value.limit_s == 60 and info.value.waited_s >= 120
     same(collect([e for _, e in running], params), alone(worker, ids, params))
     assert worker.queue_snapshot() == {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 1}
-    assert worker.scheduler.open_requests == 0 and worker.scheduler.kv_usage == 0.0
+    assert worker.engine.open_requests == 0 and worker.engine.kv_usage == 0.0
 
 
 def matches_generate(result, model, tok, ids, max_new):
@@ -434,11 +434,11 @@ def test_when_blocks_run_out_the_newest_request_gives_them_back_and_every_answer
         max_tokens=70 - len(other), temperature=1.0, seed=11, n=2, ignore_eos=True, logprobs=1, presence_penalty=0.5
     )
     results = batched(worker, [(ids, greedy), (other, sampled), (ids, greedy)])
-    assert worker.scheduler.preemptions > 0
+    assert worker.engine.preemptions > 0
     matches_generate(results[0], model, tok, ids, greedy.max_tokens)
     matches_generate(results[2], model, tok, ids, greedy.max_tokens)
     same(results[1], alone(worker, other, sampled))
-    assert worker.scheduler.kv_usage == 0.0
+    assert worker.engine.kv_usage == 0.0
 
 
 def test_a_request_that_fits_the_budget_alone_is_never_held_back_by_newer_ones(gpt2_dir, reference):
@@ -460,8 +460,8 @@ def test_a_request_that_fits_the_budget_alone_is_never_held_back_by_newer_ones(g
     matches_generate(results[0], model, tok, ids, long.max_tokens)
     for result in results[1:]:
         matches_generate(result, model, tok, ids, short.max_tokens)
-    assert worker.scheduler.preemptions > 0
-    assert worker.scheduler.kv_usage == 0.0
+    assert worker.engine.preemptions > 0
+    assert worker.engine.kv_usage == 0.0
 
 
 def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(gpt2_dir, reference, monkeypatch):
@@ -479,26 +479,27 @@ def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(gpt2
     ids = tok("Once upon a time").input_ids
     long = SamplingParams(max_tokens=80 - len(ids), temperature=0.0, ignore_eos=True, logprobs=1)
     short = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
-    scheduler = worker.scheduler
-    real = scheduler._make_room
+    engine = worker.engine
+    real = engine.scheduler._make_room
     cancelled = []
 
     def make_room():  # on the model thread: the first preempted request's client goes away at once
-        real()
-        if scheduler.preemptions and not cancelled:
-            waiting = scheduler._pending[0]
-            assert waiting.preempted and scheduler.batch.parked
+        preempted = real()
+        if engine.preemptions and not cancelled:
+            waiting = engine.scheduler.waiting[0]
+            assert waiting.preempted and engine.batch.parked
             cancelled.append(waiting)
-            scheduler.abort(waiting.request_id)
+            engine.abort(waiting.request_id)
+        return preempted
 
-    monkeypatch.setattr(scheduler, "_make_room", make_room)
-    first = scheduler.submit([RequestGroup(worker.runner, ids, long, max_length=256)])
-    second = scheduler.submit([RequestGroup(worker.runner, ids, short, max_length=256)])
+    monkeypatch.setattr(engine.scheduler, "_make_room", make_room)
+    first = engine.submit([RequestGroup(worker.runner, ids, long, max_length=256)])
+    second = engine.submit([RequestGroup(worker.runner, ids, short, max_length=256)])
     long_result = collect([e for _, e in first], long)
     list(second)  # ends (cut short), no error
     assert cancelled and cancelled[0].status.value == "finished"
     matches_generate(long_result, model, tok, ids, long.max_tokens)
-    assert scheduler.batch.parked == {} and scheduler.kv_usage == 0.0 and scheduler.open_requests == 0
+    assert engine.batch.parked == {} and engine.kv_usage == 0.0 and engine.open_requests == 0
 
 
 def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
@@ -544,7 +545,7 @@ class InjectedOOM:
 def run_tickets(worker, requests):
     """Submit each request as its own ticket, back to back; per request its result or the exception it got."""
     groups = [RequestGroup(worker.runner, ids, params, max_length=256) for ids, params in requests]
-    tickets = [worker.scheduler.submit([g]) for g in groups]
+    tickets = [worker.engine.submit([g]) for g in groups]
     out = []
     for (_, params), ticket in zip(requests, tickets):
         try:
@@ -577,7 +578,7 @@ def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, ref
         same(result, want)
     for result in results[survivors:]:
         assert isinstance(result, torch.OutOfMemoryError)
-    assert worker.scheduler.batch.groups == []
+    assert worker.engine.batch.groups == []
     same(run_tickets(worker, requests[-1:])[0], expected[-1])  # the server goes on
 
 
@@ -593,7 +594,7 @@ def shared_prefill(batch_worker, monkeypatch):
         return real(tokens, positions, flat, logits_at)
 
     monkeypatch.setattr(worker.runner, "flat_step", recording)
-    monkeypatch.setattr(worker.scheduler, "prefill_tokens", 4096)
+    monkeypatch.setattr(worker.engine.scheduler, "prefill_tokens", 4096)
     return worker, path, calls
 
 
@@ -632,8 +633,8 @@ def test_the_step_budget_bounds_the_prompt_tokens_of_a_forward(shared_prefill, r
     """With a budget of 12 tokens per step, prompts admitted together are spread over steps (one is cut
     between two), and each still answers as alone."""
     worker, path, calls = shared_prefill
-    monkeypatch.setattr(worker.scheduler, "prefill_tokens", 12)
-    monkeypatch.setattr(worker.scheduler, "prefill_chunk_tokens", 12)
+    monkeypatch.setattr(worker.engine.scheduler, "prefill_tokens", 12)
+    monkeypatch.setattr(worker.engine.scheduler, "prefill_chunk_tokens", 12)
     _, tok = reference(path)
     text = tok(
         "Passage: The bedroom is north of the garden. Question: How do you go from the bathroom to the "
@@ -781,7 +782,7 @@ def chunked(batch_worker, monkeypatch):
 
     monkeypatch.setattr(worker.runner, "flat_step", flat_step)
     monkeypatch.setattr(worker.runner, "rows_step", decode)
-    monkeypatch.setattr(worker.scheduler, "prefill_chunk_tokens", 5)
+    monkeypatch.setattr(worker.engine.scheduler, "prefill_chunk_tokens", 5)
     if worker.prefix_cache is not None:
         worker.prefix_cache.clear_cached()  # a kept prompt would leave too little to chunk
     return worker, path, calls
@@ -846,7 +847,7 @@ def test_a_failed_chunk_fails_only_its_request(chunked, reference, monkeypatch):
     results = run_tickets(worker, [short, (ids[11:] + ids[:11], SamplingParams(max_tokens=4, temperature=0.0))])
     same(results[0], alone(worker, *short))
     assert isinstance(results[1], torch.OutOfMemoryError)
-    assert not worker.scheduler._prefilling and worker.scheduler.batch.groups == []
+    assert not worker.engine.scheduler.prefilling and worker.engine.batch.groups == []
 
 
 def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, reference, monkeypatch):
@@ -872,16 +873,16 @@ def test_a_request_cancelled_during_its_chunked_prefill_leaves(chunked, referenc
     doomed = RequestGroup(
         worker.runner, ids[5:] + ids[:5], SamplingParams(max_tokens=4, temperature=0.0), max_length=256
     )
-    running_ticket = worker.scheduler.submit([running])
+    running_ticket = worker.engine.submit([running])
     _, first = next(iter(running_ticket))  # it is decoding
-    doomed_ticket = worker.scheduler.submit([doomed])
+    doomed_ticket = worker.engine.submit([doomed])
     assert started.wait(10)  # its chunked prefill has started
     doomed_ticket.cancel()
     go.set()
     assert list(doomed_ticket) == []  # it ends without a token
     events = [first] + [event for _, event in running_ticket]
     same(collect(events, running.params), alone(worker, ids[:4], running.params))
-    assert not worker.scheduler._prefilling
+    assert not worker.engine.scheduler.prefilling
     assert sum(1 for kind, n in calls if kind == "chunk" and n == 5) == 1
 
 
@@ -908,26 +909,26 @@ def test_a_cancelled_request_waiting_for_its_chunks_leaves_at_once(chunked, refe
 
     monkeypatch.setattr(worker.runner, "flat_step", gated)
     forgotten_at = {}
-    real_end = worker.scheduler._end
+    real_end = worker.engine.scheduler.end
 
     def end(group, error=None):
         forgotten_at[id(group)] = len(steps)
         return real_end(group, error)
 
-    monkeypatch.setattr(worker.scheduler, "_end", end)
+    monkeypatch.setattr(worker.engine.scheduler, "end", end)
     first_prompt, second_prompt = ids[9:] + ids[:9], ids[13:] + ids[:13]
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    first = worker.scheduler.submit([RequestGroup(worker.runner, first_prompt, params, max_length=256)])
+    first = worker.engine.submit([RequestGroup(worker.runner, first_prompt, params, max_length=256)])
     assert held[0].wait(10)  # held in the first one's first chunk
     doomed = RequestGroup(worker.runner, second_prompt, params, max_length=256)
-    second = worker.scheduler.submit([doomed])
+    second = worker.engine.submit([doomed])
     release[0].set()
     assert held[1].wait(10)  # the second step: both prompts' chunks
-    assert steps == [1, 2] and any(job.group is doomed for job in worker.scheduler._prefilling)
+    assert steps == [1, 2] and any(job.group is doomed for job in worker.engine.scheduler.prefilling)
     second.cancel()
     release[1].set()
     assert list(second) == []
     assert forgotten_at[id(doomed)] == 2  # dropped before the third step
     events = [event for _, event in first]
     same(collect(events, params), alone(worker, first_prompt, params))
-    assert not worker.scheduler._prefilling
+    assert not worker.engine.scheduler.prefilling

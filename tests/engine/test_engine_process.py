@@ -25,7 +25,7 @@ def remote(gpt2_dir):
     worker = Worker.from_settings(make_settings(model=str(gpt2_dir), engine_process=True, speculative="off"))
     worker.load()
     yield worker
-    worker.scheduler.close()
+    worker.engine.close()
 
 
 REQUESTS = [
@@ -85,7 +85,7 @@ def check_answers(prompts, params, outputs, model, tok) -> None:
 def test_answers_equal_the_references(remote, params, reference, gpt2_dir):
     """Oracle: transformers' own model (``check_answers``)."""
     model, tok = reference(gpt2_dir)
-    assert remote.scheduler.process.is_alive() and remote.prefix_cache is None
+    assert remote.engine.process.is_alive() and remote.prefix_cache is None
     prompts = [remote.encode("The capital of France is"), remote.encode("Once upon a time")]
     got, got_timings = remote.complete(prompts, params, 256)
     check_answers(prompts, params, got, model, tok)
@@ -102,10 +102,10 @@ def test_a_dropped_stream_stops_the_engine(remote):
         if n == 3:
             break
     stream.close()  # the client went away
-    steps = remote.scheduler.steps
+    steps = remote.engine.steps
     (after,), _ = remote.complete([ids], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 256)
     assert after.completion_tokens == 2
-    assert remote.scheduler.steps - steps < 150  # the dropped request did not run on to 200 tokens
+    assert remote.engine.steps - steps < 150  # the dropped request did not run on to 200 tokens
 
 
 def test_a_dead_engine_fails_waiting_requests(gpt2_dir):
@@ -121,7 +121,7 @@ def test_a_dead_engine_fails_waiting_requests(gpt2_dir):
         __import__("app.engine.params", fromlist=["Timings"]).Timings(),
     )
     next(events)  # running
-    worker.scheduler.process.kill()
+    worker.engine.process.kill()
     with pytest.raises(RuntimeError, match="engine process exited"):
         for _ in events:
             pass
@@ -162,7 +162,7 @@ def test_the_engine_process_keeps_the_one_queue_and_its_answers_cross_the_pipe(g
         (after,), _ = worker.complete([ids], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 256)
         assert after.completion_tokens == 2  # the slot came back
     finally:
-        worker.scheduler.close()
+        worker.engine.close()
 
 
 def test_speculation_in_the_engine_process_answers_as_the_references_and_reports_acceptance(gpt2_dir, reference):
@@ -186,11 +186,11 @@ def test_speculation_in_the_engine_process_answers_as_the_references_and_reports
         (got,), timings = remote.complete(prompts[:1], forced, 256)
         check_answers(prompts[:1], forced, [got], model, tok)
         assert got.choices[0].token_ids == [word] * 30
-        counts = remote.scheduler.speculation_counts
+        counts = remote.engine.speculation_counts
         assert timings.accepted_tokens == timings.draft_tokens > 0
         assert counts["draft_tokens"] == timings.draft_tokens and counts["accepted_tokens"] == timings.accepted_tokens
         for params in REQUESTS[:2]:  # greedy and seeded samples with stop strings, beside each other
             outputs, _ = remote.complete(prompts, params, 256)
             check_answers(prompts, params, outputs, model, tok)
     finally:
-        remote.scheduler.close()
+        remote.engine.close()

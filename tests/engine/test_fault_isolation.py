@@ -8,7 +8,7 @@ whose KV budget is small enough to force preemption, with speculation on and off
 
 - every request ended: with its answer, or (only where a fault was injected) with ``EngineStepFailed``;
 - nothing is held: no block, row, reserved prompt, parked entry, running slot or draft block;
-- no leak was repaired behind our back (``Scheduler.repairs`` stays 0) and the state is consistent;
+- no leak was repaired behind our back (``EngineCore.repairs`` stays 0) and the state is consistent;
 - the next request's greedy text and logprobs equal a plain forward's (transformers' own model, not the engine).
 
 The oracle is independent of the engine: ``references.check_reference`` (one plain forward's log-softmax and its
@@ -73,13 +73,20 @@ def engine(request, gpt2_dir, reference):
 
 
 class Faults:
-    """The runner's fault hook: each forward or sampling fails with probability ``rate`` (draws from ``seed``)."""
+    """The runner's fault hook: each forward or sampling fails with probability ``rate`` (draws from ``seed``).
+    Before each forward it also checks that the batch's arrays mirror its sequences' block tables and computed
+    positions (``BlockBatch.mirror_problem``), and keeps what it found."""
 
-    def __init__(self, seed: int, rate: float):
-        self.random, self.rate = random.Random(seed), rate
+    def __init__(self, seed: int, rate: float, batch=None):
+        self.random, self.rate, self.batch = random.Random(seed), rate, batch
         self.injected = 0
+        self.mirror_problems: list[str] = []
 
     def __call__(self, point: str) -> None:
+        if self.batch is not None and point in ("rows", "flat"):
+            problem = self.batch.mirror_problem()
+            if problem is not None:
+                self.mirror_problems.append(f"at {point}: {problem}")
         if self.rate and self.random.random() < self.rate:
             self.injected += 1
             raise RuntimeError(f"injected fault at {point}")
@@ -121,7 +128,7 @@ def run(worker, ids, params, leave_after, out: list, index: int) -> None:
     """One request as a request thread runs it: submit, read the ticket's events (leaving early when asked)."""
     group = RequestGroup(worker.runner, ids, params, max_length=CONTEXT)
     try:
-        ticket = worker.scheduler.submit([group], eager=leave_after is not None or bool(params.stop))
+        ticket = worker.engine.submit([group], eager=leave_after is not None or bool(params.stop))
         events = []
         try:
             for seen, (_, event) in enumerate(ticket):
@@ -138,15 +145,15 @@ def run(worker, ids, params, leave_after, out: list, index: int) -> None:
 
 
 def assert_nothing_held(worker) -> None:
-    scheduler = worker.scheduler
-    assert scheduler.wait_idle(timeout=120), "the engine did not come back to idle"
-    batch = scheduler.batch
-    assert scheduler.inconsistency() is None, scheduler.inconsistency()
-    assert scheduler.repairs == 0, "a leak was found (and repaired) at an idle point"
+    engine = worker.engine
+    assert engine.wait_idle(timeout=120), "the engine did not come back to idle"
+    batch = engine.batch
+    assert engine.inconsistency() is None, engine.inconsistency()
+    assert engine.repairs == 0, "a leak was found (and repaired) at an idle point"
     assert (batch.n, batch.prompts, batch.blocks.held_blocks) == (0, 0, 0)
-    assert batch.groups == [] and not scheduler._prefilling and not scheduler._pending
+    assert batch.groups == [] and not engine.scheduler.prefilling and not engine.scheduler.waiting
     assert batch.parked == {}
-    assert scheduler.queue_snapshot()["active"] == 0 and scheduler.queue_snapshot()["waiting"] == 0
+    assert engine.queue_snapshot()["active"] == 0 and engine.queue_snapshot()["waiting"] == 0
     if batch.speculation is not None:
         assert batch.speculation.proposer.held_blocks() == 0
 
@@ -163,8 +170,8 @@ def next_answer_is_right(worker, ref) -> None:
 
 def test_every_request_ends_and_nothing_stays_held_whatever_fails(engine):
     worker, ref = engine
-    scheduler = worker.scheduler
-    failures, accepted = scheduler.failures, (scheduler.speculation_counts or {}).get("accepted_tokens", 0)
+    engine = worker.engine
+    failures, accepted = engine.failures, (engine.speculation_counts or {}).get("accepted_tokens", 0)
 
     @settings(
         max_examples=30,
@@ -179,16 +186,17 @@ def test_every_request_ends_and_nothing_stays_held_whatever_fails(engine):
 
     examples()
     # what the examples reached (derandomized: the same every run): failed steps and, with speculation, guesses kept
-    assert scheduler.failures > failures
-    if scheduler.batch.speculation is not None:
-        assert scheduler.speculation_counts["accepted_tokens"] > accepted
+    assert engine.failures > failures
+    if engine.batch.speculation is not None:
+        assert engine.speculation_counts["accepted_tokens"] > accepted
 
 
 def one_example(worker, ref, data) -> None:
     budget = worker.kv_cache_tokens
     batch = data.draw(st.lists(requests(budget), min_size=1, max_size=4), label="requests")
-    faults = Faults(data.draw(st.integers(0, 2**32 - 1), label="fault seed"), data.draw(st.sampled_from([0.0, 0.1])))
-    failures_before = worker.scheduler.failures
+    seed, rate = data.draw(st.integers(0, 2**32 - 1), label="fault seed"), data.draw(st.sampled_from([0.0, 0.1]))
+    faults = Faults(seed, rate, worker.engine.batch)
+    failures_before = worker.engine.failures
     worker.runner.fault = faults
     outcomes: list = [None] * len(batch)
     try:
@@ -216,7 +224,8 @@ def one_example(worker, ref, data) -> None:
                 check_reference(value, *ref, ids, params)
         else:
             assert kind == "left" and leave is not None
-    assert (worker.scheduler.failures > failures_before) == (faults.injected > 0)
+    assert (worker.engine.failures > failures_before) == (faults.injected > 0)
+    assert not faults.mirror_problems, faults.mirror_problems[:3]
     assert_nothing_held(worker)
     next_answer_is_right(worker, ref)
     assert_nothing_held(worker)
@@ -256,28 +265,28 @@ def test_a_step_that_fails_fails_only_the_requests_it_touched(engine):
     """A request waiting for its slot while a step fails is served on: only the running ones hear of the failure."""
     worker, ref = engine
     model, tok = ref
-    scheduler = worker.scheduler
+    engine = worker.engine
     ids = tok("the quick")["input_ids"]
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     fired = threading.Event()
 
     def fail_once(point: str) -> None:
         # the first request's first decode step, once the second one waits for the slot it holds
-        if point in ("rows", "flat") and scheduler.batch.groups and not fired.is_set():
+        if point in ("rows", "flat") and engine.batch.groups and not fired.is_set():
             waited = threading.Event()
-            while scheduler.queue_snapshot()["waiting"] < 1 and not waited.wait(0.01):
+            while engine.queue_snapshot()["waiting"] < 1 and not waited.wait(0.01):
                 pass
             fired.set()
             raise RuntimeError("injected fault in a step")
 
-    before = scheduler.admission.capacity
-    scheduler.admission.capacity = 1  # one request runs at a time: the second one waits in the queue
+    before = engine.scheduler.admission.capacity
+    engine.scheduler.admission.capacity = 1  # one request runs at a time: the second one waits in the queue
     worker.runner.fault = fail_once
     outcomes: list = [None] * 2
     try:
         first = threading.Thread(target=run, args=(worker, ids, long, None, outcomes, 0))
         first.start()
-        while scheduler.queue_snapshot()["active"] < 1 and not fired.wait(0.01):
+        while engine.queue_snapshot()["active"] < 1 and not fired.wait(0.01):
             pass  # the first one holds the slot before the second one comes
         second = threading.Thread(target=run, args=(worker, ids, long, None, outcomes, 1))
         second.start()
@@ -285,7 +294,7 @@ def test_a_step_that_fails_fails_only_the_requests_it_touched(engine):
         second.join(timeout=300)
     finally:
         worker.runner.fault = None
-        scheduler.admission.capacity = before
+        engine.scheduler.admission.capacity = before
     assert fired.is_set()
     assert outcomes[0][0] == "error" and isinstance(outcomes[0][1], EngineStepFailed)
     assert outcomes[1][0] == "answer", outcomes[1]
@@ -306,14 +315,14 @@ def test_an_engine_that_cannot_be_made_consistent_stops_and_says_so(gpt2_dir):
     worker.on_fatal = lambda reason: told.set()
 
     def broken(point: str) -> None:
-        if point == "sample":  # the prompt's first tokens: a failure of the iteration (``Scheduler._recover``)
+        if point == "sample":  # the prompt's first tokens: a failure of the iteration (``EngineCore._recover``)
             raise RuntimeError("injected fault")
 
     def no_recovery() -> str:
         return "the test says so"
 
     worker.runner.fault = broken
-    worker.scheduler.inconsistency = no_recovery
+    worker.engine.inconsistency = no_recovery
     outcomes: list = [None]
     run(worker, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), None, outcomes, 0)
     assert outcomes[0][0] == "error" and isinstance(outcomes[0][1], EngineStepFailed) and outcomes[0][1].fatal
@@ -323,7 +332,7 @@ def test_an_engine_that_cannot_be_made_consistent_stops_and_says_so(gpt2_dir):
     with pytest.raises(EngineNotReady):
         worker.require_ready()
     with pytest.raises(EngineNotReady):
-        worker.scheduler.submit([RequestGroup(worker.runner, [5], SamplingParams(max_tokens=1), max_length=CONTEXT)])
+        worker.engine.submit([RequestGroup(worker.runner, [5], SamplingParams(max_tokens=1), max_length=CONTEXT)])
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.05])
@@ -333,7 +342,7 @@ def test_preempted_requests_survive_failures_around_them(engine, rate):
     rest fail cleanly, and nothing stays held or parked."""
     worker, ref = engine
     model, tok = ref
-    scheduler = worker.scheduler
+    engine = worker.engine
     budget = worker.kv_cache_tokens
     prompts = [tok(text)["input_ids"] for text in ("the quick brown fox", "a cat sat on", "hello there friend")]
     # three requests of two rows each that together need more than the budget: every row grows to 240 positions
@@ -342,7 +351,7 @@ def test_preempted_requests_survive_failures_around_them(engine, rate):
     if 3 * need <= budget:
         pytest.skip("this engine's budget holds them all")
     params = SamplingParams(n=2, max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
-    before = scheduler.preemptions
+    before = engine.preemptions
     for seed in range(3 if rate else 1):
         faults = Faults(seed, rate)
         worker.runner.fault = faults
@@ -364,5 +373,5 @@ def test_preempted_requests_survive_failures_around_them(engine, rate):
                 assert kind == "error" and isinstance(value, EngineStepFailed) and faults.injected, value
         assert_nothing_held(worker)
     if not rate:
-        assert scheduler.preemptions > before
+        assert engine.preemptions > before
     next_answer_is_right(worker, ref)

@@ -37,7 +37,7 @@ def test_an_idle_batch_gives_its_memory_back(gpt2_worker, reference, gpt2_dir, m
     from references import ref_greedy
 
     worker = gpt2_worker
-    batch = worker.scheduler.batch
+    batch = worker.engine.batch
     worker.prefix_cache.clear_cached()  # what earlier tests left
     monkeypatch.setattr(batch.blocks, "cached_limit", 8)  # released blocks kept cached: at most 8
     prompt = worker.encode("Hello world " * 30)

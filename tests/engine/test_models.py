@@ -170,12 +170,12 @@ def test_lora_adapters_and_the_base_share_one_decode_batch(llama_dir, loras):
     groups = [
         RequestGroup(worker.runner, ids, params, max_length=128, tag=i) for i, (_, ids, params) in enumerate(runs)
     ]
-    steps_before = worker.scheduler.steps
+    steps_before = worker.engine.steps
     per = {i: [] for i in range(len(runs))}
-    for tag, event in worker.scheduler.submit(groups):
+    for tag, event in worker.engine.submit(groups):
         per[tag].append(event)
-    assert worker.scheduler.max_rows_seen == len(runs)  # all six rows in one step
-    assert worker.scheduler.steps - steps_before == 5  # 6 tokens: 1 from each prefill + 5 shared steps
+    assert worker.engine.max_rows_seen == len(runs)  # all six rows in one step
+    assert worker.engine.steps - steps_before == 5  # 6 tokens: 1 from each prefill + 5 shared steps
     for i, (name, ids, params) in enumerate(runs):
         got = collect(per[i], params).choices[0]
         alone = collect(iter(SoloRun(worker.runner, ids, params, max_length=128)), params).choices[0]

@@ -78,12 +78,12 @@ def assert_matches(got, reference):
 
 def fresh(worker, chunk: int):
     worker.prefix_cache.clear_cached()
-    worker.scheduler.prefill_chunk_tokens = chunk
+    worker.engine.scheduler.prefill_chunk_tokens = chunk
 
 
 def test_whole_chunked_and_cached_prefills_answer_as_the_plain_forward(worker, prompt, reference):
     assert len(prompt) > 40
-    chunk_before = worker.scheduler.prefill_chunk_tokens
+    chunk_before = worker.engine.scheduler.prefill_chunk_tokens
     try:
         for chunk in (0, 7, 16, 32):
             fresh(worker, chunk)
@@ -93,13 +93,13 @@ def test_whole_chunked_and_cached_prefills_answer_as_the_plain_forward(worker, p
         assert_matches(answer(worker, prompt), reference)
         assert worker.prefix_cache.reused_tokens - reused == (len(prompt) - 1) // BLOCK * BLOCK > 0
     finally:
-        worker.scheduler.prefill_chunk_tokens = chunk_before
+        worker.engine.scheduler.prefill_chunk_tokens = chunk_before
 
 
 def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, reference, monkeypatch):
     """Other requests (sampled, of other lengths, one sharing the prompt's start) decode in the same steps, and
     the prompt's chunks (16 tokens) ride in the same forwards as their decode tokens."""
-    chunk_before = worker.scheduler.prefill_chunk_tokens
+    chunk_before = worker.engine.scheduler.prefill_chunk_tokens
     fresh(worker, 16)
     mixed = []
     real = worker.runner.flat_step
@@ -122,11 +122,11 @@ def test_beside_other_requests_answers_as_the_plain_forward(worker, prompt, refe
     for thread in threads:
         thread.start()
     try:
-        while not worker.scheduler.batch.groups and any(thread.is_alive() for thread in threads):
+        while not worker.engine.batch.groups and any(thread.is_alive() for thread in threads):
             time.sleep(0.01)  # the others are decoding before the prompt comes
         assert_matches(answer(worker, prompt), reference)
     finally:
         for thread in threads:
             thread.join()
-        worker.scheduler.prefill_chunk_tokens = chunk_before
-    assert worker.scheduler.max_rows_seen > 1 and any(mixed)
+        worker.engine.scheduler.prefill_chunk_tokens = chunk_before
+    assert worker.engine.max_rows_seen > 1 and any(mixed)

@@ -95,7 +95,7 @@ def run(worker, ids, params):
     from app.engine.core.sequence import RequestGroup
 
     group = RequestGroup(worker.runner, ids, params, max_length=256)
-    return collect([event for _, event in worker.scheduler.submit([group])], params)
+    return collect([event for _, event in worker.engine.submit([group])], params)
 
 
 def long_prompt(tok):

@@ -48,9 +48,9 @@ def test_answers_equal_transformers_alone_batched_and_chunked(worker, mistral_di
     params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
     groups = [RequestGroup(worker.runner, ids, params, max_length=256, tag=i) for i, ids in enumerate(prompts)]
     per = {0: [], 1: []}
-    for tag, event in worker.scheduler.submit(groups):
+    for tag, event in worker.engine.submit(groups):
         per[tag].append(event)
-    assert worker.scheduler.max_rows_seen == 2  # the two requests share the steps
+    assert worker.engine.max_rows_seen == 2  # the two requests share the steps
     for i, ids in enumerate(prompts):
         choice = collect(per[i], params).choices[0]
         full = ref_greedy(model, tok, ids, 20)

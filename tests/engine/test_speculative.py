@@ -85,7 +85,7 @@ def worker_with(path, speculation=None, **kwargs):
 
     worker = Worker.from_loaded(("m",), load_model(LoadConfig(model=str(path))), max_batch_rows=8, **kwargs)
     if speculation is not None:
-        worker.scheduler.batch.speculation = speculation
+        worker.engine.batch.speculation = speculation
     return worker
 
 
@@ -123,7 +123,7 @@ def test_greedy_answers_equal_a_plain_forward_whatever_the_guesses(request, refe
     assert speculation.draft_tokens > 0
     if proposer == "right":  # every guess kept: a row made up to 6 tokens a step
         assert speculation.accepted_tokens == speculation.draft_tokens
-        assert worker.scheduler.steps <= 2 * -(-tokens // 6) + 4
+        assert worker.engine.steps <= 2 * -(-tokens // 6) + 4
     elif proposer == "wrong":
         assert speculation.accepted_tokens == 0
 
@@ -276,7 +276,7 @@ def test_a_draft_model_gives_the_plain_answer(gpt2_dir, reference, tmp_path, dra
     source = gpt2_dir if draft == "itself" else truncated(gpt2_dir, tmp_path / "draft")
     config = SpeculativeConfig("draft", 4, 8, draft=lambda: load_model(LoadConfig(model=str(source))))
     worker = worker_with(gpt2_dir, speculative=config)
-    speculation = worker.scheduler.batch.speculation
+    speculation = worker.engine.batch.speculation
     prompts, tokens = prompts_of(tok), 24
     params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=1, ignore_eos=True, n=2)
     outputs, _ = worker.complete(prompts, params, 256)
@@ -465,4 +465,4 @@ def test_the_default_kv_budget_is_taken_after_the_draft_model_loads(gpt2_dir, mo
     monkeypatch.setattr(ModelRunner, "default_kv_budget", budget)
     worker = worker_with(gpt2_dir, speculative=SpeculativeConfig("draft", 4, 4, draft=draft))
     assert "budget" in order[order.index("draft") :]  # (the warm-up's one-request run before it sizes its own)
-    assert worker.kv_cache_tokens == worker.scheduler.batch.budget > 0
+    assert worker.kv_cache_tokens == worker.engine.batch.budget > 0

@@ -90,8 +90,8 @@ def test_a_failed_step_is_a_json_500_naming_the_request_and_the_next_one_answers
     assert "req-fault-1" in error["message"] and "serves on" in error["message"]
     wide = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "n": 128, "temperature": 1})
     assert wide.status_code == 200 and len(wide.get_json()["choices"]) == 128, wide.get_data(as_text=True)
-    worker.scheduler.wait_idle(60)
-    assert worker.scheduler.batch.blocks.held_blocks == 0 and worker.scheduler.inconsistency() is None
+    worker.engine.wait_idle(60)
+    assert worker.engine.batch.blocks.held_blocks == 0 and worker.engine.inconsistency() is None
 
 
 def test_a_stream_whose_step_fails_ends_with_an_error_frame_naming_the_request(stalling_app):
@@ -99,7 +99,7 @@ def test_a_stream_whose_step_fails_ends_with_an_error_frame_naming_the_request(s
     import json
 
     app, worker = stalling_app
-    scheduler = worker.scheduler
+    scheduler = worker.engine
 
     def fail(point: str) -> None:
         if point == "sample":

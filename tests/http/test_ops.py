@@ -54,16 +54,16 @@ class HeldSlot:
     """The scheduler's waiting queue replaced by ``Admission(capacity=1, **kwargs)`` whose one slot a request that
     is not there holds, as a long generation would; ``release()`` ends it (its slot goes to the longest waiter)."""
 
-    def __init__(self, scheduler, monkeypatch, **kwargs):
-        self.scheduler = scheduler
+    def __init__(self, engine, monkeypatch, **kwargs):
+        self.engine = engine
         self.admission = Admission(capacity=1, **kwargs)
         assert self.admission.arrive(-1, time.perf_counter())
-        monkeypatch.setattr(scheduler, "admission", self.admission)
+        monkeypatch.setattr(engine.scheduler, "admission", self.admission)
 
     def release(self) -> None:
-        with self.scheduler._cond:
+        with self.engine._cond:
             self.admission.leave(-1, time.perf_counter())
-            self.scheduler._cond.notify()
+            self.engine._cond.notify()
 
 
 @pytest.fixture()
@@ -72,7 +72,7 @@ def held(gpt2_app, monkeypatch):
     worker = gpt2_app.extensions["saker.service"].worker
 
     def hold(**kwargs):
-        return gpt2_app.test_client(), HeldSlot(worker.scheduler, monkeypatch, **kwargs)
+        return gpt2_app.test_client(), HeldSlot(worker.engine, monkeypatch, **kwargs)
 
     return hold
 
@@ -378,7 +378,7 @@ def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
         SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
         max_length=256,
     )
-    ticket = gpt2_worker.scheduler.submit([group])
+    ticket = gpt2_worker.engine.submit([group])
     events = iter(ticket)
     for _ in range(3):
         next(events)
@@ -392,7 +392,7 @@ def test_kv_cache_usage_while_a_request_decodes(gpt2_worker):
 def test_metrics_see_queue_depth_and_rejections(gpt2_worker, monkeypatch):
     app = make_app(gpt2_worker, access_log="off")
     client = app.test_client()
-    slot = HeldSlot(gpt2_worker.scheduler, monkeypatch, max_queue=0)
+    slot = HeldSlot(gpt2_worker.engine, monkeypatch, max_queue=0)
     error_of(client.post(URL, json=GOOD), 429, "model_overloaded")
     samples = metric_samples(client)
     assert value(samples, "saker_requests_running") == 1

@@ -226,5 +226,5 @@ def test_closing_a_stream_early_frees_the_worker(gpt2_app):
     while worker.queue_snapshot()["active"] and time.time() < deadline:
         time.sleep(0.01)
     assert worker.queue_snapshot()["active"] == 0, "the cancelled request gave its slot back"
-    assert not worker.scheduler.batch.groups, "the scheduler dropped the cancelled request"
+    assert not worker.engine.batch.groups, "the scheduler dropped the cancelled request"
     assert client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200

@@ -1,5 +1,6 @@
-"""Logprob keys and values (app/engine/output/token_text.py, app/engine/sampling/logprobs.py): a token's bytes on a byte-level tokenizer, the ``bytes:``
-key format, and the raw float32 log-softmax. The keys of candidates on sentencepiece are in test_detokenize.py."""
+"""Logprob keys and values (app/engine/output/token_text.py, app/engine/sampling/logprobs.py): a token's bytes on a
+byte-level tokenizer, the ``bytes:`` key format, and the raw float32 log-softmax. The keys of candidates on
+sentencepiece are in test_detokenize.py."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from app.engine.model.runner import MIXED, ModelRunner
 from app.engine.sampling.sampler import SamplingRows
 
 if TYPE_CHECKING:  # a type only: sequence's module imports what imports this one
-    from app.engine.core.sequence import RequestGroup
+    from app.engine.core.sequence import RequestGroup, Sequence
 
 
 class BatchOutOfMemory(Exception):
@@ -74,6 +74,8 @@ class BlockBatch:
         self.counts = np.zeros(0, dtype=np.int64)  # per row: blocks in its table
         self.lengths = np.zeros(0, dtype=np.int64)  # per row: positions it holds (= the position fed next)
         self.chains = np.zeros(0, dtype=np.int64)  # per row: the hash of its last full block's prefix-cache key
+        # per row: its sequence, whose ``block_table`` and ``num_computed_tokens`` the arrays above mirror
+        self.seqs: list[Sequence] = []
         self.next_tokens: torch.Tensor | None = None  # per row: the token fed next
         self.sampling: SamplingRows | None = None  # every row's sampling parameters and history
         self.prompts = 0  # prompts holding blocks while they are prefilled
@@ -164,7 +166,7 @@ class BlockBatch:
         """Join a group whose prompt was computed into ``table``: its first row keeps those blocks, each other
         candidate shares the full ones and gets a copy of the last, partial one (into a ``spare`` block, or a new
         one). ``chain``: the hash of the prompt's last full block's key, which the blocks its rows fill next are
-        chained to (``_register_filled``)."""
+        chained to (``_register_filled``). Each running candidate's ``block_table`` is its row's."""
         length = len(group.prompt_ids)
         full, partial = length // BLOCK, length % BLOCK
         spare = list(spare)
@@ -177,22 +179,26 @@ class BlockBatch:
                 self.pool.copy_block(table[full], own[0])
             tables.append(table[:full] + own)
         self.blocks.release(spare)  # candidates that ended on their first token
-        self.add_rows(group, tables, [length] * group.rows, [chain] * group.rows, tokens, sampling, prompts=1)
+        for seq in group.seqs:
+            seq.block_table = []
+        for seq, own in zip(group.running, tables):
+            seq.block_table = own
+        self.add_rows(group, [chain] * group.rows, tokens, sampling, prompts=1)
 
     def add_rows(
         self,
         group: RequestGroup,
-        tables: list[list[int]],
-        lengths: list[int],
         chains: list[int],
         tokens: torch.Tensor,
         sampling: SamplingRows,
         prompts: int,
     ) -> None:
-        """Join a group's rows, each on its own blocks (``tables``: the tables ``prompts`` reservations made), holding
-        ``lengths`` positions, with its next token and sampling state: after a prompt (``add_reserved``), or a
-        preempted group whose rows were computed again (``ChunkedPrefill``)."""
+        """Join a group's rows (its running sequences, each on its own blocks: the tables ``prompts`` reservations
+        made, holding ``num_computed_tokens`` positions), with their next tokens and sampling state: after a prompt
+        (``add_reserved``), or a preempted group whose rows were computed again (``ChunkedPrefill``)."""
         self.prompts -= prompts
+        seqs = list(group.running)
+        tables, lengths = [seq.block_table for seq in seqs], [seq.num_computed_tokens for seq in seqs]
         rows = len(tables)
         self._room(self.n + rows, max(len(t) for t in tables))
         for i, t in enumerate(tables):
@@ -201,9 +207,27 @@ class BlockBatch:
         self.lengths[self.n : self.n + rows] = lengths
         self.chains[self.n : self.n + rows] = chains
         self.n += rows
+        self.seqs += seqs
         self.groups.append(group)
         self.next_tokens = tokens if self.next_tokens is None else torch.cat([self.next_tokens, tokens])
         self.sampling = sampling if self.sampling is None else SamplingRows.cat([self.sampling, sampling])
+
+    def mirror_problem(self) -> str | None:
+        """Whether the arrays mirror the rows' sequences, in words (None: they do): one sequence per row, in the
+        groups' order, each row's table its sequence's ``block_table`` and its length the sequence's
+        ``num_computed_tokens``. Holds between steps and before a forward (a forward advances the lengths at once,
+        the sequences when their tokens are settled)."""
+        running = [seq for group in self.groups for seq in group.running]
+        if len(self.seqs) != self.n or len(running) != self.n or any(a is not b for a, b in zip(self.seqs, running)):
+            return f"{len(self.seqs)} sequences for {self.n} rows ({len(running)} running), or not in the groups' order"
+        for row, seq in enumerate(self.seqs):
+            table = self.tables[row, : self.counts[row]].tolist()
+            if seq.block_table != table or seq.num_computed_tokens != int(self.lengths[row]):
+                return (
+                    f"row {row}: table {table} / {int(self.lengths[row])} positions, its sequence's "
+                    f"{seq.block_table} / {seq.num_computed_tokens}"
+                )
+        return None
 
     def free_blocks(self) -> int:
         """Blocks the pool can hand out now (cached ones with no holder included)."""
@@ -246,6 +270,8 @@ class BlockBatch:
         for row in range(n):
             if row not in kept:
                 self.blocks.release(self.tables[row, : self.counts[row]].tolist())
+                self.seqs[row].block_table = []
+        self.seqs = [self.seqs[row] for row in keep_rows]
         index = np.asarray(keep_rows, dtype=np.int64)
         count = len(keep_rows)
         for array in (self.tables, self.counts, self.lengths, self.chains):
@@ -265,7 +291,7 @@ class BlockBatch:
         A small pool is kept as it is, with its read buffers (one request after another must not pay for a new one);
         a compiled step keeps its pool (its graphs hold the addresses)."""
         if self.n or self.prompts or self.blocks.held_blocks or self.pool is None:
-            return  # (blocks held with no row and no prompt are a leak: the scheduler's idle check finds it)
+            return  # (blocks held with no row and no prompt are a leak: the engine core's idle check finds it)
         if self.runner.compiled_step is not None:
             return
         if self.pool.touched > 2 * (self.blocks.cached_tokens // BLOCK) + IDLE_KEEP:
@@ -277,6 +303,9 @@ class BlockBatch:
         cache's counters and the parked rows of preempted groups (they hold no blocks) stay. ``free_memory``: the
         pool goes too (made again at the next step), unless a compiled step's graphs hold its addresses."""
         self.groups, self.n, self.prompts = [], 0, 0
+        for seq in self.seqs:
+            seq.block_table = []
+        self.seqs = []
         self.tables[:], self.counts[:], self.lengths[:], self.chains[:] = 0, 0, 0, 0
         self.next_tokens = self.sampling = None
         if free_memory and not self.static:
@@ -303,6 +332,7 @@ class BlockBatch:
             [block] = self._allocate(1)
             self.tables[row, column[row]] = block
             self.counts[row] += 1
+            self.seqs[row].block_table.append(block)
         write = np.zeros(rows, dtype=np.int64)
         write[:n] = self.tables[np.arange(n), column] * BLOCK + lengths % BLOCK
         return write, self.tables[:rows, : width // BLOCK], self.lengths[:rows]
@@ -342,6 +372,7 @@ class BlockBatch:
             fresh = self._allocate(int(need[row] - self.counts[row]))
             self.tables[row, self.counts[row] : need[row]] = fresh
             self.counts[row] = need[row]
+            self.seqs[row].block_table += fresh
         per_row = extra + 1
         which = np.repeat(np.arange(n), per_row)
         count = which.size

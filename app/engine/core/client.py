@@ -2,11 +2,11 @@
 
 An engine takes requests (``add_request(rid, groups, eager)``), aborts them (``abort(rid)``), ends a candidate a
 stop string ended (``finish(rid, tag, index)``), and hands out its outputs keyed by request id: after each
-scheduler iteration one list of ``(rid, tag, payload)``, where a payload is a list of a prompt's engine events
+engine iteration one list of ``(rid, tag, payload)``, where a payload is a list of a prompt's engine events
 (numbers), ``Ended`` (the prompt is done, with its timings) or an exception (it failed). ``Engine.route`` gives
 each output to its request's ``Ticket``: the reader side, which turns numbers into text events on the request's
-own thread. ``scheduler.Scheduler`` is the in-process engine (its outputs go straight to ``route``);
-``engine_process.EngineClient`` sends the same calls over a pipe to a scheduler in another process and routes
+own thread. ``engine_core.EngineCore`` is the in-process engine (its outputs go straight to ``route``);
+``engine_process.EngineClient`` sends the same calls over a pipe to an engine core in another process and routes
 what comes back.
 """
 
@@ -47,7 +47,7 @@ class Ended:
 class Ticket:
     """A request's view of its groups: iterate for ``(tag, event)``; ``cancel()`` when the client is gone.
 
-    The engine's outputs for this request come a scheduler iteration at a time (``deliver``); iterating turns
+    The engine's outputs for this request come an engine iteration at a time (``deliver``); iterating turns
     them into text events on the reader's thread (``output.RequestDecoder``), so detokenizing, stop strings and
     logprob keys never run on the model thread. The engine sends an ``eager`` request's outputs (a stream, a
     request with stop strings) every iteration, another one's only when one of its prompts ends, so that many

@@ -2,18 +2,18 @@
 
 In one process the model thread shares the interpreter with the request threads: while they parse HTTP, build
 logprob keys and encode JSON, the model thread waits for the GIL between its operations. Here the engine process
-owns the model, the scheduler and the sampler, and hands out numbers only; the serving process keeps HTTP,
-tokenizing and the output side (``output.RequestDecoder`` on each request's thread).
+owns the model and its engine core (scheduler, batch, sampler), and hands out numbers only; the serving process
+keeps HTTP, tokenizing and the output side (``output.RequestDecoder`` on each request's thread).
 
 One pipe carries the engine interface (``client.Engine``), in order:
 
 - to the engine: ``("add", rid, [(tag, prompt ids, max_length)], params, eager)``, ``("abort", rid)``,
   ``("finish", rid, tag, candidate)`` (a stop string ended a candidate);
-- to the server: ``("ready", facts)`` once loaded (or ``("error", message)``), then per scheduler iteration its
-  outputs, ``("outputs", [(rid, tag, payload), ...], stats)``, exactly what the in-process scheduler hands to
+- to the server: ``("ready", facts)`` once loaded (or ``("error", message)``), then per engine iteration its
+  outputs, ``("outputs", [(rid, tag, payload), ...], stats)``, exactly what the in-process engine core hands to
   ``Engine.route``.
 
-The serving side's ``EngineClient`` is an ``Engine`` like the in-process ``Scheduler``: the worker cannot tell them
+The serving side's ``EngineClient`` is an ``Engine`` like the in-process ``EngineCore``: the worker cannot tell them
 apart.
 """
 
@@ -62,9 +62,9 @@ class FrontRunner:
 
 # -- the engine process -------------------------------------------------------------------------------------------
 def engine_main(settings, conn) -> None:
-    """The engine process: load (on a thread that exits, so the scheduler thread owns torch's thread pool), then
+    """The engine process: load (on a thread that exits, so the engine thread owns torch's thread pool), then
     serve the pipe until it closes."""
-    from app.engine.core.engine_core import EngineConfig, EngineCore
+    from app.engine.core.startup import EngineConfig, load_engine
     from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
 
@@ -73,7 +73,7 @@ def engine_main(settings, conn) -> None:
         setup_logging()  # the serving processes' one format (text or JSON), in this process too
     load_config = LoadConfig.of(settings)
     try:
-        core = EngineCore.load(tuple(settings.model_names), lambda: load_model(load_config), EngineConfig.of(settings))
+        core = load_engine(tuple(settings.model_names), lambda: load_model(load_config), EngineConfig.of(settings))
     except ConfigError as exc:
         conn.send(("error", str(exc)))
         return
@@ -87,22 +87,22 @@ def engine_main(settings, conn) -> None:
         with lock:
             conn.send(message)
 
-    runner, scheduler = core.runner, core.scheduler
+    runner, engine = core.runner, core
 
     def stats() -> tuple:
-        counts = scheduler.speculation_counts
-        snapshot = scheduler.queue_snapshot()
-        health = scheduler.stalled_s(), scheduler.failures, scheduler.repairs
-        return scheduler.kv_usage, scheduler.steps, scheduler.preemptions, snapshot, counts, health
+        counts = engine.speculation_counts
+        snapshot = engine.queue_snapshot()
+        health = engine.stalled_s(), engine.failures, engine.repairs
+        return engine.kv_usage, engine.steps, engine.preemptions, snapshot, counts, health
 
-    scheduler.deliver = lambda outputs: send(("outputs", _picklable(outputs), stats()))
+    engine.deliver = lambda outputs: send(("outputs", _picklable(outputs), stats()))
 
-    def fatal(reason: str) -> None:  # every request has heard (``Scheduler._stop`` flushed): the process goes
+    def fatal(reason: str) -> None:  # every request has heard (``EngineCore._stop`` flushed): the process goes
         log.critical("saker: the engine process exits: %s", reason)
         conn.close()
         os._exit(70)
 
-    scheduler.on_fatal = fatal
+    engine.on_fatal = fatal
 
     def heartbeat() -> None:  # the serving side's liveness clock: the loop's own, and this process's being there
         while True:
@@ -139,13 +139,13 @@ def engine_main(settings, conn) -> None:
                 RequestGroup(runner, ids, params, max_length=max_length, tag=tag) for tag, ids, max_length in items
             ]
             try:
-                scheduler.add_request(rid, groups, eager)
+                engine.add_request(rid, groups, eager)
             except QueueFull as exc:  # the queue's answer comes back as the request's failure
                 send(("outputs", [(rid, g.tag, exc) for g in groups], stats()))
         elif kind == "abort":
-            scheduler.abort(message[1])
+            engine.abort(message[1])
         elif kind == "finish":
-            scheduler.finish(*message[1:])
+            engine.finish(*message[1:])
 
 
 def _picklable(outputs: list) -> list:
@@ -180,8 +180,8 @@ class EngineClient(Engine):
         self._queue = {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}
         self.facts: EngineFacts | None = None
         self.gone: str | None = None  # why the engine process is no longer there
-        self._stalled = 0.0  # the engine loop's stall as of the last message (``Scheduler.stalled_s``)
-        self.failures = self.repairs = 0  # the scheduler's counters of failed steps and repaired leaks
+        self._stalled = 0.0  # the engine loop's stall as of the last message (``EngineCore.stalled_s``)
+        self.failures = self.repairs = 0  # the engine core's counters of failed steps and repaired leaks
         self._heard = time.monotonic()  # when the last message came
         self.on_exit = None  # called with that reason (the worker turns not ready)
 

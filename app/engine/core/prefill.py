@@ -29,15 +29,16 @@ class ChunkedPrefill:
 
     def __init__(self, group: RequestGroup, chunk: int):
         self.group, self.chunk = group, max(1, chunk)
+        # the sequences it computes, each into blocks of its own (its ``block_table``, its progress its
+        # ``num_computed_tokens``): the prompt, held by the first candidate until the group joins, or each preempted
+        # row (its prompt and the tokens it made but the next one)
+        self.seqs = list(group.running) if group.preempted else [group.seqs[0]]
         self.ids_of = (
-            [(seq.prompt_ids + seq.output_ids)[:-1] for seq in group.running] if group.preempted else [group.prompt_ids]
+            [(seq.prompt_ids + seq.output_ids)[:-1] for seq in self.seqs] if group.preempted else [group.prompt_ids]
         )
-        self.tables: list[list[int]] = []  # each sequence's blocks (reserved at ``start``)
         self.spare: list[int] = []  # blocks for the other candidates' copies of the prompt's partial last block
         self.keys_of: list[list] = []  # the chained keys of each one's full blocks (prefix caching)
-        self.cached: list[int] = []  # each one's positions from the prefix cache
         self.row = 0  # the sequence being computed
-        self.done = 0  # its tokens computed (or cached)
         self.last: torch.Tensor | None = None  # the last prompt position's logits (1, 1, V)
         self.spent = 0.0  # seconds of steps that carried its chunks
 
@@ -47,7 +48,12 @@ class ChunkedPrefill:
 
     @property
     def table(self) -> list[int]:
-        return self.tables[self.row]
+        return self.seqs[self.row].block_table
+
+    @property
+    def done(self) -> int:
+        """The tokens of the sequence being computed that are in (computed, or from the prefix cache)."""
+        return self.seqs[self.row].num_computed_tokens
 
     def start(self, batch: BlockBatch) -> None:
         """Reserve the blocks of its sequences, their leading ones from the prefix cache when a kept prompt shares
@@ -56,20 +62,18 @@ class ChunkedPrefill:
         salt = batch.runner.prefix_salt(group.params.adapter)
         reuse = group.preempted or not group.needs_prompt_logits
         group.status = Status.PREFILLING
-        for ids in self.ids_of:
+        for seq, ids in zip(self.seqs, self.ids_of):
             table, keys, cached = batch.reserve(ids, salt, reuse=reuse)
-            self.tables.append(table)
+            seq.block_table, seq.num_computed_tokens = table, cached
             self.keys_of.append(keys)
-            self.cached.append(cached)
-        self.done = self.cached[0]
         if not group.preempted:
             group.timings.cached_tokens += self.done
             self.spare = batch.spare_blocks(group)
 
     @property
     def remaining(self) -> int:
-        later = zip(self.ids_of[self.row + 1 :], self.cached[self.row + 1 :])
-        return len(self.ids) - self.done + sum(len(s) - c for s, c in later)
+        pending = zip(self.ids_of[self.row :], self.seqs[self.row :])
+        return sum(len(ids) - seq.num_computed_tokens for ids, seq in pending)
 
     def next_chunk(self, budget: int) -> list[int]:
         """The next tokens to compute: at most a chunk, and no more than ``budget``."""
@@ -92,13 +96,12 @@ class ChunkedPrefill:
         if group.needs_prompt_logits and not group.preempted:
             group.score_prompt(logits, self.done)
         batch.register(self.table, self.keys_of[self.row], self.done, self.done + count)
-        self.done += count
+        self.seqs[self.row].num_computed_tokens += count
         self.spent += seconds
         if self.done < len(self.ids):
             return False
         if self.row + 1 < len(self.ids_of):
             self.row += 1
-            self.done = self.cached[self.row]
             return False
         if not group.preempted:
             self.last = logits[-1:].unsqueeze(0)
@@ -111,32 +114,32 @@ class ChunkedPrefill:
     def finish(self, batch: BlockBatch) -> list[Event]:
         """The prompt is in: its first tokens, and its rows join the batch on its blocks (which it holds until
         they are the batch's, so that a failure before that gives them back: ``abandon``)."""
-        tables = self.tables
         group = self.group
         if not group.preempted:
             start = time.perf_counter() - self.spent
-            events = join(batch, group, self.last, start, tables[0], self._chain(0), self.spare)
-            self.tables, self.spare = [], []
+            events = join(batch, group, self.last, start, self._chain(0), self.spare)
+            self.seqs, self.spare = [], []
             return events
-        chains = [self._chain(row) for row in range(len(tables))]
-        lengths = group.resumed_lengths
+        chains = [self._chain(row) for row in range(len(self.seqs))]
         tokens, sampling = batch.unpark(group)
         group.status = Status.RUNNING
-        for seq, length in zip(group.running, lengths):
-            seq.status, seq.num_computed_tokens = Status.RUNNING, length
-        self.tables = []
-        batch.add_rows(group, tables, lengths, chains, tokens, sampling, prompts=len(tables))
+        for seq in group.running:
+            seq.status = Status.RUNNING
+        prompts, self.seqs = len(self.seqs), []
+        batch.add_rows(group, chains, tokens, sampling, prompts=prompts)
         group.timings.prefill_s += self.spent
         return []
 
     def abandon(self, batch: BlockBatch) -> None:
         """The request left or failed before its prompt was in: its blocks are let go."""
         spare, self.spare = self.spare, []
-        for table in self.tables:
-            batch.unreserve(table, spare)
-            spare = []
+        for seq in self.seqs:
+            if seq.block_table:
+                batch.unreserve(seq.block_table, spare)
+                spare = []
+            seq.block_table, seq.num_computed_tokens = [], 0
         batch.blocks.release(spare)
-        self.tables = []
+        self.seqs = []
 
 
 def join(
@@ -144,17 +147,20 @@ def join(
     group: RequestGroup,
     logits: torch.Tensor,
     start: float,
-    table: list[int],
     chain: int = 0,
     spare: list[int] = (),
 ) -> list[Event]:
-    """After a group's prompt was computed into the blocks ``table`` (its last position's logits (1, 1, V); ``chain``:
-    the hash of its last full block's prefix-cache key; ``spare``: blocks for the other candidates' partial-block
-    copies): the prompt's numbers, the first tokens, and the group in the batch if it goes on."""
+    """After a group's prompt was computed into the blocks its first candidate holds (its last position's logits
+    (1, 1, V); ``chain``: the hash of its last full block's prefix-cache key; ``spare``: blocks for the other
+    candidates' partial-block copies): the prompt's numbers, the first tokens, and the group in the batch if it goes
+    on."""
     events: list[Event] = [group.prompt_numbers()]
+    holder = group.seqs[0]
+    table = holder.block_table
     if not group.generates:
         group.timings.prefill_s += time.perf_counter() - start
         batch.unreserve(table, spare)
+        holder.block_table = []
         group.status = Status.FINISHED
         return events
     last = logits[:, -1, :].float()
@@ -174,6 +180,7 @@ def join(
         group.status = Status.RUNNING
     else:  # every candidate ended on its first token
         batch.unreserve(table, spare)
+        holder.block_table = []
         group.status = Status.FINISHED
     group.timings.prefill_s += time.perf_counter() - start
     return events

@@ -37,15 +37,18 @@ class Status(enum.Enum):
 @dataclass
 class Sequence:
     """One candidate (``n``/``best_of``) of a prompt, plain data: its prompt (shared with the other candidates),
-    the tokens it has made, how many of its positions are computed (their keys and values in its blocks: the
-    batch's tables and lengths hold its row's, vLLM's persistent input batch), its seed, its status and why it
-    finished."""
+    the tokens it has made, how many of its positions are computed (``num_computed_tokens``: the one record of its
+    progress, while its prompt is prefilled and while it decodes) and the blocks that hold their keys and values
+    (``block_table``), its seed, its status and why it finished. While it is a row of the batch, the batch's arrays
+    mirror its table and length for the step's inputs (vLLM's persistent input batch; ``BlockBatch.mirror_problem``
+    checks them)."""
 
     index: int
     prompt_ids: list[int]
     seed: int | None = None
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)  # its blocks, in order (none while it holds none)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # eos, stop_token, length, complete (the engine's); stop, abort (the output
     # side's stop string, the client gone)
@@ -195,7 +198,7 @@ class RequestGroup:
 
     def make_grammars(self, runner: ModelRunner) -> None:
         """A constrained group's matchers, one per candidate, made by the thread that submits it
-        (``Scheduler.add_request``): a copy of a large schema's matcher takes milliseconds (12.9 ms for bench part S's
+        (``EngineCore.add_request``): a copy of a large schema's matcher takes milliseconds (12.9 ms for bench part S's
         2 kB schema), which every running row would wait for if the model thread made it when the group joins."""
         constraint = self.params.constraint
         if constraint is not None and self.grammars is None:

@@ -1,7 +1,7 @@
-"""What the HTTP layer and the batch CLI talk to: loads the model's engine (in the background; ``core.EngineCore``
-in this process, or in the engine process through ``engine_process.EngineClient``), then serves requests through
-it: the scheduler's continuous batch, whose one waiting queue decides how many run at once and how many may wait.
-``ModelInfo`` and ``EngineConfig`` come from ``core``."""
+"""What the HTTP layer and the batch CLI talk to: loads the model's engine (in the background; an
+``engine_core.EngineCore`` in this process, or one in the engine process through ``engine_process.EngineClient``),
+then serves requests through it: its continuous batch, whose one waiting queue decides how many run at once and how
+many may wait. ``ModelInfo`` and ``EngineConfig`` come from ``startup``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import threading
 from typing import Callable, Iterator
 
 from app.engine.core.blocks import BLOCK
-from app.engine.core.engine_core import EngineConfig, EngineCore, ModelInfo
+from app.engine.core.engine_core import EngineCore
 from app.engine.core.engine_process import EngineClient, FrontRunner
+from app.engine.core.startup import EngineConfig, ModelInfo, load_engine
 from app.engine.errors import ClientGone, ConfigError, ConstraintError, EngineNotReady
 from app.engine.events import PromptEvent, TokenEvent
 from app.engine.core.sequence import RequestGroup
@@ -22,7 +23,6 @@ from app.engine.model.oom import out_of_memory_guard
 from app.engine.output.decoder import CompletionOutput, OutputStream, Release, collect
 from app.engine.params import SamplingParams, Timings
 from app.engine.model.runner import ModelRunner
-from app.engine.core.scheduler import Scheduler
 
 log = logging.getLogger("saker.worker")
 
@@ -39,7 +39,7 @@ class Worker:
         self._loader = loader  # None: the engine runs in an engine process (``_engine_settings``)
         self.config = config or EngineConfig(**config_fields)
         self.kv_cache_tokens = self.config.kv_cache_tokens  # the KV budget in use, once loaded
-        self.scheduler: Scheduler | EngineClient | None = None  # the engine the requests go to
+        self.engine: EngineCore | EngineClient | None = None  # the engine the requests go to
         self.load_seconds: float | None = None
         self._ready = threading.Event()
         self.error: str | None = None
@@ -68,23 +68,23 @@ class Worker:
 
     # -- loading ----------------------------------------------------------------------------------------
     def load(self) -> None:
-        """Load the model and start its engine here (``core.EngineCore.load``) or in the engine process."""
+        """Load the model and start its engine here (``startup.load_engine``) or in the engine process."""
         if self._engine_settings is not None:
             self._load_engine_process(self._engine_settings)
             return
         try:
-            core = EngineCore.load(self.names, self._loader, self.config)
+            core = load_engine(self.names, self._loader, self.config)
         except ConfigError as exc:
             self.error = str(exc)
             raise
-        self.runner, self.info, self.scheduler = core.runner, core.info, core.scheduler
+        self.runner, self.info, self.engine = core.runner, core.info, core
         self.kv_cache_tokens, self.load_seconds = core.kv_cache_tokens, core.load_seconds
-        self.scheduler.on_fatal = self._engine_failed
+        self.engine.on_fatal = self._engine_failed
         self._ready.set()
 
     def _load_engine_process(self, settings) -> None:
         """SAKER_ENGINE_PROCESS: the model loads and runs in the engine process; this one keeps its tokenizer and
-        an ``EngineClient`` in the scheduler's place."""
+        an ``EngineClient`` in the engine core's place."""
         client = EngineClient(settings)
         try:
             facts = client.start()
@@ -94,7 +94,7 @@ class Worker:
         self.runner = FrontRunner(facts.tokenizer, facts.eos_token_ids, facts.byte_level, facts.adapters)
         self.info = facts.info
         self.kv_cache_tokens = facts.kv_cache_tokens
-        self.scheduler = client
+        self.engine = client
         self.load_seconds = facts.load_seconds
 
         client.on_exit = self._engine_failed
@@ -104,7 +104,7 @@ class Worker:
         self._ready.set()
 
     def _engine_failed(self, reason: str) -> None:
-        """The engine stopped (``Scheduler._stop``, or the engine process exited): not ready from now on (/health
+        """The engine stopped (``EngineCore._stop``, or the engine process exited): not ready from now on (/health
         503), and ``on_fatal`` is told so that the process is replaced."""
         self.error = reason
         self._ready.clear()
@@ -113,7 +113,7 @@ class Worker:
 
     def stalled_s(self) -> float:
         """Seconds the engine has made no step while requests are in it (``/livez``); 0 before it is loaded."""
-        engine = self.scheduler
+        engine = self.engine
         return engine.stalled_s() if engine is not None else 0.0
 
     @property
@@ -130,7 +130,7 @@ class Worker:
     def queue_snapshot(self) -> dict[str, int]:
         """The engine's waiting queue: requests running (holding a slot), waiting for one, turned away (429) and
         timed out (503); zeros before the model is loaded."""
-        engine = self.scheduler
+        engine = self.engine
         if engine is None:
             return {"active": 0, "waiting": 0, "rejected": 0, "timed_out": 0}
         return engine.queue_snapshot()
@@ -139,7 +139,7 @@ class Worker:
     def prefix_cache(self):
         """The prefix cache's bookkeeping (``blocks.BlockManager``: its counters), None when it is off or the model
         runs in an engine process."""
-        blocks = getattr(getattr(getattr(self, "scheduler", None), "batch", None), "blocks", None)
+        blocks = getattr(getattr(self.engine, "batch", None), "blocks", None)
         return blocks if blocks is not None and blocks.cached_limit else None
 
     def load_in_background(self, on_error: Callable[[str], None] | None = None) -> threading.Thread:
@@ -199,16 +199,16 @@ class Worker:
         eager: bool = True,
         alive: Callable[[], bool] | None = None,
     ) -> Iterator[tuple[int, PromptEvent | TokenEvent]]:
-        """Run the prompts (as groups of the scheduler's batch, side by side with other requests), yielding
+        """Run the prompts (as groups of the engine's batch, side by side with other requests), yielding
         ``(prompt index, event)``. Closing the iterator (a dropped client) cancels the request: the
-        scheduler drops it at the next step. Not ``eager``: events come when each prompt is done (stop strings
+        engine drops it at the next step. Not ``eager``: events come when each prompt is done (stop strings
         still end a candidate as soon as they appear)."""
         self.require_ready()
         with out_of_memory_guard():
             groups = [
                 RequestGroup(self.runner, ids, params, max_length=max_length, tag=p) for p, ids in enumerate(prompts)
             ]
-            ticket = self.scheduler.submit(groups, eager=eager or bool(params.stop))
+            ticket = self.engine.submit(groups, eager=eager or bool(params.stop))
             if alive is not None:
                 ticket.watch_client(alive)
             ended_early = True
