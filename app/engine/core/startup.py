@@ -1,7 +1,8 @@
-"""The engine in one process (vLLM's ``EngineCore``): a loaded model's runner and facts, warmed up (and its decode
-step compiled where asked), and the scheduler whose loop steps it. The worker builds one in its own process, or
-the engine process builds one (``engine_process.engine_main``) and the worker talks to it over a pipe: either way
-it is built here, so neither side imports the other.
+"""How an engine starts: a loaded model's runner and facts, warmed up (and its decode step compiled where asked),
+and the ``EngineCore`` whose loop steps it, started (``load_engine``). The worker starts one in its own process, or
+the engine process starts one (``engine_process.engine_main``) and the worker talks to it over a pipe: either way it
+is started here, so neither side imports the other. ``EngineConfig`` is the engine's settings, ``ModelInfo`` the
+model's facts the server reads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from app.engine.model.loader import LoadedModel
 from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
 from app.engine.model.runner import ModelRunner, eos_ids
-from app.engine.core.scheduler import Scheduler
+from app.engine.core.engine_core import EngineCore
 from app.engine.core.speculative import SpeculativeConfig
 
 log = logging.getLogger("saker.worker")  # the line operators grep for: "saker.worker: serving ..."
@@ -68,77 +69,66 @@ class EngineConfig:
         )
 
 
-@dataclass
-class EngineCore:
-    """A started engine: the runner, the model's facts, the scheduler (its loop running), the KV budget in use."""
+def load_engine(names: tuple[str, ...], loader: Callable[[], LoadedModel], config: EngineConfig) -> EngineCore:
+    """Load the model, warm it up and start the engine core's thread, all on a thread of its own that exits when it
+    is done (errors re-raised here).
 
-    runner: ModelRunner
-    info: ModelInfo
-    scheduler: Scheduler
-    kv_cache_tokens: int
-    load_seconds: float
+    torch's CPU thread pool (OpenMP) belongs to the thread that first runs a parallel operation and lives as long
+    as that thread. A caller that loaded on its own long-lived thread (a script's main thread, the batch CLI) would
+    keep a second pool beside the engine thread's; with more OpenMP threads than cores, OpenMP stops spinning and
+    puts its workers to sleep between operations, and every small operation of a decode step pays a wake-up. On the
+    2-core machine the embedded model decoded at 33-38 ms/token that way, against 18.5-19.3 when loaded like this."""
+    out: list = []
 
-    @classmethod
-    def load(cls, names: tuple[str, ...], loader: Callable[[], LoadedModel], config: EngineConfig) -> "EngineCore":
-        """Load the model, warm it up and start the scheduler thread, all on a thread of its own that exits when
-        it is done (errors re-raised here).
+    def run() -> None:
+        try:
+            out.append(start_engine(names, loader(), config))
+        except BaseException as exc:  # re-raised on the caller's thread
+            out.append(exc)
 
-        torch's CPU thread pool (OpenMP) belongs to the thread that first runs a parallel operation and lives as
-        long as that thread. A caller that loaded on its own long-lived thread (a script's main thread, the batch
-        CLI) would keep a second pool beside the scheduler thread's; with more OpenMP threads than cores, OpenMP
-        stops spinning and puts its workers to sleep between operations, and every small operation of a decode step
-        pays a wake-up. On the 2-core machine the embedded model decoded at 33-38 ms/token that way, against
-        18.5-19.3 when loaded like this."""
-        out: list = []
+    thread = threading.Thread(target=run, name="saker-load")
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
-        def run() -> None:
-            try:
-                out.append(cls.start(names, loader(), config))
-            except BaseException as exc:  # re-raised on the caller's thread
-                out.append(exc)
 
-        thread = threading.Thread(target=run, name="saker-load")
-        thread.start()
-        thread.join()
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        return out[0]
-
-    @classmethod
-    def start(cls, names: tuple[str, ...], loaded: LoadedModel, config: EngineConfig) -> "EngineCore":
-        model, tok = loaded.model, loaded.tokenizer
-        runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
-        info = ModelInfo(
-            names, tuple(loaded.adapters), runner.context_length, runner.vocab_size, loaded.source, loaded.precision
-        )
-        warm_up(runner, info.context_length)
-        scheduler = Scheduler(
-            runner,
-            max_batch_rows=config.max_batch_rows,
-            prefill_tokens=config.prefill_batch_tokens,
-            prefill_chunk_tokens=config.prefill_chunk_tokens,
-            kv_cache_tokens=config.kv_cache_tokens,
-            prefix_cache_tokens=config.prefix_cache_tokens,
-            max_running_requests=config.running_requests,
-            max_queue=config.max_queue,
-            queue_timeout=config.queue_timeout,
-            speculative=config.speculative,
-        )
-        # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
-        budget = scheduler.batch.make_pool()
-        if config.compile if config.compile is not None else runner.input_device.type == "cuda":
-            compile_decode_step(runner, scheduler, config.max_batch_rows, info.context_length)
-        scheduler.start()
-        log.info(
-            "serving %s as %s from %s (loaded in %.1f s, context %d, %s)",
-            names[0],
-            ", ".join(names + info.adapters),
-            loaded.source,
-            loaded.load_seconds,
-            info.context_length,
-            loaded.precision,
-        )
-        return cls(runner, info, scheduler, budget, loaded.load_seconds)
+def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConfig) -> EngineCore:
+    model, tok = loaded.model, loaded.tokenizer
+    runner = ModelRunner(model, tok, eos_ids(model, tok), tuple(loaded.adapters))
+    info = ModelInfo(
+        names, tuple(loaded.adapters), runner.context_length, runner.vocab_size, loaded.source, loaded.precision
+    )
+    warm_up(runner, info.context_length)
+    core = EngineCore(
+        runner,
+        max_batch_rows=config.max_batch_rows,
+        prefill_tokens=config.prefill_batch_tokens,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+        kv_cache_tokens=config.kv_cache_tokens,
+        prefix_cache_tokens=config.prefix_cache_tokens,
+        max_running_requests=config.running_requests,
+        max_queue=config.max_queue,
+        queue_timeout=config.queue_timeout,
+        speculative=config.speculative,
+    )
+    # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
+    core.kv_cache_tokens = core.batch.make_pool()
+    core.info, core.load_seconds = info, loaded.load_seconds
+    if config.compile if config.compile is not None else runner.input_device.type == "cuda":
+        compile_decode_step(runner, core, config.max_batch_rows, info.context_length)
+    core.start()
+    log.info(
+        "serving %s as %s from %s (loaded in %.1f s, context %d, %s)",
+        names[0],
+        ", ".join(names + info.adapters),
+        loaded.source,
+        loaded.load_seconds,
+        info.context_length,
+        loaded.precision,
+    )
+    return core
 
 
 def warm_up(runner: ModelRunner, context_length: int) -> None:
@@ -149,18 +139,18 @@ def warm_up(runner: ModelRunner, context_length: int) -> None:
     collect(iter(SoloRun(runner, ids, params, max_length=context_length)), params)
 
 
-def compile_decode_step(runner: ModelRunner, scheduler: Scheduler, max_rows: int, context_length: int) -> None:
-    """SAKER_COMPILE: compile the decode-only step and run it once per batch bucket (and window) on the scheduler's
+def compile_decode_step(runner: ModelRunner, core: EngineCore, max_rows: int, context_length: int) -> None:
+    """SAKER_COMPILE: compile the decode-only step and run it once per batch bucket (and window) on the engine's
     own pool, so that no request pays a compile or a CUDA graph capture."""
     import torch
 
     start = time.perf_counter()
     runner.compile_step()
     with torch.inference_mode():
-        scheduler.batch.warm_up(max_rows, context_length)
+        core.batch.warm_up(max_rows, context_length)
     log.info(
         "compiled the decode step for batches up to %d rows, windows up to %d positions (%.1f s)",
         max_rows,
-        scheduler.batch.capacity,
+        core.batch.capacity,
         time.perf_counter() - start,
     )
