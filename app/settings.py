@@ -235,11 +235,14 @@ class Settings(BaseSettings):
     )
     compile: bool | None = Field(
         None,
-        description="Compile the continuous batch's decode step (torch.compile, "
-        "one graph per batch bucket: 1, 2, 4, 8, 16, 24, 32, then multiples of 8; CUDA "
-        "graphs on CUDA; on the CPU also per attention window of 256, 512, ... positions), at "
-        "start-up so that no request pays for it. Unset: on with CUDA, off on the CPU (where it "
-        "pays at one request only, and compiling every bucket and window takes minutes).",
+        description="Compile the model's steps (torch.compile) at start-up, so that no request "
+        "pays for it. On the CPU, for int4/int8 models (the fixed-order attention kernel): every "
+        "step (decode rows, prompt chunks, both) through one graph whose token count is dynamic, "
+        "checked at start against the eager forward bit for bit; for other CPU models and on "
+        "CUDA: the decode-only step, one graph per batch bucket (1, 2, 4, 8, 16, 24, 32, then "
+        "multiples of 8; CUDA graphs on CUDA; on the CPU also per attention window). Unset: on "
+        "with CUDA, and on the CPU for int4/int8 models (the embedded default), off for the "
+        "CPU's other models.",
     )
     speculative: Literal["off", "ngram", "draft"] | None = Field(
         None,

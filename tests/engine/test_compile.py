@@ -1,9 +1,17 @@
-"""SAKER_COMPILE, proven on the CPU: the continuous batch's decode-only step (``ModelRunner.rows_step``) is one graph
-for torch.compile (``fullgraph=True``: no graph break) and is not compiled again while requests join and leave
-the batch (only a new batch bucket would be). The compiled answers are checked against references outside the
-engine: greedy tokens are a plain forward's argmax and every logprob its log-softmax (within 1e-4,
-``references.check_reference``), seeded samples are the sampler's documented counter-based draws over that forward
-(``references.ref_sampled``). The CUDA-graph replay of the same step is checked on a GPU (tests/engine/test_models.py).
+"""SAKER_COMPILE, proven on the CPU.
+
+- A float32 model: the continuous batch's decode-only step (``ModelRunner.rows_step``) is one graph for
+  torch.compile (``fullgraph=True``: no graph break) and is not compiled again while requests join and leave the
+  batch (only a new batch bucket would be).
+- An int4 model (the CPU's fixed-order kernel path, the embedded default's; on by default): every step, decode rows,
+  prompt chunks and both together, goes through one compiled graph of the flat step (``ModelRunner.flat_forward``,
+  the token count dynamic), which no step compiles again, a lone row's included.
+
+The compiled answers are checked against references outside the engine: greedy tokens are a plain forward's argmax
+and every logprob its log-softmax (within 1e-4, ``references.check_reference``), greedy tokens those of
+``generate()``, seeded samples the sampler's documented counter-based draws over that forward
+(``references.ref_sampled``). The CUDA-graph replay of the decode step is checked on a GPU
+(tests/engine/test_models.py).
 
 Inductor keeps its kernels where ``TORCHINDUCTOR_CACHE_DIR`` says; the loader sets it when compiling (and torch
 itself sets it on its first compile), so the module points it at a folder of its own first (kept in the repo's
@@ -12,13 +20,15 @@ ignored .cache/, so a later run finds the kernels) and puts it back after: no la
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import pytest
 import torch
 import torch._dynamo
 
 from app.engine.core.blocks import BLOCK
-from app.engine.core.batches import bucket
+from app.engine.core.shapes import bucket
 from app.engine.core.sequence import RequestGroup
 from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
@@ -109,7 +119,7 @@ def test_buckets():
 
 
 def test_windows():
-    from app.engine.core.batches import window, windows
+    from app.engine.core.shapes import window, windows
 
     assert windows(8192) == (256, 512, 1024, 2048, 4096, 8192)
     assert windows(3072) == (256, 512, 1024, 2048, 3072) and windows(200) == (200,)
@@ -194,49 +204,22 @@ def test_guess_checking_steps_run_compiled_and_answer_as_a_plain_forward(compile
     assert calls.get(2) and calls[2] <= 6  # 11 tokens after the prefill's, up to 2 a step
 
 
-def test_an_int4_model_compiles_to_few_graphs_and_answers_as_a_plain_forward(llama_dir, tmp_path):
-    """SAKER_QUANTIZE=int4 with SAKER_COMPILE: the int4 kernel's op sits inside the compiled step (no graph
-    break), the batch buckets and attention windows share a few graphs that joins and leaves do not recompile,
-    and the answers are the int4 model's own (oracle: a loop of plain whole-sequence forwards of the model as
-    loaded, no engine: its argmax, its log-softmax within 1e-4)."""
-    from torch._dynamo.utils import counters
-
-    from app.engine.model.load_config import LoadConfig
-    from app.engine.model.loader import load_model
-    from app.engine.model.quantize import Int4Linear
-    from app.engine.core.worker import Worker
-
-    torch._dynamo.reset()
-    settings = make_settings(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path))
-    before = counters["stats"]["unique_graphs"]
-    compiled = Worker.from_loaded(("m",), load_model(LoadConfig.of(settings)), max_batch_rows=2, compile=True)
-    # buckets 1 and 2, each with every window (256, 512, ... the capacity): a handful of graphs, not one per pair
-    # (the first shapes static; then the window and the rows dynamic; the whole capacity its own)
-    assert counters["stats"]["unique_graphs"] - before <= 4
-    plain = load_model(LoadConfig.of(settings)).model
-    assert any(isinstance(m, Int4Linear) for m in compiled.runner.model.modules())
-    assert any(isinstance(m, Int4Linear) for m in plain.modules())
-    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
-    requests = [([1, 5, 9, 13], params), ([2, 4, 6], params), ([7, 3], params)]
-    with no_new_graphs():
-        got = run(compiled, requests)
-    for (ids, _), output in zip(requests, got):
-        tokens, logprobs = [], []
-        for _ in range(10):
-            with torch.no_grad():
-                row = torch.log_softmax(plain(torch.tensor([ids + tokens])).logits[0, -1].float(), -1)
-            tokens.append(int(row.argmax()))
-            logprobs.append(row[tokens[-1]].item())
-        assert output.choices[0].token_ids == tokens
-        assert output.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=TOL)
-    torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("compile_, kept", [(True, True), (None, False), (False, False)])
-def test_inductors_cache_is_kept_with_sakers_when_compiling(gpt2_dir, tmp_path, monkeypatch, compile_, kept):
-    """Compiling (asked, or unset on CUDA), inductor's kernels go under ``cache_dir`` so that a restart finds them;
-    on the CPU with compile unset nothing is compiled and the variable is left alone. (The module's
-    ``inductor_cache`` set it before, so this ``delenv`` is recorded and undone: the loader's value does not stay.)"""
+@pytest.mark.parametrize(
+    "model, quantize, compile_, kept",
+    [
+        ("gpt2", None, True, True),
+        ("gpt2", None, None, False),
+        ("gpt2", None, False, False),
+        ("llama", "int4", None, True),
+    ],
+)
+def test_inductors_cache_is_kept_with_sakers_when_compiling(
+    gpt2_dir, llama_dir, tmp_path, monkeypatch, model, quantize, compile_, kept
+):
+    """Compiling (asked, or unset on CUDA or for an int4/int8 model on the CPU), inductor's kernels go under
+    ``cache_dir`` so that a restart finds them; a float32 model on the CPU with compile unset compiles nothing and
+    the variable is left alone. (The module's ``inductor_cache`` set it before, so this ``delenv`` is recorded and
+    undone: the loader's value does not stay.)"""
     import os
 
     from app.engine.model.load_config import LoadConfig
@@ -244,5 +227,178 @@ def test_inductors_cache_is_kept_with_sakers_when_compiling(gpt2_dir, tmp_path, 
 
     assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    load_model(LoadConfig(model=str(gpt2_dir), device="cpu", compile=compile_, cache_dir=str(tmp_path)))
+    path = str(gpt2_dir if model == "gpt2" else llama_dir)
+    load_model(LoadConfig(model=path, device="cpu", quantize=quantize, compile=compile_, cache_dir=str(tmp_path)))
     assert (os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(tmp_path / "inductor")) is kept
+
+
+# -- the compiled flat step (the CPU's kernel path: int4/int8 models) --------------------------------------------
+@pytest.fixture(scope="module")
+def flat_compiled(llama_dir, tmp_path_factory):
+    """The tiny Llama served int4 (attention by the fixed-order kernel over a float32 pool) with its flat step
+    compiled once for the module, prompts in chunks of 8 while rows decode; and the same int4 model loaded again,
+    outside any engine (the plain forward the answers are checked against)."""
+    from app.engine.core.worker import Worker
+    from app.engine.model.load_config import LoadConfig
+    from app.engine.model.loader import load_model
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    config = LoadConfig(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path_factory.mktemp("flat")))
+    before = counters["stats"]["unique_graphs"]
+    worker = Worker.from_loaded(
+        ("m",), load_model(config), max_batch_rows=4, compile=True, prefill_chunk_tokens=8, prefix_cache_tokens=0
+    )
+    # compiled and checked at start: the first warm-up step made the one graph, the lone row's went through it
+    assert counters["stats"]["unique_graphs"] - before == 1
+    yield worker, load_model(config).model
+    torch._dynamo.reset()
+
+
+def test_every_step_runs_one_compiled_flat_graph_and_answers_as_a_plain_forward(flat_compiled, monkeypatch):
+    """A request alone, then beside others: requests of several lengths decoding while a long prompt's chunks ride
+    in their steps (mixed steps), rows joining and leaving. Every step (decode rows alone, prompt chunks alone, both
+    together) runs the one compiled graph, none compiles again, and every answer is the plain forward's (oracle:
+    the int4 model as loaded, outside the engine: its argmax and log-softmax within 1e-4, the greedy tokens of its
+    ``generate()``)."""
+    from torch._dynamo.utils import counters
+
+    from references import ref_greedy
+
+    from app.engine.model.quantize import Int4Linear
+
+    worker, plain = flat_compiled
+    runner = worker.runner
+    assert runner.compiled_flat is not None and runner.compiled_step is None
+    assert any(isinstance(m, Int4Linear) for m in runner.model.modules())
+    tok = worker.tokenizer
+    sizes, calls, mixed = [], [], []
+    graph, real_flat, real_run = runner.compiled_flat, runner.flat_step, runner.run_compiled_flat
+
+    def counted(*args):
+        calls.append(True)
+        return graph(*args)
+
+    def run_compiled(tokens, *args):
+        sizes.append(tokens.shape[0])
+        return real_run(tokens, *args)
+
+    def flat_step(tokens, positions, flat, logits_at):
+        mixed.append(flat.rows > 0 and bool(flat.chunks))
+        return real_flat(tokens, positions, flat, logits_at)
+
+    monkeypatch.setattr(runner, "compiled_flat", counted)
+    monkeypatch.setattr(runner, "run_compiled_flat", run_compiled)
+    monkeypatch.setattr(runner, "flat_step", flat_step)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+
+    alone = tok("Hello there").input_ids
+    [output], _ = worker.complete([alone], greedy, 256)
+    check_reference(output, plain, tok, alone, greedy)
+    want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
+    assert output.choices[0].token_ids[: len(want)] == want
+
+    background = [
+        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
+        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
+    ]
+    results: dict[int, object] = {}
+
+    def run(i, ids, params):
+        results[i] = worker.complete([ids], params, 256)[0][0]
+
+    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
+    for thread in threads:
+        thread.start()
+    try:
+        while not worker.engine.batch.groups and any(thread.is_alive() for thread in threads):
+            time.sleep(0.01)  # the others are decoding before the long prompt comes
+        [chunked], _ = worker.complete([long_prompt], greedy, 256)
+    finally:
+        for thread in threads:
+            thread.join()
+    check_reference(chunked, plain, tok, long_prompt, greedy)
+    for i, (ids, params) in enumerate(background):
+        check_reference(results[i], plain, tok, ids, params)
+    assert len(long_prompt) > 16 and any(mixed), "no step carried decode rows and a prompt chunk together"
+    # every step through the graph: of many sizes, a lone row's included (padded to 2 tokens: ``runner.padded``)
+    assert len(calls) == len(sizes) and len(set(sizes)) > 3 and 1 in sizes
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph"
+    assert sum(counters["recompiles"].values()) == recompiles, "a step recompiled the graph"
+
+
+def test_the_flat_step_compiles_only_on_the_kernel_path(flat_compiled, gpt2_dir):
+    """The compiled flat step is the CPU's fixed-order kernel path (int4/int8 models: a float32 pool read in place);
+    a float32 model attends by SDPA over each chunk (a loop over the step's chunks) and keeps its eager flat step."""
+    from app.engine.model.load_config import LoadConfig
+    from app.engine.model.loader import load_model
+    from app.engine.model.runner import ModelRunner, eos_ids
+
+    worker, _ = flat_compiled
+    assert worker.runner.flat_compiles()
+    loaded = load_model(LoadConfig(model=str(gpt2_dir), device="cpu"))
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer))
+    assert not runner.flat_compiles()
+    assert not runner.compile_flat([], []) and runner.compiled_flat is None
+
+
+@pytest.mark.slow
+def test_the_embedded_default_compiled_answers_as_its_plain_forward_on_every_path(saker_cache, monkeypatch):
+    """The default configuration as served (``Worker.from_settings``: the embedded SmolLM2 int4, compile unset, so
+    its flat step is compiled) answers a chat prompt as a plain greedy loop over the same modules does (each step one
+    eager forward of the whole sequence, no cache, no engine; the log-softmax in float64): prefilled whole, in chunks
+    of 7, 16 and 32, from the prefix cache, and beside other requests whose decode rows its chunks ride with (the
+    checks of tests/engine/test_path_invariance.py, on the compiled step). Tokens equal, logprobs within 1e-5."""
+    from app.engine.core.worker import Worker
+
+    worker = Worker.from_settings(make_settings(cache_dir=str(saker_cache)))
+    worker.load()
+    assert "int4" in worker.info.precision and worker.runner.compiled_flat is not None
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. Answer in one short sentence, with no preamble."},
+        {"role": "user", "content": "what is 1+1? please provide the result without any other text."},
+    ]
+    tok = worker.tokenizer
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids, want = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(8):
+            logprobs = torch.log_softmax(worker.runner.model(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1)
+            want.append((int(logprobs.argmax()), float(logprobs.max())))
+            ids.append(want[-1][0])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    scheduler = worker.engine.scheduler
+
+    def answers_as_the_reference():
+        [output], _ = worker.complete([prompt], params, worker.info.context_length)
+        choice = output.choices[0]
+        assert choice.token_ids == [token for token, _ in want]
+        assert choice.logprobs.token_logprobs == pytest.approx([lp for _, lp in want], abs=1e-5)
+
+    monkeypatch.setattr(scheduler, "prefill_chunk_tokens", scheduler.prefill_chunk_tokens)  # put back after
+    for chunk in (0, 7, 16, 32):
+        worker.prefix_cache.clear_cached()
+        scheduler.prefill_chunk_tokens = chunk
+        answers_as_the_reference()
+    reused = worker.prefix_cache.reused_tokens
+    answers_as_the_reference()  # from the prefix cache
+    assert worker.prefix_cache.reused_tokens > reused
+    worker.prefix_cache.clear_cached()
+    scheduler.prefill_chunk_tokens = 16
+    others = [tok.encode("Write a short poem about the sea and the sky at night."), tok.encode("List primes: ") * 6]
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    length = worker.info.context_length
+    threads = [threading.Thread(target=worker.complete, args=([o], sampled, length)) for o in others]
+    for thread in threads:
+        thread.start()
+    try:
+        while not worker.engine.batch.groups and any(thread.is_alive() for thread in threads):
+            time.sleep(0.01)  # the others decode before the prompt comes: its chunks ride in their steps
+        answers_as_the_reference()
+    finally:
+        for thread in threads:
+            thread.join()
+    assert worker.engine.max_rows_seen > 1

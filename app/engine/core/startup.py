@@ -17,7 +17,7 @@ from app.engine.core.solo import SoloRun
 from app.engine.model.loader import LoadedModel
 from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
-from app.engine.model.runner import ModelRunner, eos_ids
+from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT, ModelRunner, eos_ids
 from app.engine.core.engine_core import EngineCore
 from app.engine.core.speculative import SpeculativeConfig
 
@@ -42,7 +42,7 @@ class EngineConfig:
     max_running_requests: int | None = None  # requests admitted at once (None: as many as the batch has rows)
     max_queue: int | None = None  # requests that may wait (None: any number)
     queue_timeout: float | None = None  # seconds a request may wait (None: forever)
-    compile: bool | None = False  # SAKER_COMPILE: compiled decode step (None: on CUDA only)
+    compile: bool | None = False  # SAKER_COMPILE (None: CUDA's decode step; the CPU's flat step for int4/int8)
     prefill_batch_tokens: int = 512  # prompt tokens one step computes (0: one prompt's chunk)
     prefix_cache_tokens: int = 4096  # prompt tokens whose KV is kept for reuse (0: off)
     prefill_chunk_tokens: int = 32  # a prompt's tokens per step while rows decode (0: all)
@@ -116,7 +116,9 @@ def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConf
     # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
     core.kv_cache_tokens = core.batch.make_pool()
     core.info, core.load_seconds = info, loaded.load_seconds
-    if config.compile if config.compile is not None else runner.input_device.type == "cuda":
+    if runner.flat_compiles() and (config.compile if config.compile is not None else COMPILE_FLAT_BY_DEFAULT):
+        compile_flat_step(runner, core)  # the CPU's kernel path: every step through one compiled graph
+    elif config.compile if config.compile is not None else runner.input_device.type == "cuda":
         compile_decode_step(runner, core, config.max_batch_rows, info.context_length)
     core.start()
     log.info(
@@ -137,6 +139,15 @@ def warm_up(runner: ModelRunner, context_length: int) -> None:
     ids = [bos if bos is not None else 0]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     collect(iter(SoloRun(runner, ids, params, max_length=context_length)), params)
+
+
+def compile_flat_step(runner: ModelRunner, core: EngineCore) -> None:
+    """The flat step compiled (``ModelRunner.compile_flat``) and checked against the eager forward on the engine's
+    pool, before /health turns 200; the seconds it took are logged."""
+    start = time.perf_counter()
+    pool = core.batch.pool
+    if runner.compile_flat(pool.keys, pool.values):
+        log.info("compiled the flat step (%.1f s)", time.perf_counter() - start)
 
 
 def compile_decode_step(runner: ModelRunner, core: EngineCore, max_rows: int, context_length: int) -> None:

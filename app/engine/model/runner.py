@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,9 @@ from app.engine.model.kv_cache import default_kv_budget, kv_bytes_per_token
 from app.engine.output.token_text import is_byte_level
 
 MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
+# SAKER_COMPILE unset on the CPU: whether a model whose flat step compiles (``ModelRunner.flat_compiles``) gets it
+# compiled at start-up (docs/performance.md, "The compiled flat step on the CPU", has the figures that decide it)
+COMPILE_FLAT_BY_DEFAULT = True
 
 
 @dataclass
@@ -24,6 +28,7 @@ class ModelRunner:
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
     compiled_step: object = None  # SAKER_COMPILE: the decode-only step compiled (CUDA graphs on CUDA), or None
+    compiled_flat: object = None  # the flat step's forward compiled (``compile_flat``: the CPU's kernel path), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
     # tests only: called before each forward and each sampling with what it is ("rows", "flat", "sample"); raising
@@ -144,6 +149,10 @@ class ModelRunner:
         ``attention.Scratch`` buffers to read the rows' blocks into."""
         from app.engine.model.attention import FlatStep
 
+        if self.compiled_flat is not None and adapter_names is None:  # the same compiled graph as every flat step
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            every = rows.clone()  # every row's logits: a tensor of its own (inputs that alias are another graph)
+            return self.run_compiled_flat(tokens, positions, write, gather, rows, positions + 1, every, keys, values)
         n, width = gather.shape[0], gather.shape[1] * BLOCK
         mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)
         flat = FlatStep(keys, values, write, n, gather, mask, positions, batched=True, scratch=scratch)
@@ -161,10 +170,16 @@ class ModelRunner:
     def flat_step(self, tokens: torch.Tensor, positions: torch.Tensor, flat, logits_at: torch.Tensor) -> torch.Tensor:
         """One forward of a step's tokens as one flat sequence (``attention.FlatStep``: decode rows and prompts'
         chunks, each token written into and attending over its own sequence's blocks); float32 logits of the tokens
-        at ``logits_at`` only (T_out, V), so a chunk whose positions need no logits costs no LM head."""
+        at ``logits_at`` only (T_out, V), so a chunk whose positions need no logits costs no LM head. Compiled
+        (``compile_flat``), the step's tensors go through the one compiled graph (``flat_forward``)."""
+        tokens, positions = tokens.to(self.input_device), positions.to(self.input_device)
+        if self.compiled_flat is not None:
+            tables, which, _, hi = flat.spans()
+            at = logits_at.to(self.input_device)
+            return self.run_compiled_flat(tokens, positions, flat.write, tables, which, hi, at, flat.keys, flat.values)
         out = self.model(
-            input_ids=tokens.view(1, -1).to(self.input_device),
-            position_ids=positions.view(1, -1).to(self.input_device),
+            input_ids=tokens.view(1, -1),
+            position_ids=positions.view(1, -1),
             # a 4D placeholder: transformers builds no (T, T) mask (the attention function masks by ``flat``)
             attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.input_device),
             use_cache=False,
@@ -173,10 +188,158 @@ class ModelRunner:
         )
         return out.logits[0].float()
 
+    # -- the compiled flat step (CPU) --------------------------------------------------------------------------------
+    def flat_compiles(self) -> bool:
+        """Whether this model's flat step can be one compiled graph whose inputs are tensors only: on the CPU with
+        attention by the fixed-order kernel over a float32 pool (``cpu_kernels``: the int4/int8 models) and no PEFT
+        adapters. Its other models (float32 and bfloat16 ones attend by SDPA over each chunk's blocks, a loop
+        over the step's chunks) run their flat steps eagerly."""
+        return self.input_device.type == "cpu" and self.kv_dtype == torch.float32 and not self.adapters
+
+    def flat_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write: torch.Tensor,
+        tables: torch.Tensor,
+        which: torch.Tensor,
+        hi: torch.Tensor,
+        logits_at: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The flat step as a function of tensors only (what ``compile_flat`` compiles): ``tokens``, ``positions``
+        and pool slots ``write`` (T,), the step's block tables (R, B), each token's table row ``which`` (T,) and
+        the end of the positions it attends over ``hi`` (T,) (``FlatStep.spans``), the tokens whose logits are
+        wanted ``logits_at`` (K,), the pool's per-layer tensors. Float32 logits (K, V). Decode rows, prompt chunks
+        and rows checking guesses differ only in these tensors' values, so every step is one graph."""
+        from app.engine.model.attention import FlatStep
+
+        zeros = torch.zeros_like(hi)
+        spans = {w: (tables, which, (hi - w).clamp_min(0) if w else zeros, hi) for w in self.windows}
+        flat = FlatStep(keys, values, write, 0, _spans=spans)
+        out = self.model(
+            input_ids=tokens.view(1, -1),
+            position_ids=positions.view(1, -1),
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device),
+            use_cache=False,
+            logits_to_keep=logits_at,
+            flat=flat,
+        )
+        return out.logits[0].float()
+
+    @functools.cached_property
+    def windows(self) -> tuple[int | None, ...]:
+        """The attention windows the model's layers ask for (None: every earlier position; an int: a sliding
+        window), each one's ``[lo, hi)`` made in ``flat_forward``."""
+        found = {getattr(m, "sliding_window", None) for m in self.model.modules() if hasattr(m, "layer_idx")}
+        return (None, *sorted(w for w in found if isinstance(w, int) and w > 0))
+
+    def run_compiled_flat(self, tokens, positions, write, tables, which, hi, logits_at, keys, values) -> torch.Tensor:
+        """``flat_forward``'s compiled graph on a step's tensors (``padded``)."""
+        count = logits_at.shape[0]
+        out = self.compiled_flat(*padded(tokens, positions, write, tables, which, hi, logits_at, keys, values))
+        return out[:count] if count < 2 else out
+
     def compile_step(self) -> None:
         """SAKER_COMPILE: the decode-only step through torch.compile (one graph; CUDA graphs on CUDA)."""
         mode = "reduce-overhead" if self.input_device.type == "cuda" else None
         self.compiled_step = torch.compile(self.rows_step, fullgraph=True, mode=mode)
+
+    def compile_flat(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Compile ``flat_forward`` (inductor, one graph, the token dimension dynamic) and run it now on ``keys`` and
+        ``values`` (the pool's), so that no request pays the compile; every flat step and decode-only step then
+        goes through it. The compiled graph must give the eager forward's numbers to the bit (the int4/int8 kernels
+        round their inputs to bfloat16, where a float32 ulp can become a visible change; ``eager_numbers``): the
+        warm-up steps are checked against ``flat_forward`` run eagerly, and where they differ the graph is dropped
+        with a warning and the steps stay eager. Returns whether it is in use."""
+        import logging
+
+        log = logging.getLogger("saker.worker")
+        if not self.flat_compiles() or not keys or keys[0].shape[0] < (WARM_BLOCK + 1) * BLOCK:
+            return False
+        eager_numbers()
+        assert self.windows  # found now, not while tracing
+        self.compiled_flat = torch.compile(self.flat_forward, fullgraph=True)
+        problem = None
+        with torch.inference_mode():
+            # the first step with every varying size distinct (dynamo gives equal sizes one symbol: tokens 12,
+            # tables 5 x 3, logits 4), then a lone row
+            for step in (warm_step(self, (3, 4, 5)), warm_step(self, (1,))):
+                step = padded(*step, keys, values)  # both sides on the same tensors
+                compiled = self.compiled_flat(*step)
+                eager = self.flat_forward(*step)
+                if not torch.equal(compiled, eager):
+                    problem = f"{(compiled - eager).abs().max().item():.3g}"
+                    break
+        for tensor in (*keys, *values):  # the warm-up's keys and values gone: the block is as it was handed out
+            tensor[WARM_BLOCK * BLOCK : (WARM_BLOCK + 1) * BLOCK].zero_()
+        if problem is not None:
+            log.warning(
+                "the compiled flat step's logits differ from the eager forward's (up to %s): steps run eagerly",
+                problem,
+            )
+            self.compiled_flat = None
+        return self.compiled_flat is not None
+
+
+def padded(tokens, positions, write, tables, which, hi, logits_at, keys, values) -> tuple:
+    """A step's tensors for the compiled graph: each dimension that varies from step to step marked dynamic and
+    padded to at least 2 (a padding token written at slot 0, in the null block, attending over nothing; a null
+    table row or column; a repeated logit), because dynamo specializes sizes 0 and 1: one graph serves every step,
+    a lone row's included. The padding changes no other token's numbers where every operation is row-wise (the
+    kernel path's)."""
+    if tokens.shape[0] < 2:
+        pad = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        tokens, positions, write, which, hi = (torch.cat([t, pad]) for t in (tokens, positions, write, which, hi))
+    if tables.shape[0] < 2 or tables.shape[1] < 2:
+        tables = torch.nn.functional.pad(tables, (0, max(0, 2 - tables.shape[1]), 0, max(0, 2 - tables.shape[0])))
+    tables = tables.contiguous()  # the batch's are a view of wider arrays: other strides would be another graph
+    if logits_at.shape[0] < 2:
+        logits_at = torch.cat([logits_at, logits_at.new_zeros(2 - logits_at.shape[0])])
+    for tensor in (tokens, positions, write, which, hi, logits_at):
+        torch._dynamo.mark_dynamic(tensor, 0)
+    torch._dynamo.mark_dynamic(tables, (0, 1))
+    for tensor in (*keys, *values):  # a pool of another size (a solo run's) is the same graph
+        torch._dynamo.mark_dynamic(tensor, 0)
+    return tokens, positions, write, tables, which, hi, logits_at, keys, values
+
+
+# aten operations inductor would compute in another order than ATen's CPU kernels: a reduction's summation order
+# (RMSNorm's mean), Sleef's cos/sin on the elements ATen gives to the C library (the rotary embedding). A float32
+# ulp there moves a value across a bfloat16 rounding boundary before an int4/int8 kernel, and over 30 layers the
+# embedded model's logprobs by up to 0.1 (measured: docs/performance.md). Compiled, they are ATen's own calls.
+EAGER_OPS = ("mean", "cos", "sin")
+WARM_BLOCK = 1  # the block the warm-up steps write and read (zeroed after; the pool hands it out later)
+_eager_done: list[bool] = []
+
+
+def eager_numbers() -> None:
+    """Make inductor call ATen for ``EAGER_OPS`` instead of generating their code (once per process)."""
+    if _eager_done:
+        return
+    from torch._inductor import lowering
+
+    for name in EAGER_OPS:
+        lowering.make_fallback(getattr(torch.ops.aten, name), warn=False, override_decomp=True)
+    _eager_done.append(True)
+
+
+def warm_step(runner: ModelRunner, spans: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """A flat step's tensors over block 1 of the pool (``WARM_BLOCK``: every token written at its own slot there,
+    every table pointing there), for compiling and checking ``flat_forward`` before the pool holds anything:
+    ``spans[0]`` decode rows, then a chunk of each further size (the last chunk ends its prompt: its last token's
+    logits are wanted). Block 0 stays the padding's (``run_compiled_flat`` writes a lone row's padding token there)."""
+    device = runner.input_device
+    rows, chunks = spans[0], spans[1:]
+    count = rows + sum(chunks)  # at most BLOCK tokens: one slot each
+    tokens = torch.arange(count, device=device) % max(1, runner.vocab_size)
+    positions = torch.cat([torch.arange(rows) + 5, *(torch.arange(c) for c in chunks)]).long().to(device)
+    write = torch.arange(count, device=device) + WARM_BLOCK * BLOCK
+    which = torch.cat([torch.arange(rows), *(torch.full((c,), rows + j) for j, c in enumerate(chunks))]).long()
+    tables = torch.full((rows + len(chunks), 3), WARM_BLOCK, dtype=torch.long, device=device)
+    logits_at = torch.cat([torch.arange(rows), torch.tensor([count - 1] if chunks else [])]).long().to(device)
+    return tokens, positions, write, tables, which.to(device), positions + 1, logits_at
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
