@@ -3,7 +3,7 @@
 - A float32 model: the continuous batch's decode-only step (``ModelRunner.rows_step``) is one graph for
   torch.compile (``fullgraph=True``: no graph break) and is not compiled again while requests join and leave the
   batch (only a new batch bucket would be).
-- An int4 model (the CPU's fixed-order kernel path, the embedded default's; on by default): every step, decode rows,
+- An int4 model (the CPU's fixed-order kernel path, the embedded default's): every step, decode rows,
   prompt chunks and both together, goes through one compiled graph of the flat step (``ModelRunner.flat_forward``,
   the token count dynamic), which no step compiles again, a lone row's included.
 
@@ -31,6 +31,7 @@ from app.engine.core.blocks import BLOCK
 from app.engine.core.shapes import bucket
 from app.engine.core.sequence import RequestGroup
 from app.engine.output.decoder import collect
+from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT
 from app.engine.params import SamplingParams
 from conftest import make_settings
 from references import check_reference, ref_sampled
@@ -210,16 +211,17 @@ def test_guess_checking_steps_run_compiled_and_answer_as_a_plain_forward(compile
         ("gpt2", None, True, True),
         ("gpt2", None, None, False),
         ("gpt2", None, False, False),
-        ("llama", "int4", None, True),
+        ("llama", "int4", True, True),
+        ("llama", "int4", None, COMPILE_FLAT_BY_DEFAULT),
     ],
 )
 def test_inductors_cache_is_kept_with_sakers_when_compiling(
     gpt2_dir, llama_dir, tmp_path, monkeypatch, model, quantize, compile_, kept
 ):
-    """Compiling (asked, or unset on CUDA or for an int4/int8 model on the CPU), inductor's kernels go under
-    ``cache_dir`` so that a restart finds them; a float32 model on the CPU with compile unset compiles nothing and
-    the variable is left alone. (The module's ``inductor_cache`` set it before, so this ``delenv`` is recorded and
-    undone: the loader's value does not stay.)"""
+    """Compiling (asked, or unset on CUDA, and for an int4/int8 model on the CPU where its flat step compiles by
+    default), inductor's kernels go under ``cache_dir`` so that a restart finds them; on the CPU with compile unset
+    nothing else is compiled and the variable is left alone. (The module's ``inductor_cache`` set it before, so this
+    ``delenv`` is recorded and undone: the loader's value does not stay.)"""
     import os
 
     from app.engine.model.load_config import LoadConfig
@@ -347,14 +349,15 @@ def test_the_flat_step_compiles_only_on_the_kernel_path(flat_compiled, gpt2_dir)
 
 @pytest.mark.slow
 def test_the_embedded_default_compiled_answers_as_its_plain_forward_on_every_path(saker_cache, monkeypatch):
-    """The default configuration as served (``Worker.from_settings``: the embedded SmolLM2 int4, compile unset, so
-    its flat step is compiled) answers a chat prompt as a plain greedy loop over the same modules does (each step one
-    eager forward of the whole sequence, no cache, no engine; the log-softmax in float64): prefilled whole, in chunks
+    """The default configuration as served (``Worker.from_settings``: the embedded SmolLM2 int4) with
+    ``SAKER_COMPILE=true`` (its flat step compiled) answers a chat prompt as a plain greedy loop over the same modules
+    does (each step one eager forward of the whole sequence, no cache, no engine; the log-softmax in float64):
+    prefilled whole, in chunks
     of 7, 16 and 32, from the prefix cache, and beside other requests whose decode rows its chunks ride with (the
     checks of tests/engine/test_path_invariance.py, on the compiled step). Tokens equal, logprobs within 1e-5."""
     from app.engine.core.worker import Worker
 
-    worker = Worker.from_settings(make_settings(cache_dir=str(saker_cache)))
+    worker = Worker.from_settings(make_settings(cache_dir=str(saker_cache), compile=True))
     worker.load()
     assert "int4" in worker.info.precision and worker.runner.compiled_flat is not None
     messages = [

@@ -42,7 +42,7 @@ class EngineConfig:
     max_running_requests: int | None = None  # requests admitted at once (None: as many as the batch has rows)
     max_queue: int | None = None  # requests that may wait (None: any number)
     queue_timeout: float | None = None  # seconds a request may wait (None: forever)
-    compile: bool | None = False  # SAKER_COMPILE (None: CUDA's decode step; the CPU's flat step for int4/int8)
+    compile: bool | None = False  # SAKER_COMPILE (None: CUDA's decode step; the CPU's flat step where the default)
     prefill_batch_tokens: int = 512  # prompt tokens one step computes (0: one prompt's chunk)
     prefix_cache_tokens: int = 4096  # prompt tokens whose KV is kept for reuse (0: off)
     prefill_chunk_tokens: int = 32  # a prompt's tokens per step while rows decode (0: all)

@@ -31,7 +31,7 @@ class LoadConfig:
     offload_folder: str | None = None  # where the device map's overflow to disk goes
     peft_adapters: dict[str | None, str] = field(default_factory=dict)  # name -> path (None: one unnamed adapter)
     peft_merge: bool = False  # merge the one unnamed adapter into the weights
-    compile: bool | None = None  # compiled steps (None: on CUDA; on the CPU for int4/int8); inductor's cache folder
+    compile: bool | None = None  # compiled steps (None: on CUDA); the loader sets inductor's cache folder
     batch_invariant: bool | None = None  # the fixed-order kernels (None: on with speculative decoding)
     speculative: str | None = None  # off, ngram, draft (None: the device's default, ``loader.speculative_method``)
 

@@ -217,9 +217,12 @@ def load_model(config: LoadConfig) -> LoadedModel:
     if config.model and _looks_local(config.model) and not Path(config.model).expanduser().exists():
         raise ConfigError(f"model directory {config.model} does not exist")
     device = resolve_device(config)
-    if config.compile or (config.compile is None and (device.startswith("cuda") or weight_only_mode(config, device))):
+    from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT
+
+    flat_default = COMPILE_FLAT_BY_DEFAULT and weight_only_mode(config, device)
+    if config.compile or (config.compile is None and (device.startswith("cuda") or flat_default)):
         # inductor's compiled kernels kept with saker's cache, so that a restart does not compile again (unset,
-        # compile is on with CUDA, and on the CPU for the int4/int8 models' flat step: ModelRunner.compile_flat)
+        # compile is on with CUDA, and on the CPU for the int4/int8 models' flat step where that is the default)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(config) / "inductor"))
     common = {
         "revision": config.revision,

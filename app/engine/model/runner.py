@@ -15,8 +15,10 @@ from app.engine.output.token_text import is_byte_level
 
 MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
 # SAKER_COMPILE unset on the CPU: whether a model whose flat step compiles (``ModelRunner.flat_compiles``) gets it
-# compiled at start-up (docs/performance.md, "The compiled flat step on the CPU", has the figures that decide it)
-COMPILE_FLAT_BY_DEFAULT = True
+# compiled at start-up. It pays per step (docs/performance.md, "The compiled flat step on the CPU": 10-26 % less at
+# 1 row, 5-16 % at 32), but every start pays 33-54 s more (2.5-5 minutes cold), and that start cost has not yet been
+# run through the whole test suite and bench (every server start with the embedded model): off until it has.
+COMPILE_FLAT_BY_DEFAULT = False
 
 
 @dataclass
