@@ -332,6 +332,24 @@ def test_every_step_runs_one_compiled_flat_graph_and_answers_as_a_plain_forward(
     assert sum(counters["recompiles"].values()) == recompiles, "a step recompiled the graph"
 
 
+def test_a_compiled_flat_step_that_is_not_the_eager_forward_to_the_bit_is_not_used(flat_compiled, monkeypatch, caplog):
+    """The start-up check: a graph whose logits differ from the eager forward's by one float32 ulp's worth (1e-6
+    added here) is dropped, with a warning, and the steps stay eager; so is one that cannot be compiled."""
+    worker, _ = flat_compiled
+    runner, pool = worker.runner, worker.engine.batch.pool
+    monkeypatch.setattr(runner, "compiled_flat", runner.compiled_flat)  # the module's graph back after
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: lambda *args: fn(*args) + 1e-6)
+    assert not runner.compile_flat(pool.keys, pool.values) and runner.compiled_flat is None
+    assert "not used: its logits differ from the eager forward's (up to 1" in caplog.text
+
+    def fails(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fails)
+    assert not runner.compile_flat(pool.keys, pool.values) and runner.compiled_flat is None
+    assert "not used: it could not be compiled (RuntimeError: no C++ compiler)" in caplog.text
+
+
 def test_the_flat_step_compiles_only_on_the_kernel_path(flat_compiled, gpt2_dir):
     """The compiled flat step is the CPU's fixed-order kernel path (int4/int8 models: a float32 pool read in place);
     a float32 model attends by SDPA over each chunk (a loop over the step's chunks) and keeps its eager flat step."""
