@@ -28,8 +28,8 @@ def parts_of(only=None, gpu=False):
 
 
 def test_parts_include_s():
-    assert "S" in parts_of() and parts_of()[-4:] == ("S", "M", "P", "V")
-    assert parts_of(gpu=True)[-5:] == ("S", "M", "P", "V", "D")
+    assert "S" in parts_of() and parts_of()[-5:] == ("S", "M", "P", "V", "F")
+    assert parts_of(gpu=True)[-6:] == ("S", "M", "P", "V", "F", "D")
     assert parts_of("s, a") == ("A", "S")
     with pytest.raises(SystemExit):
         parts_of("S,X")
@@ -202,7 +202,8 @@ def test_every_part_has_its_module():
 # -- issue 13: --quick promises no time and spends none replacing repetitions ----------------------------------------
 def test_quick_plan_has_no_budgets_and_does_less():
     full, quick = plan.Plan(), plan.Plan.quick()
-    assert set(quick.budgets()) == {"a_budget", "t_budget", "b_budget", "c_budget", "l_budget", "s_budget", "k_budget"}
+    budgets = {"a_budget", "t_budget", "b_budget", "c_budget", "l_budget", "s_budget", "k_budget", "f_budget"}
+    assert set(quick.budgets()) == budgets
     assert all(value == 0 for value in quick.budgets().values())
     assert all(value > 0 for value in full.budgets().values())
     for name, value in vars(quick).items():
@@ -656,3 +657,89 @@ def test_v_skips_with_one_line_when_vllm_does_not_start(tmp_path, monkeypatch):
     assert line.startswith("part V skipped: vLLM did not start (vllm serve exited 1: RuntimeError: Failed to infer")
     assert "\n" not in line and logged[-1] == line and result["log"].endswith(".log")
     assert len(stopped) == 1 and stopped[0].proc.returncode == 1
+
+
+# -- part F: the machine's own limits ---------------------------------------------------------------------------------
+def test_f_floors_and_ratios_arithmetic():
+    from tooling.bench.parts import f
+
+    # 100 MB read at 25 GB/s: 4 ms; 2 x 134.5 M x 32 FLOPs at 141 GFLOP/s: 61.05 ms
+    assert f.bandwidth_floor_ms(100e6, 25e9) == pytest.approx(4.0)
+    assert f.matmul_floor_ms(134.5e6, 32, 141e9) == pytest.approx(2 * 134.5e6 * 32 / 141e9 * 1000)
+    assert f.matmul_floor_ms(134.5e6, 32, 141e9) == pytest.approx(61.0496, abs=1e-4)
+    floors = f.floors_ms(100e6, 134.5e6, 25e9, 141e9)
+    assert floors == {1: pytest.approx(4.0), 32: pytest.approx(61.0496, abs=1e-4)}
+    ratio = f.ratios({1: 6.0, 32: 122.1}, floors)
+    assert ratio[1] == pytest.approx(1.5) and ratio[32] == pytest.approx(2.0, abs=1e-4)
+    assert plan.check_goal("F 1 row", ratio[1]) is True  # at the goal is met (<= 1.5)
+    assert plan.check_goal("F 32 rows", ratio[32]) is False
+
+
+def test_f_counts_the_bytes_a_step_reads_and_the_matmul_parameters():
+    """Against the config's own arithmetic: a small Llama, untied (the embedding left out, the head counted), tied
+    (the head is the embedding, read whole: counted once, as the head), and with an int8 head (its codes and
+    scales)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.engine.model.quantize import Int8Linear
+    from tooling.bench.parts import f
+
+    h, inter, layers, vocab, heads, kv = 64, 160, 2, 300, 4, 2
+    head_dim = h // heads
+
+    def build(tied: bool):
+        config = LlamaConfig(
+            hidden_size=h,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=vocab,
+            tie_word_embeddings=tied,
+        )
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
+
+    linears = layers * (h * h + 2 * h * kv * head_dim + h * h + 3 * h * inter)  # q, k, v, o; gate, up, down
+    norms = (2 * layers + 1) * h
+    rotary = sum(b.numel() * b.element_size() for b in build(False).model.rotary_emb.buffers())
+    untied = f.weight_bytes(build(False))
+    assert untied["total"] == 4 * (linears + norms + vocab * h) + rotary
+    assert untied["left_out"] == 4 * vocab * h and untied["by_kind"]["LM head"] == 4 * vocab * h
+    tied = f.weight_bytes(build(True))
+    assert tied["total"] == untied["total"] and tied["left_out"] == 0  # the table once, as the head
+    assert f.matmul_parameters(build(False)) == linears + vocab * h
+
+    model = build(False)
+    model.lm_head = Int8Linear(model.lm_head.weight, None)
+    quantized = f.weight_bytes(model)
+    assert quantized["by_kind"]["LM head"] == vocab * h + 2 * vocab  # int8 codes, a bfloat16 scale per row
+    assert quantized["total"] == 4 * (linears + norms) + rotary + vocab * h + 2 * vocab
+    assert f.matmul_parameters(model) == linears + vocab * h
+
+
+def test_f_rows_and_goals():
+    from tooling.bench.parts import f
+
+    result = {
+        "weight_bytes": {"total": 94.9e6},
+        "matmul_parameters": 134.5e6,
+        "bandwidth_gbps": 25.0,
+        "matmul_gflops": 141.0,
+        "step_ms": {"1": 19.0, "32": 90.0},
+        "floor_ms": {"1": 3.796, "32": 61.05},
+        "ratio": {"1": 5.005, "32": 1.474},
+        "met": {"1": False, "32": True},
+        "goal": {"1": ["<=", 1.5], "32": ["<=", 1.5]},
+        "threads": 2,
+        "cpu_capability": "AVX2",
+        "cpu_flags": ["avx", "avx2", "fma"],
+    }
+    one, wide, machine = f.rows(result)
+    assert one[0] == "F" and one[2] == "5.005" and one[4] == "<= 1.5: NOT met"
+    assert "step 19 ms, floor 3.796 ms (94.9 MB / 25 GB/s)" in one[3]
+    assert wide[2] == "1.474" and wide[4] == "<= 1.5: met" and "2 x 134.5 M x 32 / 141 GFLOP/s" in wide[3]
+    assert machine[2] == "25; 141" and "avx avx2 fma" in machine[3]
+    assert parts.BY_LETTER["F"].goals() == ["1 row <= 1.5", "32 rows <= 1.5"]
+    assert "F" in parts.DEFAULT_PARTS and not parts.BY_LETTER["F"].with_url

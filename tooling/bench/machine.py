@@ -20,6 +20,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# the instruction sets that decide what the CPU's kernels can use (torch's, vLLM's, llama.cpp's, ours)
+FLAG_PREFIXES = ("avx", "fma", "f16c", "amx", "sse4", "vnni", "bf16")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags of interest (AVX, AVX2, FMA, AVX-512 and its kinds, AMX, ...), from the first
+    ``flags`` line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(FLAG_PREFIXES))
+    except OSError:
+        pass
+    return []
+
+
 class CpuMonitor:
     """How much of the machine's CPU went to processes other than the bench and its servers: the honest noise
     figure of a run on a shared machine. Ours = this process and its descendants (reaped children count through
@@ -97,6 +113,7 @@ def machine_info(threads: int) -> dict:
         "platform": platform.platform(),
         "torch_threads": threads,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": cpu_flags(),
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
     }
     with contextlib.suppress(OSError, ValueError):

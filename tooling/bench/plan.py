@@ -37,6 +37,10 @@ GOALS = {
     "P grounded": (">=", 2.0),
     "P free": (">=", 0.97),
     "P 32 clients": (">=", 1.0),
+    # F: saker's decode step / the machine's floor for it (SmolLM2 as served, in process): 1 row / (weight bytes /
+    # memory bandwidth), 32 rows / (2 x parameters x 32 / float32 matmul throughput)
+    "F 1 row": ("<=", 1.5),
+    "F 32 rows": ("<=", 1.5),
 }
 
 # A repetition during which other processes used more than this share of the CPU does not count (shared machines);
@@ -117,6 +121,16 @@ class Plan:
     v_warmups: int = 8  # V: warm-up requests before each run (at most one per client)
     v_client_timeout: float = 1800.0  # V: seconds one vllm bench serve may take
     v_ready_timeout: float = 900.0  # V: seconds vLLM may take to start (it compiles its model first)
+    f_rounds: int = 3  # F: rounds of (bandwidth, matmul, 1-row steps, 32-row steps); the median of the rounds counts
+    f_prompt_tokens: int = 64  # F: each row's prompt
+    f_warmup: int = 8  # F: decode steps before the timed ones, per batch and round
+    f_steps_1: int = 64  # F: timed decode steps of the 1-row batch per round (the median counts)
+    f_steps_32: int = 24  # F: timed decode steps of the 32-row batch per round
+    f_step_seconds: float = 15.0  # F: no more timed steps of a batch after this long (a busy machine; at least 5)
+    f_bandwidth_mib: int = 1024  # F: the float32 tensor summed and copied
+    f_mm_size: int = 4096  # F: torch.mm of two f_mm_size-squared matrices
+    f_reps: int = 5  # F: the best of this many sums, copies and matmuls per round
+    f_profile_steps: int = 16  # F: steps of each batch under torch.profiler when a goal is missed (0: none)
     # seconds after which a part stops adding repetitions to replace ones disturbed by other processes
     a_budget: float = 90.0
     t_budget: float = 40.0
@@ -125,6 +139,7 @@ class Plan:
     l_budget: float = 200.0  # L and R: a level (round) disturbed by other processes is run again while within this
     s_budget: float = 240.0  # S: per level
     k_budget: float = 120.0  # K: per level and server
+    f_budget: float = 180.0  # F: rounds disturbed by other processes are replaced while within this
 
     @classmethod
     def quick(cls) -> Plan:
@@ -185,6 +200,15 @@ class Plan:
             v_mixed_output=64,
             v_warmups=2,
             v_client_timeout=600.0,
+            f_rounds=1,
+            f_warmup=2,
+            f_steps_1=8,
+            f_steps_32=3,
+            f_step_seconds=5.0,
+            f_bandwidth_mib=256,
+            f_mm_size=2048,
+            f_reps=3,
+            f_profile_steps=4,
             a_budget=0.0,
             t_budget=0.0,
             b_budget=0.0,
@@ -192,6 +216,7 @@ class Plan:
             l_budget=0.0,
             s_budget=0.0,
             k_budget=0.0,
+            f_budget=0.0,
         )
 
     def budgets(self) -> dict[str, float]:

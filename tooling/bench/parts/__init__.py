@@ -69,6 +69,12 @@ PARTS = (
         "ITL p99 (skipped where vLLM cannot be installed or does not start)",
         with_url=False,
     ),
+    Part(
+        "F",
+        "the machine's own limits: SmolLM2 as served, a 1-row decode step / (weight bytes / memory bandwidth) and a "
+        "32-row step / (2 x parameters x 32 / float32 matmul throughput), in process",
+        with_url=False,
+    ),
     Part("D", "1B-class Llama in bf16 on a GPU: decode ms/token / the bandwidth floor", gpu=True, with_url=False),
 )
 BY_LETTER = {part.letter: part for part in PARTS}
