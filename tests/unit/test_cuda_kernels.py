@@ -207,7 +207,7 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
         assert optimize.make_batch_invariant(loaded.model, force=True) == 2 * 7 + 1 + 2 * 2 + 1
         assert optimize.make_batch_invariant(loaded.model, force=True) == 0  # once only
         made = Worker.from_loaded(("m",), loaded, prefill_chunk_tokens=8)
-        made.scheduler.batch.speculation = speculation
+        made.engine.batch.speculation = speculation
         return made
 
     tok = __import__("transformers").AutoTokenizer.from_pretrained(llama_dir)
