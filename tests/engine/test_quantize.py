@@ -51,24 +51,48 @@ def test_int8_kernel_equals_its_codes_dequantized(device):
     ).abs().max()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# the int4 kernels: saker's on the CPU (int16 inputs per group, where its kernels are built), PyTorch's on the CPU
+# (bfloat16 inputs, where they are not: forced here) and on CUDA
+INT4_KERNELS = [
+    ("cpu", "saker"),
+    ("cpu", "torch"),
+    pytest.param(
+        "cuda",
+        "torch",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device, layout", INT4_KERNELS)
 @pytest.mark.parametrize("n, k", [(80, 128), (48, 96), (32, 512)])  # CUDA packs 2, 2 and 8 inner K tiles
-def test_int4_kernel_equals_its_codes_dequantized(device, n, k):
+def test_int4_kernel_equals_its_codes_dequantized(device, layout, n, k, monkeypatch):
+    from app.engine.model import cpu_kernels
+    from test_cpu_kernels import int16_groups
+
+    if layout == "torch" and device == "cpu":
+        monkeypatch.setitem(cpu_kernels._state, "kernel", None)  # as where saker's kernels cannot be built
     torch.manual_seed(1)
     weight, x = torch.randn(n, k), torch.randn(7, k)
     module = Int4Linear.from_weight(weight, None, device=device)
-    assert module.packed.device.type == device
+    assert module.packed.device.type == device and module.layout == layout
     codes, scales, zeros = int4_codes(weight)
     groups = codes.view(n, k // GROUP, GROUP).float()
     dequantized = ((groups - 8) * scales[..., None] + zeros[..., None]).view(n, k)
-    on_kernel_grid = ((groups - 8) * bf16(scales)[..., None] + bf16(zeros)[..., None]).view(n, k)
-    if device == "cuda":
-        # CUDA's kernel de-quantizes each weight in bfloat16 (one fused multiply-add, rounded once)
-        grid = torch.addcmul(
-            bf16(zeros)[..., None].bfloat16(), (groups - 8).bfloat16(), bf16(scales)[..., None].bfloat16()
-        )
-        on_kernel_grid = grid.float().view(n, k)
-    assert close_to(module(x.to(device)).cpu(), bf16(x) @ on_kernel_grid.t())
+    got = module(x.to(device)).cpu()
+    if layout == "saker":
+        # float32 scales and mins, int16 inputs per group: float64 arithmetic on what the kernel computes with
+        want = int16_groups(x) @ dequantized.double().t()
+        torch.testing.assert_close(got.double(), want, atol=4e-6 * float(want.abs().max()), rtol=0)
+    else:
+        on_kernel_grid = ((groups - 8) * bf16(scales)[..., None] + bf16(zeros)[..., None]).view(n, k)
+        if device == "cuda":
+            # CUDA's kernel de-quantizes each weight in bfloat16 (one fused multiply-add, rounded once)
+            grid = torch.addcmul(
+                bf16(zeros)[..., None].bfloat16(), (groups - 8).bfloat16(), bf16(scales)[..., None].bfloat16()
+            )
+            on_kernel_grid = grid.float().view(n, k)
+        assert close_to(got, bf16(x) @ on_kernel_grid.t())
     step = scales.max().item()
     assert (dequantized - weight).abs().max() <= step / 2 + 1e-5
 
@@ -157,8 +181,9 @@ def test_weight_only_kernels_are_checked_before_the_load():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_smollm2_keeps_its_answers(saker_cache, mode):
     """The embedded SmolLM2 quantized: still says Paris, and its next-token distribution stays close to float32's
-    (mean |logprob difference| over the top 10 float32 tokens of three prompts: int8 0.10, int4 0.045 seen: the
-    GGUF's Q4_1 weights sit on int4's grid exactly, so int4 is closer than per-channel int8; the head is int8)."""
+    (mean |logprob difference| over the top 10 float32 tokens of three prompts: int8 0.10, int4 0.049 seen with
+    saker's int4 kernel (int16 inputs), 0.075 with PyTorch's (bfloat16 inputs), 0.116 with int8 inputs: the GGUF's
+    Q4_1 weights sit on int4's grid exactly, so int4 is closer than per-channel int8; the head is int8)."""
     from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model, load_model
 

@@ -133,6 +133,60 @@ def test_the_int8_linear_is_the_float64_product_and_each_row_its_own(k):
     assert torch.equal(cpu_kernels.int8_linear(x[5:6], weight, scales), out[5:6])
 
 
+def int16_groups(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the int4 kernel sees it, by plain tensor arithmetic: each row quantized per group of 32 to int16
+    (``d = max |x| / 32767``, codes ``round(x * 32767 / max |x|)``, half to even), returned de-quantized in
+    float64."""
+    m, k = x.shape
+    groups = x.view(m, k // 32, 32)
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
+    codes = torch.round(groups * inv).clamp(-32767, 32767)
+    return (codes.double() * (top / 32767.0).double()).view(m, k)
+
+
+@pytest.mark.parametrize("n, k", [(300 - 12, 576), (16, 32), (64, 1536)])
+def test_the_int4_linear_is_its_int16_inputs_times_its_codes_and_each_row_its_own(n, k):
+    """``cpu_kernels.int4_linear`` against float64 arithmetic on what it computes with: the inputs quantized to
+    int16 per group (``int16_groups``) times the weights ``q * scale + min`` de-quantized; the integer products are
+    exact, so only the float32 sums of the groups differ.
+    A row's outputs are the same bits alone and among 1..17 rows."""
+    from app.engine.model.quantize import GROUP, int4_codes, pack_int4_cpu
+
+    torch.manual_seed(k)
+    weight = torch.randn(n, k)
+    codes, scales, zeros = int4_codes(weight)
+    mins = zeros - 8 * scales
+    x = torch.randn(17, k) * torch.rand(1, k) * 4  # inputs of uneven sizes, as hidden states are
+    x[3, :32] = 0.0  # a group of zeros (d = 0)
+    out = cpu_kernels.int4_linear(x, pack_int4_cpu(codes), scales, mins)
+    weights = codes.double().view(n, k // GROUP, GROUP) * scales.double()[..., None] + mins.double()[..., None]
+    expected = int16_groups(x) @ weights.view(n, k).T
+    torch.testing.assert_close(out.double(), expected, atol=4e-6 * float(expected.abs().max()), rtol=0)
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        assert torch.equal(cpu_kernels.int4_linear(x[:rows], pack_int4_cpu(codes), scales, mins), out[:rows]), rows
+    assert torch.equal(cpu_kernels.int4_linear(x[5:6], pack_int4_cpu(codes), scales, mins), out[5:6])
+    # the kernel's own codes are the reference's: a group's largest input is exactly +-127 of them
+    assert (
+        int16_groups(x).view(17, k // 32, 32).abs().amax(-1) - x.view(17, k // 32, 32).abs().amax(-1)
+    ).abs().max() < 1e-6
+
+
+def test_the_int4_linear_refuses_what_it_cannot_compute():
+    """Inputs not in whole groups of 32, an odd number of outputs and other dtypes are errors, not wrong numbers."""
+    from app.engine.model.quantize import pack_int4_cpu
+
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.int32)
+    ones = torch.ones(16, 2)
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        cpu_kernels.int4_linear(torch.randn(2, 48), pack_int4_cpu(codes)[:, :24], ones, ones)
+    with pytest.raises(RuntimeError, match="float32 x"):
+        cpu_kernels.int4_linear(torch.randn(2, 64).double(), pack_int4_cpu(codes), ones, ones)
+    with pytest.raises(RuntimeError, match="even number"):
+        cpu_kernels.int4_linear(torch.randn(2, 64), pack_int4_cpu(codes)[:15], ones[:15], ones[:15])
+    assert cpu_kernels.int4_linear(torch.randn(0, 64), pack_int4_cpu(codes), ones, ones).shape == (0, 16)
+
+
 def test_an_int8_lm_head_gives_float32_logits(llama_dir):
     """An int8 head (the int4 mode's too, where its shape allows): its logits are the product with its de-quantized
     weights in float32, not rounded to bfloat16 (whose grid made two tokens' logprobs tie exactly)."""

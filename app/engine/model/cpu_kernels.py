@@ -1,10 +1,11 @@
 """saker's CPU kernels (``kernels/``): the fixed-order float32 attention over the block pool
 (``kernels/paged_attention.cpp``), an int8 linear with float32 outputs (``kernels/int8_linear.cpp``, the LM head
-of the int4/int8 models) and the raw logprobs' log-softmax (``kernels/log_softmax.cpp``). Built with PyTorch's C++
+of the int4/int8 models), the int4 linear by integer dot products (``kernels/int4_linear.cpp``, every other linear
+of an int4 model) and the raw logprobs' log-softmax (``kernels/log_softmax.cpp``). Built with PyTorch's C++
 extension loader at the first use (about 40 s; then cached, keyed by the sources and flags), and None where they
 cannot be (no C++ compiler or ninja, or PyTorch's CPU capability below AVX2, e.g. ``ATEN_CPU_CAPABILITY=default``):
-attention then computes in float64 (``attention.py``), the head keeps PyTorch's bfloat16 kernel and the
-log-softmax is PyTorch's in float64 (``logprobs.py``).
+attention then computes in float64 (``attention.py``), the head keeps PyTorch's bfloat16 kernel, the int4 linears
+PyTorch's (bfloat16 inputs) and the log-softmax is PyTorch's in float64 (``logprobs.py``).
 
 One instruction set: every kernel is built with ``-mavx2 -mfma`` (``FLAGS``), never for the build machine
 (no ``-march=native``) and with no AVX-512 variant, so an AVX-512 CPU runs the same instructions as an AVX2 one
@@ -12,8 +13,8 @@ and gets the same bits. What changes with the CPU is PyTorch's own kernels (its 
 at run time; ``ATEN_CPU_CAPABILITY`` lowers it): tests/unit/test_instruction_sets.py runs the width and
 accuracy checks under each capability the CPU has.
 
-They are also ``torch.library`` custom ops (``saker::paged_attention``, ``saker::int8_linear``), so that a compiled
-step keeps each as one opaque call."""
+They are also ``torch.library`` custom ops (``saker::paged_attention``, ``saker::int8_linear``,
+``saker::int4_linear``), so that a compiled step keeps each as one opaque call."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ log = logging.getLogger("saker.worker")
 
 SOURCES = [
     Path(__file__).parent / "kernels" / f
-    for f in ("paged_attention.cpp", "int8_linear.cpp", "log_softmax.cpp", "bindings.cpp")
+    for f in ("paged_attention.cpp", "int8_linear.cpp", "int4_linear.cpp", "log_softmax.cpp", "bindings.cpp")
 ]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
@@ -149,6 +150,26 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     if torch.compiler.is_compiling():
         return _int8_linear_op(x, weight, scales)
     return kernel().int8_linear(x, weight, scales)
+
+
+@torch.library.custom_op("saker::int4_linear", mutates_args=())
+def _int4_linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    return kernel().int4_linear(x, weight, scales, mins)
+
+
+@_int4_linear_op.register_fake
+def _(x, weight, scales, mins):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ W.T -> (M, N) float32 for int4 codes in groups of 32 (``w = q * scale + min``; weight
+    (N, K / 2) uint8, ``quantize.pack_int4_cpu``'s layout; scales, mins (N, K / 32) float32): each row of x
+    quantized to int16 per group and multiplied in integers (``kernels/int4_linear.cpp``), the groups summed in a
+    fixed order (the same bits whatever M is); through the custom op ``saker::int4_linear`` while compiling."""
+    if torch.compiler.is_compiling():
+        return _int4_linear_op(x, weight, scales, mins)
+    return kernel().int4_linear(x, weight, scales, mins)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:

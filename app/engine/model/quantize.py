@@ -1,15 +1,18 @@
-"""Weight-only int8 / int4 linears (SAKER_QUANTIZE=int8 | int4) on PyTorch's own kernels, CPU and CUDA.
+"""Weight-only int8 / int4 linears (SAKER_QUANTIZE=int8 | int4) on saker's CPU kernels and PyTorch's own, CPU and
+CUDA.
 
 - ``Int8Linear``: one int8 per weight, one scale per output channel (symmetric: ``w = q * scale``), applied with
-  ``aten._weight_int8pack_mm`` (CPU, and CUDA where this PyTorch has its kernel).
+  ``aten._weight_int8pack_mm`` (CPU, and CUDA where this PyTorch has its kernel); the LM head on the CPU by
+  saker's float32 kernel (``mark_head``).
 - ``Int4Linear``: one 4-bit code per weight in groups of 32 along the input, with a scale and a zero per group
   (``w = (q - 8) * scale + zero``, q in 0..15: the layout GGUF's Q4_0/Q4_1 blocks map onto exactly), packed once
-  at load for the device it runs on: ``aten._convert_weight_to_int4pack_for_cpu`` and
-  ``aten._weight_int4pack_mm_for_cpu`` on the CPU; on CUDA (compute capability 8.0 and up) two codes per byte,
-  ``aten._convert_weight_to_int4pack`` and ``aten._weight_int4pack_mm`` (tinygemm). Both read the same scales
-  and zeros, so one set of codes serves either device.
+  at load for the kernel that serves it (``int4_layout``): on the CPU saker's (``cpu_kernels.int4_linear``: two
+  codes a byte, float32 scales and mins; the float32 inputs quantized to int16 per group, exact integer products),
+  or where saker's kernels cannot be built PyTorch's (``aten._weight_int4pack_mm_for_cpu``); on CUDA (compute
+  capability 8.0 and up) two codes per byte, ``aten._convert_weight_to_int4pack`` and ``aten._weight_int4pack_mm``
+  (tinygemm). All read the same codes, scales and zeros.
 
-Activations stay in the model's dtype between the linears (the kernels compute in bfloat16: ``KERNEL_DTYPE``);
+Activations stay in the model's dtype between the linears (PyTorch's kernels compute in bfloat16: ``KERNEL_DTYPE``);
 only the weights are quantized, every ``nn.Linear`` and GPT-2 ``Conv1D``
 the LM head included (a tied head gets its own quantized copy; the embedding stays as it was; with int4 the head
 is int8). Shapes the int4 kernel cannot take (inputs not in whole groups of 32, outputs not a multiple of 16) stay
@@ -89,7 +92,7 @@ def cuda_inner_k_tiles(in_features: int) -> int:
 
 
 def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """(N, K) int codes 0..15 in the packed layout of ``device``'s int4 kernel."""
+    """(N, K) int codes 0..15 in the packed layout of ``device``'s PyTorch int4 kernel."""
     if device.type == "cuda":
         # two codes per byte, the even input in the high nibble
         codes = codes.to(torch.int32)
@@ -98,7 +101,28 @@ def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), INNER_K_TILES)
 
 
+def pack_int4_cpu(codes: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """(N, K) int codes 0..15 in saker's CPU layout (``kernels/int4_linear.cpp``): (N, K / 2) uint8, each group's
+    16 bytes holding its codes 0..15 in the low nibbles and 16..31 in the high ones."""
+    n, k = codes.shape
+    groups = codes.to(torch.uint8).view(n, k // group, 2, group // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def int4_layout(device: torch.device | str) -> str:
+    """Which int4 kernel serves on ``device``: ``"saker"`` (``cpu_kernels.int4_linear``: float32 inputs, int16 dot
+    products) on a CPU where saker's kernels are built, else ``"torch"`` (PyTorch's, bfloat16 inputs)."""
+    if torch.device(device).type == "cpu" and cpu_kernels.kernel() is not None:
+        return "saker"
+    return "torch"
+
+
 class Int4Linear(nn.Module):
+    """An int4 linear, ``w = (q - 8) * scale + zero`` per group of 32 inputs, in one of two layouts
+    (``int4_layout``): saker's CPU kernel (buffers ``packed`` (N, K / 2) uint8, ``scales`` and ``mins`` (N, K / 32)
+    float32, ``min = zero - 8 * scale``) or PyTorch's for the device (``packed`` as ``pack_int4`` gives it,
+    ``scale_zeros`` (K / 32, N, 2) bfloat16)."""
+
     def __init__(
         self,
         codes: torch.Tensor,
@@ -111,10 +135,17 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group = group
-        self.register_buffer("packed", pack_int4(codes, torch.device(device)))
-        # (K / group, N, 2): each group's scale and zero, the layout both kernels read
-        scale_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
-        self.register_buffer("scale_zeros", scale_zeros.to(device))
+        self.layout = int4_layout(device)
+        if self.layout == "saker":
+            self.register_buffer("packed", pack_int4_cpu(codes, group).to(device))
+            self.register_buffer("scales", scales.float().contiguous().to(device))
+            mins = zeros.double() - 8.0 * scales.double()  # one rounding, not two
+            self.register_buffer("mins", mins.float().contiguous().to(device))
+        else:
+            self.register_buffer("packed", pack_int4(codes, torch.device(device)))
+            # (K / group, N, 2): each group's scale and zero, the layout both of PyTorch's kernels read
+            scale_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+            self.register_buffer("scale_zeros", scale_zeros.to(device))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
 
     @classmethod
@@ -126,17 +157,23 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        matmul = (
-            torch.ops.aten._weight_int4pack_mm
-            if self.packed.device.type == "cuda"
-            else torch.ops.aten._weight_int4pack_mm_for_cpu
-        )
-        out = matmul(x.reshape(-1, shape[-1]).to(KERNEL_DTYPE), self.packed, self.group, self.scale_zeros)
+        flat = x.reshape(-1, shape[-1])
+        if self.layout == "saker":
+            out = cpu_kernels.int4_linear(flat.float(), self.packed, self.scales, self.mins)
+        elif self.packed.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(flat.to(KERNEL_DTYPE), self.packed, self.group, self.scale_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat.to(KERNEL_DTYPE), self.packed, self.group, self.scale_zeros
+            )
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}"
+        kernel = "int16 x int4 dot products" if self.layout == "saker" else "bfloat16 inputs"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group}, {kernel}"
+        )
 
 
 def mark_head(model: nn.Module) -> None:
@@ -253,6 +290,7 @@ def quantized_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
             facts = {"kind": kind, "in": module.in_features, "out": module.out_features}
             if kind == "int4":
                 facts["group"] = module.group
+                facts["layout"] = module.layout
             modules[name] = facts
             for key, tensor in module.state_dict().items():
                 tensors[f"{name}.{key}"] = tensor.contiguous()
@@ -273,7 +311,8 @@ def restore_quantized(
         module.out_features, module.in_features = facts["out"], facts["in"]
         if facts["kind"] == "int4":
             module.group = facts["group"]
-        for key in ("qweight", "scales", "packed", "scale_zeros"):
+            module.layout = facts.get("layout", "torch")
+        for key in ("qweight", "scales", "packed", "scale_zeros", "mins"):
             if f"{name}.{key}" in tensors:
                 # a copy: safetensors hands out views of the file at any offset, and the kernels' vector loads
                 # crash (SIGSEGV, seen on _weight_int8pack_mm) on storage that is not aligned as torch allocates it

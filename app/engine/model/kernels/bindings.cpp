@@ -5,11 +5,13 @@ bool attention_supports(int64_t head_dim);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                               torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins);
 torch::Tensor log_softmax(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "fixed-order float32 attention over the block pool");
   m.def("attention_supports", &attention_supports, "whether a head dim is built");
   m.def("int8_linear", &int8_linear, "x @ (int8 w * scales).T in float32, fixed order");
+  m.def("int4_linear", &int4_linear, "x @ int4 W.T by int16 x int4 dot products per group of 32, float32 out, fixed order");
   m.def("log_softmax", &log_softmax, "each row's log-softmax, its normaliser summed in float64, fixed order");
 }
