@@ -241,6 +241,7 @@ def flat_compiled(llama_dir, tmp_path_factory):
     compiled once for the module, prompts in chunks of 8 while rows decode; and the same int4 model loaded again,
     outside any engine (the plain forward the answers are checked against)."""
     from app.engine.core.worker import Worker
+    from app.engine.model.attention import use_engine_attention
     from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
 
@@ -254,7 +255,12 @@ def flat_compiled(llama_dir, tmp_path_factory):
     )
     # compiled and checked at start: the first warm-up step made the one graph, the lone row's went through it
     assert counters["stats"]["unique_graphs"] - before == 1
-    yield worker, load_model(config).model
+    plain = load_model(config).model
+    # its own attention, as served (``use_engine_attention``: the fixed-order path of a model whose linears round
+    # their inputs); with SDPA's float32 ulps instead, the int16 rounding before each int4 product moves this random
+    # tiny model's logprobs by about 1e-4 over ten tokens
+    assert use_engine_attention(plain)
+    yield worker, plain
     torch._dynamo.reset()
 
 
