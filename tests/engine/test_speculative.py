@@ -466,3 +466,38 @@ def test_the_default_kv_budget_is_taken_after_the_draft_model_loads(gpt2_dir, mo
     worker = worker_with(gpt2_dir, speculative=SpeculativeConfig("draft", 4, 4, draft=draft))
     assert "budget" in order[order.index("draft") :]  # (the warm-up's one-request run before it sizes its own)
     assert worker.kv_cache_tokens == worker.engine.batch.budget > 0
+
+
+def test_the_scheduler_plans_the_guesses_and_the_step_checks_those(gpt2_dir, reference, monkeypatch):
+    """The rows' guesses are part of the step's plan (``SchedulerOutput.guesses``, proposed while scheduling and
+    fitted to the free blocks), and the forward checks exactly those: every step whose plan had guesses got the
+    plan's list, and an oracle's guesses are all kept.
+    Oracle for the answer: a plain forward loop (``greedy_reference``)."""
+    from app.engine.core import engine_core
+
+    model, tok = reference(gpt2_dir)
+    prompt, tokens = prompts_of(tok)[0], 20
+    want = [t for t, _ in greedy_reference(model, prompt, tokens)]
+    speculation = Speculation(Oracle({tuple(prompt): want}, model.config.vocab_size), 4, 8)
+    worker = worker_with(gpt2_dir, speculation)
+    planned, checked = [], []
+    real_schedule, real_step = worker.engine.scheduler.schedule, engine_core.decode_step
+
+    def schedule():
+        plan = real_schedule()
+        planned.append(plan)
+        return plan
+
+    def decode_step(batch, jobs=(), guesses=None):
+        checked.append((planned[-1], guesses))
+        return real_step(batch, jobs, guesses)
+
+    monkeypatch.setattr(worker.engine.scheduler, "schedule", schedule)
+    monkeypatch.setattr(engine_core, "decode_step", decode_step)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    [output], _ = worker.complete([prompt], params, 256)
+    assert output.choices[0].token_ids == want
+    # the first step joins the prompt (computed apart) before its rows guess; after that each step is planned whole
+    carried = [(plan, guesses) for plan, guesses in checked if plan.guesses is not None and any(plan.guesses)]
+    assert len(carried) >= 2 and all(guesses is plan.guesses for plan, guesses in carried)
+    assert speculation.draft_tokens > 0 and speculation.accepted_tokens == speculation.draft_tokens

@@ -29,7 +29,7 @@ from app.engine.core.prefill import ChunkedPrefill
 from app.engine.core.scheduler import Chunk, Scheduler, SchedulerOutput
 from app.engine.core.sequence import RequestGroup, Status
 from app.engine.core.speculative import SpeculativeConfig
-from app.engine.core.step import Event, compute_chunks, decode_step, drop
+from app.engine.core.step import Event, compute_chunks, decode_step, drop, propose
 from app.engine.errors import EngineError, EngineNotReady, EngineStepFailed
 from app.engine.model.runner import ModelRunner
 
@@ -221,8 +221,10 @@ class EngineCore(Engine):
             return None
         if plan.apart and self.batch.blocks_wanted() > self.batch.free_blocks():
             return None
+        if plan.apart:  # rows may have joined: the guesses are for the batch as it is now
+            plan.guesses = propose(self.batch)
         start = time.perf_counter()
-        results = self._decode_step(plan.chunks)  # a failure fails what the step touched (``_recover``)
+        results = self._decode_step(plan.chunks, plan.guesses)  # a failure fails what the step touched (``_recover``)
         return results, time.perf_counter() - start
 
     def _postprocess(self, plan: SchedulerOutput, ran) -> None:
@@ -289,15 +291,19 @@ class EngineCore(Engine):
         self._after_failure(exc)
         self._end(job.group, exc)
 
-    def _decode_step(self, jobs: list[Chunk]) -> list[tuple[RequestGroup, list[Event]]]:
-        """One decode step (carrying ``jobs``' chunks). When the forward runs out of memory, the newest prompt
-        being prefilled fails first, then the newest group (its request gets the out-of-memory error), and the
-        step is retried for the others."""
+    def _decode_step(
+        self, jobs: list[Chunk], guesses: list[list[int]] | None
+    ) -> list[tuple[RequestGroup, list[Event]]]:
+        """One decode step (carrying ``jobs``' chunks and the rows' ``guesses``). When the forward runs out of
+        memory, the newest prompt being prefilled fails first, then the newest group (its request gets the
+        out-of-memory error), and the step is retried for the others (their guesses proposed again)."""
+        retry = False
         while True:
             try:
                 with self.runner.adapter(self.batch.adapter):
-                    return decode_step(self.batch, jobs)
+                    return decode_step(self.batch, jobs, propose(self.batch) if retry else guesses)
             except BatchOutOfMemory as oom:
+                retry = True
                 if jobs:
                     error = oom.error
                     del oom

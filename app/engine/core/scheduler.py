@@ -28,7 +28,7 @@ from app.engine.core.admission import Admission
 from app.engine.core.batches import BlockBatch
 from app.engine.core.prefill import ChunkedPrefill
 from app.engine.core.sequence import RequestGroup, Status
-from app.engine.core.step import drop, drop_finished, preempt
+from app.engine.core.step import drop, drop_finished, preempt, propose
 from app.engine.model.runner import MIXED, ModelRunner
 
 log = logging.getLogger("saker.scheduler")
@@ -45,7 +45,10 @@ class SchedulerOutput:
     - ``apart``: chunks computed before it, one forward per PEFT adapter (nothing runs, or the rows use another);
     - ``scored``: admitted groups that need no forward (they generate nothing and score no prompt);
     - ``failed``: admitted groups whose prefill could not start, with the error;
-    - ``preempted``: groups preempted to make room for the step (their blocks given back, their rows parked)."""
+    - ``preempted``: groups preempted to make room for the step (their blocks given back, their rows parked);
+    - ``guesses``: with speculative decoding, each row's guessed tokens (row order, fitted to the free blocks;
+      ``step.propose``), which the step's forward checks; None when the step carries none, or when chunks computed
+      apart will add rows to the batch first (the core proposes after they join)."""
 
     rows: list[RequestGroup] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
@@ -53,6 +56,7 @@ class SchedulerOutput:
     scored: list[RequestGroup] = field(default_factory=list)
     failed: list[tuple[RequestGroup, BaseException]] = field(default_factory=list)
     preempted: list[RequestGroup] = field(default_factory=list)
+    guesses: list[list[int]] | None = None
 
 
 class Scheduler:
@@ -150,7 +154,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """This step: admit what fits (prompts start prefilling), drop rows that ended, make room in the KV pool,
-        plan the prompt chunks."""
+        plan the prompt chunks and the rows' guesses."""
         plan = SchedulerOutput()
         for group in self._admit():
             if not group.preempted:
@@ -170,6 +174,8 @@ class Scheduler:
         plan.preempted = self._make_room()
         plan.chunks, plan.apart = self._plan()
         plan.rows = list(self.batch.groups)
+        if not plan.apart:
+            plan.guesses = propose(self.batch)
         return plan
 
     def _admit(self) -> list[RequestGroup]:

@@ -112,17 +112,23 @@ def compute_chunks(
     return logits
 
 
+def propose(batch: BlockBatch) -> list[list[int]] | None:
+    """Each running row's guessed tokens for the next step (speculative decoding; row order), cut to the blocks
+    the pool can hand out now (``fit_guesses``); None when the batch does not speculate (off, or rows of several
+    PEFT adapters together)."""
+    if batch.speculation is None or batch.adapter is MIXED or not batch.groups:
+        return None
+    guesses = batch.speculation.guesses(batch.groups)
+    return None if guesses is None else batch.fit_guesses(guesses)
+
+
 def decode_step(
-    batch: BlockBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = ()
+    batch: BlockBatch, jobs: list[tuple[ChunkedPrefill, list[int]]] = (), guesses: list[list[int]] | None = None
 ) -> list[tuple[RequestGroup, list[TokenNumbers]]]:
     """One decode step of the whole batch; each group's events. Finished candidates leave the batch. ``jobs``:
     prompts being prefilled whose next chunks ride in the same forward (each job's ``remaining`` tells whether it
-    is in). With speculative decoding the rows' guesses ride in it too (``verify_step``)."""
-    guesses = None
-    if batch.speculation is not None and batch.adapter is not MIXED:
-        guesses = batch.speculation.guesses(batch.groups)
-        if guesses is not None:
-            guesses = batch.fit_guesses(guesses)
+    is in). ``guesses`` (``propose``, for the batch's rows as they are now): each row's guessed tokens ride in the
+    same forward and are checked (``verify_step``)."""
     groups = list(batch.groups)
     if guesses is not None and any(guesses):
         logits = compute_chunks(batch, jobs, guesses=guesses) if jobs else batch.forward(guesses)
