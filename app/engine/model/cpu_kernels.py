@@ -104,6 +104,13 @@ def supports(head_dim: int) -> bool:
     return ext is not None and bool(ext.attention_supports(head_dim))
 
 
+def _through_op() -> bool:
+    """Whether a kernel is called through its ``torch.library`` op rather than straight into the extension (which
+    costs less for a small call): while compiling (the op is one opaque node), and while torch.profiler records
+    (so that its table names the kernel instead of leaving its time out)."""
+    return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
+
+
 @torch.library.custom_op("saker::paged_attention", mutates_args=())
 def attend(
     q: torch.Tensor,
@@ -127,9 +134,9 @@ def _(q, keys, values, tables, which, lo, hi, scale):
 
 
 def call(q, keys, values, tables, which, lo, hi, scale: float) -> torch.Tensor:
-    """``attend``: through the custom op while compiling, straight into the extension otherwise (the op's dispatch
-    costs more than a small call)."""
-    if torch.compiler.is_compiling():
+    """``attend``: through the custom op while compiling or profiling (``_through_op``), straight into the extension
+    otherwise (the op's dispatch costs more than a small call)."""
+    if _through_op():
         return attend(q, keys, values, tables, which, lo, hi, scale)
     return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale)
 
@@ -147,7 +154,7 @@ def _(x, weight, scales):
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 @ (weight (N, K) int8 x scales (N,)).T -> (M, N) float32, each output in a fixed order
     (the same bits whatever M is); through the custom op ``saker::int8_linear`` while compiling."""
-    if torch.compiler.is_compiling():
+    if _through_op():
         return _int8_linear_op(x, weight, scales)
     return kernel().int8_linear(x, weight, scales)
 
@@ -167,7 +174,7 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, min
     (N, K / 2) uint8, ``quantize.pack_int4_cpu``'s layout; scales, mins (N, K / 32) float32): each row of x
     quantized to int16 per group and multiplied in integers (``kernels/int4_linear.cpp``), the groups summed in a
     fixed order (the same bits whatever M is); through the custom op ``saker::int4_linear`` while compiling."""
-    if torch.compiler.is_compiling():
+    if _through_op():
         return _int4_linear_op(x, weight, scales, mins)
     return kernel().int4_linear(x, weight, scales, mins)
 

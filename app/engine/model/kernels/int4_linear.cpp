@@ -71,9 +71,9 @@ struct Codes {
 };
 
 inline Codes unpack(const uint8_t* w) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return {_mm256_cvtepu8_epi16(_mm_and_si128(b, mask)), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask))};
+  // each byte widened to 16 bits (both its codes in one lane), then the low nibble masked and the high one shifted
+  const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return {_mm256_and_si256(both, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(both, 4)};
 }
 
 // The 8 int32 partial sums of q x xq over one group (exact: |sum| <= 32 * 15 * 32767 < 2^24, so its float is too).
