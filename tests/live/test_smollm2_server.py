@@ -2,7 +2,7 @@
 plain and streamed, against apply_chat_template + model.generate(); dropped streams free the worker.
 
 The server runs in float32 (``SAKER_QUANTIZE=none``), the precision of the reference ``generate()`` it is compared
-with: as served by default (int4 weights, bfloat16 kernel inputs) its answers are its own, and the libraries'
+with: as served by default (int4 weights, int16 kernel inputs) its answers are its own, and the libraries'
 tests on the default configuration are in tests/live/test_agent_libraries.py."""
 
 from __future__ import annotations

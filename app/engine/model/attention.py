@@ -335,8 +335,8 @@ def _sdpa(module, query, key, value, mask, scaling=None):
 
 def use_engine_attention(model: torch.nn.Module) -> bool:
     """Register ``attention`` for ``model`` (whose attention goes through transformers' ``AttentionInterface`` with
-    SDPA or eager): it runs the engine's flat steps, and for a model whose linears round their inputs to bfloat16
-    (the weight-only int4/int8 kernels, the default for the embedded model) on the CPU its attention is float64
+    SDPA or eager): it runs the engine's flat steps, and for a model whose linears round their inputs (int16 or
+    bfloat16: the weight-only int4/int8 kernels, the default for the embedded model) on the CPU its attention is float64
     (``exact_attention``). A float32 model keeps SDPA's numbers: its paths differ by float32 ulps only (2e-6 in
     logprobs), and SDPA's flash kernel prefills about twice as fast. Returns whether it was registered."""
     from transformers import AttentionInterface

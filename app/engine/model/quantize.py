@@ -105,7 +105,7 @@ def pack_int4_cpu(codes: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """(N, K) int codes 0..15 in saker's CPU layout (``kernels/int4_linear.cpp``): (N, K / 2) uint8, each group's
     16 bytes holding its codes 0..15 in the low nibbles and 16..31 in the high ones."""
     n, k = codes.shape
-    groups = codes.to(torch.uint8).view(n, k // group, 2, group // 2)
+    groups = codes.to(torch.uint8).contiguous().view(n, k // group, 2, group // 2)
     return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
@@ -187,9 +187,9 @@ def mark_head(model: nn.Module) -> None:
 
 
 def rounds_activations(model: nn.Module) -> bool:
-    """Whether some linear of ``model`` rounds its float inputs to bfloat16 (``KERNEL_DTYPE``) before its product:
-    a few float32 ulps before such a linear can then move its output by a bfloat16 step (see
-    ``app/engine/model/attention.py``)."""
+    """Whether some linear of ``model`` rounds its float inputs before its product (int16 per group in saker's int4
+    kernel, bfloat16 (``KERNEL_DTYPE``) in PyTorch's int4 and int8 kernels): a few float32 ulps before such a linear
+    can then move its output by a rounding step (see ``app/engine/model/attention.py``)."""
     return any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()) and KERNEL_DTYPE != torch.float32
 
 

@@ -252,9 +252,9 @@ class ModelRunner:
         """Compile ``flat_forward`` (inductor, one graph, the token dimension dynamic) and run it now on ``keys`` and
         ``values`` (the pool's), so that no request pays the compile; every flat step and decode-only step then
         goes through it. The compiled graph must give the eager forward's numbers to the bit (the int4/int8 kernels
-        round their inputs to bfloat16, where a float32 ulp can become a visible change; ``eager_numbers``): the
-        warm-up steps are checked against ``flat_forward`` run eagerly, and where they differ the graph is dropped
-        with a warning and the steps stay eager. Returns whether it is in use."""
+        round their inputs, to int16 per group or to bfloat16, where a float32 ulp can become a visible change;
+        ``eager_numbers``): the warm-up steps are checked against ``flat_forward`` run eagerly, and where they differ
+        the graph is dropped with a warning and the steps stay eager. Returns whether it is in use."""
         import logging
 
         log = logging.getLogger("saker.worker")
