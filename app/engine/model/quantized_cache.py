@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from app.engine.model.model_files import CHECKSUMS, damage, folder_checksums
-from app.engine.model.quantize import quantize_model, quantized_state, restore_quantized
+from app.engine.model.quantize import int4_layout, quantize_model, quantized_state, restore_quantized
 
 log = logging.getLogger("saker.quantize")
 
@@ -48,8 +48,6 @@ def source_identity(model_path: str, revision: str | None, gguf: str | None) -> 
 
 
 def cache_key(mode: str, source: list, device: torch.device | str = "cpu") -> str:
-    from app.engine.model.quantize import int4_layout
-
     kind = torch.device(device).type
     # the CPU's key is as it was before CUDA packing and saker's int4 kernel existed, so CPU caches already written
     # for PyTorch's layout stay valid; saker's int4 layout has a key of its own

@@ -179,11 +179,18 @@ class ModelRunner:
             tables, which, _, hi = flat.spans()
             at = logits_at.to(self.input_device)
             return self.run_compiled_flat(tokens, positions, flat.write, tables, which, hi, at, flat.keys, flat.values)
+        return self._flat_logits(tokens, positions, flat, logits_at)
+
+    def _flat_logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor, flat, logits_at: torch.Tensor
+    ) -> torch.Tensor:
+        """The model's forward over one flat sequence of tokens (``attention.FlatStep``), float32 logits at
+        ``logits_at``: what ``flat_step`` runs eagerly and ``flat_forward`` compiles."""
         out = self.model(
             input_ids=tokens.view(1, -1),
             position_ids=positions.view(1, -1),
             # a 4D placeholder: transformers builds no (T, T) mask (the attention function masks by ``flat``)
-            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.input_device),
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device),
             use_cache=False,
             logits_to_keep=logits_at,
             flat=flat,
@@ -219,16 +226,7 @@ class ModelRunner:
 
         zeros = torch.zeros_like(hi)
         spans = {w: (tables, which, (hi - w).clamp_min(0) if w else zeros, hi) for w in self.windows}
-        flat = FlatStep(keys, values, write, 0, _spans=spans)
-        out = self.model(
-            input_ids=tokens.view(1, -1),
-            position_ids=positions.view(1, -1),
-            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device),
-            use_cache=False,
-            logits_to_keep=logits_at,
-            flat=flat,
-        )
-        return out.logits[0].float()
+        return self._flat_logits(tokens, positions, FlatStep(keys, values, write, 0, _spans=spans), logits_at)
 
     @functools.cached_property
     def windows(self) -> tuple[int | None, ...]:

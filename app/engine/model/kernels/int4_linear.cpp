@@ -157,12 +157,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  constexpr int64_t COLUMNS = 32;  // outputs per work item
-  const int64_t items = (N + COLUMNS - 1) / COLUMNS;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t n0 = item * COLUMNS, n1 = std::min(N, n0 + COLUMNS);
+  saker::over_columns(N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += 4) {
       switch (std::min<int64_t>(4, M - m)) {
         case 4: rows<4>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0, n1, K, N); break;
@@ -171,6 +166,6 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
         default: rows<1>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0, n1, K, N);
       }
     }
-  }
+  });
   return out;
 }

@@ -58,12 +58,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  constexpr int64_t COLUMNS = 256;  // outputs per work item
-  const int64_t items = (N + COLUMNS - 1) / COLUMNS;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t n0 = item * COLUMNS, n1 = std::min(N, n0 + COLUMNS);
+  saker::over_columns(N, 256, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += 8) {
       switch (std::min<int64_t>(8, M - m)) {
         case 8: rows<8>(xp, wp, sp, op, m, n0, n1, K, N); break;
@@ -76,6 +71,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
         default: rows<1>(xp, wp, sp, op, m, n0, n1, K, N);
       }
     }
-  }
+  });
   return out;
 }

@@ -2,7 +2,12 @@
 // only, never on what else is computed beside it.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
 
 namespace saker {
 
@@ -45,6 +50,16 @@ inline float max8(__m256 v) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
+}
+
+// body(n0, n1) over outputs [0, N) in items of ``columns`` outputs, the items shared statically by at most torch's
+// threads (OpenMP). Each output is computed by one item only, so its numbers do not depend on the split.
+template <typename Body>
+inline void over_columns(int64_t N, int64_t columns, Body body) {
+  const int64_t items = (N + columns - 1) / columns;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t item = 0; item < items; ++item) body(item * columns, std::min(N, (item + 1) * columns));
 }
 
 }  // namespace saker
