@@ -32,7 +32,14 @@ log = logging.getLogger("saker.worker")
 
 SOURCES = [
     Path(__file__).parent / "kernels" / f
-    for f in ("paged_attention.cpp", "int8_linear.cpp", "int4_linear.cpp", "log_softmax.cpp", "bindings.cpp")
+    for f in (
+        "paged_attention.cpp",
+        "int8_linear.cpp",
+        "int4_linear.cpp",
+        "log_softmax.cpp",
+        "decoder_ops.cpp",
+        "bindings.cpp",
+    )
 ]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
@@ -184,3 +191,70 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     order (``kernels/log_softmax.cpp`` says why PyTorch's float32 one is not used), the same bits whatever M is
     and on every CPU that runs the kernels."""
     return kernel().log_softmax(x)
+
+
+# -- a decoder layer's small operations (``kernels/decoder_ops.cpp``, used by ``fused_forward``) --------------------
+@torch.library.custom_op("saker::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return kernel().rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (T, D), weight (D,) float32 -> transformers' RMSNorm of each row (its mean of squares summed in float64)."""
+    if _through_op():
+        return _rms_norm_op(x, weight, eps)
+    return kernel().rms_norm(x, weight, eps)
+
+
+@torch.library.custom_op("saker::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernel().add_rms_norm(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream between two sublayers: ``(rms_norm(residual + x), residual + x)``."""
+    if _through_op():
+        return _add_rms_norm_op(x, residual, weight, eps)
+    return kernel().add_rms_norm(x, residual, weight, eps)
+
+
+@torch.library.custom_op("saker::rotary_write", mutates_args=("keys", "values"))
+def _rotary_write_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    write: torch.Tensor,
+) -> torch.Tensor:
+    return kernel().rotary_write(q, k, v, cos, sin, keys, values, write)
+
+
+@_rotary_write_op.register_fake
+def _(q, k, v, cos, sin, keys, values, write):
+    return torch.empty_like(q)
+
+
+def rotary_write(q, k, v, cos, sin, keys, values, write) -> torch.Tensor:
+    """q (T, Hq, D), k and v (T, Hkv, D), cos and sin (T, D), one layer's pool ``keys`` and ``values`` (slots, Hkv,
+    D), ``write`` (T,) pool slots: q and k rotated as transformers' ``apply_rotary_pos_emb`` does, the rotated k
+    and v written at their slots (in place); returns the rotated q."""
+    if _through_op():
+        return _rotary_write_op(q, k, v, cos, sin, keys, values, write)
+    return kernel().rotary_write(q, k, v, cos, sin, keys, values, write)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.engine.model import fused_forward
 from app.engine.model.attention import use_engine_attention
 from app.engine.model.kv_cache import BLOCK
 from app.engine.model.kv_cache import default_kv_budget, kv_bytes_per_token
@@ -33,6 +34,7 @@ class ModelRunner:
     compiled_flat: object = None  # the flat step's forward compiled (``compile_flat``: the CPU's kernel path), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
+    fused: bool = False  # steps run saker's own forward of the model's layers (``fused_forward``), not transformers'
     # tests only: called before each forward and each sampling with what it is ("rows", "flat", "sample"); raising
     # there is a step failing at that point (tests/engine/test_fault_isolation.py)
     fault: object = field(default=None, repr=False)
@@ -56,6 +58,7 @@ class ModelRunner:
 
             head_dim = self.probe_cache().layers[0].keys.shape[-1]
             self.kv_dtype = torch.float32 if cpu_kernels.supports(head_dim) else torch.float64
+        self.fused = fused_forward.supports(self.model, self.kv_dtype, self.adapters)
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(
@@ -155,6 +158,9 @@ class ModelRunner:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
             every = rows.clone()  # every row's logits: a tensor of its own (inputs that alias are another graph)
             return self.run_compiled_flat(tokens, positions, write, gather, rows, positions + 1, every, keys, values)
+        if self.fused and adapter_names is None:
+            flat = FlatStep(keys, values, write, tokens.shape[0], gather, row_positions=positions)
+            return fused_forward.forward(self.model, tokens, positions, flat)
         n, width = gather.shape[0], gather.shape[1] * BLOCK
         mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)
         flat = FlatStep(keys, values, write, n, gather, mask, positions, batched=True, scratch=scratch)
@@ -185,7 +191,10 @@ class ModelRunner:
         self, tokens: torch.Tensor, positions: torch.Tensor, flat, logits_at: torch.Tensor
     ) -> torch.Tensor:
         """The model's forward over one flat sequence of tokens (``attention.FlatStep``), float32 logits at
-        ``logits_at``: what ``flat_step`` runs eagerly and ``flat_forward`` compiles."""
+        ``logits_at``: what ``flat_step`` runs eagerly and ``flat_forward`` compiles; saker's own forward of the
+        model's layers where it has one (``fused_forward``), else transformers'."""
+        if self.fused:
+            return fused_forward.forward(self.model, tokens, positions, flat, logits_at)
         out = self.model(
             input_ids=tokens.view(1, -1),
             position_ids=positions.view(1, -1),

@@ -1,0 +1,130 @@
+"""saker's own forward of a Llama-shaped decoder over a flat step, on the CPU: the same modules' weights and the
+same arithmetic as transformers' forward, in about a dozen calls per layer instead of some seventy.
+
+On a 1-row step the eager transformers forward ran about 2,000 PyTorch operations, most of them on a few hundred
+floats (RMSNorm's six, the rotary embedding's twelve per layer, views, casts, the pool's writes), each paying its
+dispatch: about half of the step on the 2-core machine (docs/performance.md, "Fused decoder layers"). Here each
+layer is
+
+    add_rms_norm -> q, k, v products -> rotary_write (rotation and the pool's writes) -> attention -> o product
+    -> add_rms_norm -> gate, up products -> silu(gate) * up -> down product
+
+with the norms and the rotation in saker's kernels (``kernels/decoder_ops.cpp``: transformers' arithmetic to the
+bit, a norm's mean of squares PyTorch's own), the products the layer's own linears (saker's int4 kernel called directly),
+attention the fixed-order kernel over the block pool. transformers' model is left as it is: ``model(...)`` is still
+its plain forward, the oracle the tests compare this one with.
+
+Used for a model whose flat step attends by the CPU's float32 kernel (an int4/int8 model, ``_saker_exact``) when
+its layers are what this forward knows (``supports``): Llama, Mistral or Qwen2 decoder layers with SiLU MLPs and no
+sliding window, and no PEFT adapters. Any other model runs transformers' forward."""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine.model import cpu_kernels
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")  # decoder layers of exactly this shape (no q/k norms, no scaled embeddings)
+
+
+def supports(model: torch.nn.Module, kv_dtype: torch.dtype | None, adapters: tuple = ()) -> bool:
+    """Whether ``forward`` computes ``model``'s forward: a Llama-shaped decoder (``MODEL_TYPES``) on the CPU whose
+    attention is the float32 kernel's (``_saker_exact`` and a float32 pool), its layers' modules the usual ones,
+    full attention in every layer, SiLU, and no adapters."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if adapters or config is None or inner is None or getattr(config, "model_type", None) not in MODEL_TYPES:
+        return False
+    if not getattr(model, "_saker_exact", False) or kv_dtype != torch.float32 or cpu_kernels.kernel() is None:
+        return False
+    if (
+        getattr(config, "hidden_act", None) != "silu"
+        or getattr(config, "model_type", "") == "mistral"
+        and (getattr(config, "sliding_window", None) is not None)
+    ):
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    embed = model.get_input_embeddings()
+    if embed is None or embed.weight.device.type != "cpu" or embed.weight.dtype != torch.float32:
+        return False
+    layers = getattr(inner, "layers", None)
+    if not layers or not all(_known_layer(layer) for layer in layers):
+        return False
+    head_dim = layers[0].self_attn.head_dim
+    return cpu_kernels.supports(head_dim) and all(
+        hasattr(getattr(inner, name, None), attr) for name, attr in (("norm", "weight"), ("rotary_emb", "forward"))
+    )
+
+
+def _known_layer(layer: torch.nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    names = {
+        attn: ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"),
+        mlp: ("gate_proj", "up_proj", "down_proj"),
+        layer: ("input_layernorm", "post_attention_layernorm"),
+    }
+    return (
+        attn is not None
+        and mlp is not None
+        and all(hasattr(module, name) for module, wanted in names.items() for name in wanted)
+        and not hasattr(attn, "q_norm")
+        and all(_norm_eps(getattr(layer, n)) is not None for n in ("input_layernorm", "post_attention_layernorm"))
+    )
+
+
+def _norm_eps(norm: torch.nn.Module) -> float | None:
+    """An RMSNorm's epsilon (transformers names it ``variance_epsilon``; ``eps`` elsewhere), None for another norm."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    return eps if isinstance(eps, float) and weight is not None and getattr(norm, "bias", None) is None else None
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for x (T, K): an int4 linear of saker's layout with no bias straight into its kernel (its
+    module's reshapes and casts are no-ops here), any other linear through its own forward."""
+    if getattr(module, "layout", None) == "saker" and module.bias is None:
+        return cpu_kernels.int4_linear(x, module.packed, module.scales, module.mins)
+    return module(x)
+
+
+def forward(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    flat,
+    logits_at: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's forward over one flat step's ``tokens`` (T,) at ``positions`` (T,) (``attention.FlatStep``:
+    each token's key and value written at its pool slot, each token attending over its own sequence's positions):
+    float32 logits of the tokens at ``logits_at`` (every token's when None), (K, V)."""
+    inner = model.model
+    count = tokens.shape[0]
+    hidden = inner.embed_tokens(tokens.view(-1))
+    cos, sin = inner.rotary_emb(hidden.unsqueeze(0), positions.view(1, -1))
+    cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+    tables, which, lo, hi = flat.spans(None)
+    residual = None
+    for index, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        if residual is None:
+            x, residual = cpu_kernels.rms_norm(hidden, norm.weight, _norm_eps(norm)), hidden
+        else:
+            x, residual = cpu_kernels.add_rms_norm(hidden, residual, norm.weight, _norm_eps(norm))
+        head_dim = attn.head_dim
+        q = _linear(attn.q_proj, x).view(count, -1, head_dim)
+        k = _linear(attn.k_proj, x).view(count, -1, head_dim)
+        v = _linear(attn.v_proj, x).view(count, -1, head_dim)
+        keys, values = flat.keys[index], flat.values[index]
+        q = cpu_kernels.rotary_write(q, k, v, cos, sin, keys, values, flat.write)
+        out = cpu_kernels.call(q, keys, values, tables, which, lo, hi, attn.scaling)
+        hidden = _linear(attn.o_proj, out.view(count, -1))
+        norm = layer.post_attention_layernorm
+        x, residual = cpu_kernels.add_rms_norm(hidden, residual, norm.weight, _norm_eps(norm))
+        gate = torch.nn.functional.silu(_linear(mlp.gate_proj, x))
+        hidden = _linear(mlp.down_proj, gate.mul_(_linear(mlp.up_proj, x)))
+    x, _ = cpu_kernels.add_rms_norm(hidden, residual, inner.norm.weight, _norm_eps(inner.norm))
+    if logits_at is not None:
+        x = x[logits_at]
+    return model.lm_head(x).float()

@@ -1,0 +1,167 @@
+"""saker's own forward of Llama-shaped decoders on the CPU (``app/engine/model/fused_forward.py``) and its kernels
+(``kernels/decoder_ops.cpp``), against transformers' own modules and functions, not against another engine path:
+
+- RMSNorm, the residual stream's add and the rotary embedding are transformers' arithmetic to the bit, and a row's
+  results do not depend on the rows beside it;
+- an int4 tiny Llama served by the engine runs every step through the fused forward, and its answers are the plain
+  transformers forward's (argmax and log-softmax within 1e-4, greedy tokens those of ``generate()``), alone,
+  chunked, beside other requests;
+- a model it does not know keeps transformers' forward."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from app.engine.model import cpu_kernels, fused_forward
+from app.engine.params import SamplingParams
+from references import check_reference, ref_greedy
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU kernels cannot be built here")
+
+
+def test_rms_norm_is_transformers_rmsnorm_and_each_row_its_own():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+    x = torch.randn(37, 576) * torch.logspace(-3, 2, 37).view(-1, 1)  # rows of very different sizes
+    with torch.no_grad():
+        want = norm(x)
+    got = cpu_kernels.rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    # the bits: a float32 mean of squares summed in another order (or in float64) moved the embedded int4 model's
+    # logprobs by up to 4.6e-4 (an ulp crossing the int4 kernel's int16 rounding of its inputs)
+    assert torch.equal(got, want)
+    for i in (0, 5, 36):
+        assert torch.equal(cpu_kernels.rms_norm(x[i : i + 1], norm.weight.detach(), 1e-5)[0], got[i])
+
+
+def test_add_rms_norm_adds_to_the_bit_and_normalises_the_sum():
+    torch.manual_seed(1)
+    x, residual, weight = torch.randn(9, 64), torch.randn(9, 64), torch.randn(64)
+    normed, total = cpu_kernels.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, cpu_kernels.rms_norm(residual + x, weight, 1e-6))
+    with pytest.raises(RuntimeError, match="residual like x"):
+        cpu_kernels.add_rms_norm(x, residual[:3], weight, 1e-6)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_rotary_write_is_transformers_rotation_and_writes_the_pool(dim):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(2)
+    tokens, hq, hkv, slots = 7, 6, 2, 40
+    q, k, v = torch.randn(tokens, hq, dim), torch.randn(tokens, hkv, dim), torch.randn(tokens, hkv, dim)
+    angles = torch.randn(tokens, dim // 2) * 30
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys, values = torch.zeros(slots, hkv, dim), torch.zeros(slots, hkv, dim)
+    write = torch.tensor([3, 17, 4, 39, 0, 21, 8])
+    got = cpu_kernels.rotary_write(q, k, v, cos, sin, keys, values, write)
+    # transformers' layout: (batch, heads, tokens, dim) with cos, sin (batch, tokens, dim)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(got, want_q[0].transpose(0, 1))
+    assert torch.equal(keys[write], want_k[0].transpose(0, 1))
+    assert torch.equal(values[write], v)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[write] = False
+    assert not keys[untouched].any() and not values[untouched].any()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.rotary_write(q, k, v, cos, sin, keys, values, write + slots)
+
+
+@pytest.fixture(scope="module")
+def fused(llama_dir, tmp_path_factory):
+    """The tiny Llama served int4 (its flat steps by the fused forward), prompts in chunks of 8, up to 4 rows; and
+    the same int4 model loaded again outside any engine, its own attention as served (the oracle)."""
+    from app.engine.core.worker import Worker
+    from app.engine.model.attention import use_engine_attention
+    from app.engine.model.load_config import LoadConfig
+    from app.engine.model.loader import load_model
+
+    config = LoadConfig(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path_factory.mktemp("fused")))
+    worker = Worker.from_loaded(
+        ("m",), load_model(config), max_batch_rows=4, prefill_chunk_tokens=8, prefix_cache_tokens=0
+    )
+    plain = load_model(config).model
+    assert use_engine_attention(plain)
+    return worker, plain
+
+
+def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fused, monkeypatch):
+    """A request alone, then a long prompt's chunks beside requests decoding (mixed steps, rows joining and
+    leaving): every forward is the fused one (transformers' model is not called by a step), and every answer is
+    the plain forward's: its argmax and log-softmax within 1e-4, the greedy tokens of its ``generate()``."""
+    worker, plain = fused
+    runner, tok = worker.runner, worker.tokenizer
+    assert runner.fused
+    calls, real = [], fused_forward.forward
+
+    def counted(model, tokens, *args, **kwargs):
+        calls.append(tokens.shape[0])
+        return real(model, tokens, *args, **kwargs)
+
+    def transformers_forward(*args, **kwargs):
+        raise AssertionError("a step ran transformers' forward")
+
+    monkeypatch.setattr(fused_forward, "forward", counted)
+    monkeypatch.setattr(runner.model, "forward", transformers_forward)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    alone = tok("Hello there").input_ids
+    [output], _ = worker.complete([alone], greedy, 256)
+    monkeypatch.undo()  # the oracle below is the same class's plain forward
+    check_reference(output, plain, tok, alone, greedy)
+    want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
+    assert output.choices[0].token_ids[: len(want)] == want
+    assert calls and 1 in calls
+
+    monkeypatch.setattr(fused_forward, "forward", counted)
+    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
+    background = [
+        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
+        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
+    ]
+    results: dict[int, object] = {}
+    started = threading.Event()
+
+    def run(i, ids, params):
+        started.set()
+        results[i] = worker.complete([ids], params, 256)[0][0]
+
+    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    [chunked], _ = worker.complete([long_prompt], greedy, 256)
+    for thread in threads:
+        thread.join()
+    monkeypatch.undo()
+    check_reference(chunked, plain, tok, long_prompt, greedy)
+    for i, (ids, params) in enumerate(background):
+        check_reference(results[i], plain, tok, ids, params)
+    assert len(long_prompt) > 16 and max(calls) > 1
+
+
+def test_a_model_it_does_not_know_keeps_transformers_forward(gpt2_dir, llama_dir, tmp_path):
+    """GPT-2 (another layer shape), and a float32 Llama (its attention SDPA's, not the float32 kernel's), run
+    transformers' forward; an int4 Llama with PEFT adapters would too (``supports``)."""
+    from app.engine.model.load_config import LoadConfig
+    from app.engine.model.loader import load_model
+    from app.engine.model.runner import ModelRunner, eos_ids
+
+    for config in (
+        LoadConfig(model=str(gpt2_dir), quantize="int4", cache_dir=str(tmp_path)),
+        LoadConfig(model=str(llama_dir), dtype="float32"),
+    ):
+        loaded = load_model(config)
+        runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer))
+        assert not runner.fused, config
+    loaded = load_model(LoadConfig(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path)))
+    runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer))
+    assert runner.fused
+    assert not fused_forward.supports(loaded.model, runner.kv_dtype, adapters=("a",))
