@@ -10,9 +10,9 @@ layer is
     -> add_rms_norm -> gate, up products -> silu(gate) * up -> down product
 
 with the norms and the rotation in saker's kernels (``kernels/decoder_ops.cpp``: transformers' arithmetic to the
-bit, a norm's mean of squares PyTorch's own), the products the layer's own linears (saker's int4 kernel called directly),
-attention the fixed-order kernel over the block pool. transformers' model is left as it is: ``model(...)`` is still
-its plain forward, the oracle the tests compare this one with.
+bit, a norm's mean of squares PyTorch's own), the products the layer's own linears (saker's int4 kernel called
+directly), attention the fixed-order kernel over the block pool. transformers' model is left as it is:
+``model(...)`` is still its plain forward, the oracle the tests compare this one with.
 
 Used for a model whose flat step attends by the CPU's float32 kernel (an int4/int8 model, ``_saker_exact``) when
 its layers are what this forward knows (``supports``): Llama, Mistral or Qwen2 decoder layers with SiLU MLPs and no
