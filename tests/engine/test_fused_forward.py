@@ -22,20 +22,25 @@ from references import check_reference, ref_greedy
 pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU kernels cannot be built here")
 
 
-def test_rms_norm_is_transformers_rmsnorm_and_each_row_its_own():
+@pytest.mark.parametrize("dim", [64, 100, 576, 960, 2048, 4104])
+def test_rms_norm_is_transformers_rmsnorm_and_each_row_its_own(dim):
+    """To the bit, for row sizes that leave whole and partial cascades, vectors and elements in PyTorch's sum (whose
+    order the kernel reproduces where PyTorch's capability is AVX2, ``cpu_kernels.sums_in_order``, and calls
+    elsewhere: both ways are checked)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    torch.manual_seed(0)
-    norm = LlamaRMSNorm(576, eps=1e-5)
+    torch.manual_seed(dim)
+    norm = LlamaRMSNorm(dim, eps=1e-5)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(576))
-    x = torch.randn(37, 576) * torch.logspace(-3, 2, 37).view(-1, 1)  # rows of very different sizes
+        norm.weight.copy_(torch.randn(dim))
+    x = torch.randn(37, dim) * torch.logspace(-3, 2, 37).view(-1, 1)  # rows of very different sizes
     with torch.no_grad():
         want = norm(x)
     got = cpu_kernels.rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
     # the bits: a float32 mean of squares summed in another order (or in float64) moved the embedded int4 model's
     # logprobs by up to 4.6e-4 (an ulp crossing the int4 kernel's int16 rounding of its inputs)
     assert torch.equal(got, want)
+    assert torch.equal(cpu_kernels.kernel().rms_norm(x, norm.weight.detach(), 1e-5, False), want)
     for i in (0, 5, 36):
         assert torch.equal(cpu_kernels.rms_norm(x[i : i + 1], norm.weight.detach(), 1e-5)[0], got[i])
 

@@ -7,9 +7,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins);
 torch::Tensor log_softmax(torch::Tensor x);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool in_order);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps);
+                                                      double eps, bool in_order);
 torch::Tensor rotary_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor write);
 

@@ -3,15 +3,18 @@
 // costs its dispatch (about 10 us on the 2-core machine) for a few hundred floats of arithmetic.
 //
 // The arithmetic is transformers' own, operation for operation and rounding for rounding, so the outputs are the
-// plain forward's bits. RMSNorm's one sum, the mean of squares, is PyTorch's own (``x.pow(2).mean(-1)`` called
-// from here, as transformers calls it): a float32 sum in another order (or in float64) moved the embedded int4
-// SmolLM2's logprobs by up to 4.6e-4, since the int4 kernel rounds its inputs to int16 per group and an ulp can
-// cross a rounding step. Every row is computed from its own inputs only, so a row's outputs are the same bits
+// plain forward's bits. RMSNorm's one sum, the mean of squares, is PyTorch's own: a float32 sum in another order
+// (or in float64) moved the embedded int4 SmolLM2's logprobs by up to 4.6e-4, since the int4 kernel rounds its
+// inputs to int16 per group and an ulp can cross a rounding step. Where PyTorch's CPU capability is AVX2 its sum's
+// order is reproduced here (``torch_sum_of_squares``: ATen's cascade over 8-lane vectors); elsewhere
+// ``x.pow(2).mean(-1)`` is called from here as transformers calls it (about 12 us of a reduction's set-up a row). Every row is computed from its own inputs only, so a row's outputs are the same bits
 // whatever rows come with it. -ffp-contract=off (cpu_kernels.FLAGS): no product is fused into a sum.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -25,8 +28,65 @@ inline void norm_row(const float* x, float variance, const float* w, float eps, 
   for (int64_t i = 0; i < D; ++i) out[i] = w[i] * (x[i] * r);
 }
 
-// Each row's mean of squares, by PyTorch as transformers computes it.
-torch::Tensor mean_squares(const torch::Tensor& x) { return x.pow(2).mean(-1).contiguous(); }
+inline __m256 squares8(const float* p) {
+  const __m256 v = _mm256_loadu_ps(p);
+  return _mm256_mul_ps(v, v);
+}
+
+// The float32 sum of x[i] * x[i] over a row of D, in the order of ATen's sum of a contiguous row with 8-lane
+// vectors (its CPU capability AVX2): the row's whole vectors taken 4 at a time (4 accumulators) and added up in a
+// cascade of 4 levels of 16, the leftover vectors into the first accumulator, the 4 accumulators summed in order,
+// then the leftover elements and the 8 lanes added one by one to a scalar. Checked to the bit against
+// ``x.pow(2).mean(-1)`` (tests/engine/test_fused_forward.py).
+float torch_sum_of_squares(const float* x, int64_t D) {
+  constexpr int LEVELS = 4, ILP = 4;
+  const int64_t vectors = D / 8, rows = vectors / ILP;
+  int64_t log2 = 1;  // c10's CeilLog2: at least 1
+  while ((int64_t(1) << log2) < rows) ++log2;
+  const int64_t power = std::max<int64_t>(4, log2 / LEVELS), step = int64_t(1) << power, mask = step - 1;
+  __m256 acc[LEVELS][ILP];
+  for (auto& level : acc)
+    for (auto& a : level) a = _mm256_setzero_ps();
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < ILP; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], squares8(x + (i * ILP + k) * 8));
+    for (int j = 1; j < LEVELS; ++j) {
+      for (int k = 0; k < ILP; ++k) {
+        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm256_setzero_ps();
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i)
+    for (int k = 0; k < ILP; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], squares8(x + (i * ILP + k) * 8));
+  for (int j = 1; j < LEVELS; ++j)
+    for (int k = 0; k < ILP; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = rows * ILP; v < vectors; ++v) acc[0][0] = _mm256_add_ps(acc[0][0], squares8(x + v * 8));
+  for (int k = 1; k < ILP; ++k) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t e = vectors * 8; e < D; ++e) {
+    const float square = x[e] * x[e];
+    total += square;
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc[0][0]);
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
+// Each row's mean of squares as PyTorch computes ``x.pow(2).mean(-1)``: reproduced (``in_order``, its capability
+// AVX2) or called.
+torch::Tensor mean_squares(const torch::Tensor& x, bool in_order) {
+  if (!in_order) return x.pow(2).mean(-1).contiguous();
+  const int64_t T = x.size(0), D = x.size(1);
+  auto out = torch::empty({T}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) op[t] = torch_sum_of_squares(xp + t * D, D) / static_cast<float>(D);
+  return out;
+}
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x (T, D) float32");
@@ -35,8 +95,9 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// x (T, D), weight (D,) float32 -> (T, D): each row RMS-normalised and scaled by weight.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+// x (T, D), weight (D,) float32 -> (T, D): each row RMS-normalised and scaled by weight; ``in_order``: PyTorch's sum
+// reproduced (its CPU capability is AVX2), else called.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool in_order) {
   check_rows(x, weight);
   x = x.contiguous();
   weight = weight.contiguous();
@@ -44,7 +105,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t T = x.size(0), D = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const auto variance = mean_squares(x);
+  const auto variance = mean_squares(x, in_order);
   const float* vp = variance.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
@@ -55,7 +116,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // The residual stream's step between two sublayers: sum = residual + x, then (rms_norm(sum), sum).
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps) {
+                                                      double eps, bool in_order) {
   check_rows(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat, "residual like x");
   x = x.contiguous();
@@ -67,7 +128,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
   for (int64_t i = 0; i < T * D; ++i) sp[i] = rp[i] + xp[i];
-  const auto variance = mean_squares(sum);
+  const auto variance = mean_squares(sum, in_order);
   const float* vp = variance.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
