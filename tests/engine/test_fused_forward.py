@@ -103,12 +103,12 @@ def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fuse
     the plain forward's: its argmax and log-softmax within 1e-4, the greedy tokens of its ``generate()``."""
     worker, plain = fused
     runner, tok = worker.runner, worker.tokenizer
-    assert runner.fused
+    assert runner.fused is not None
     calls, real = [], fused_forward.forward
 
-    def counted(model, tokens, *args, **kwargs):
+    def counted(plan, tokens, *args, **kwargs):
         calls.append(tokens.shape[0])
-        return real(model, tokens, *args, **kwargs)
+        return real(plan, tokens, *args, **kwargs)
 
     def transformers_forward(*args, **kwargs):
         raise AssertionError("a step ran transformers' forward")
@@ -165,8 +165,8 @@ def test_a_model_it_does_not_know_keeps_transformers_forward(gpt2_dir, llama_dir
     ):
         loaded = load_model(config)
         runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer))
-        assert not runner.fused, config
+        assert runner.fused is None, config
     loaded = load_model(LoadConfig(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path)))
     runner = ModelRunner(loaded.model, loaded.tokenizer, eos_ids(loaded.model, loaded.tokenizer))
-    assert runner.fused
+    assert runner.fused is not None
     assert not fused_forward.supports(loaded.model, runner.kv_dtype, adapters=("a",))

@@ -80,16 +80,42 @@ def _norm_eps(norm: torch.nn.Module) -> float | None:
     return eps if isinstance(eps, float) and weight is not None and getattr(norm, "bias", None) is None else None
 
 
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for x (T, K): an int4 linear of saker's layout with no bias straight into its kernel (its
-    module's reshapes and casts are no-ops here), any other linear through its own forward."""
+class Plan:
+    """What ``forward`` reads of a model it supports, gathered once (``supports`` first): per layer its norms'
+    weights and epsilons, its products (an int4 linear of saker's layout with no bias as its kernel's tensors,
+    ``(packed, scales, mins)``; any other linear as its module), its head dim and attention scale. A step then runs
+    on these locals instead of some 40 module attribute lookups per layer."""
+
+    def __init__(self, model: torch.nn.Module):
+        inner = model.model
+        self.model, self.embed, self.rotary, self.head = model, inner.embed_tokens, inner.rotary_emb, model.lm_head
+        self.norm = (inner.norm.weight, _norm_eps(inner.norm))
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            first, second = layer.input_layernorm, layer.post_attention_layernorm
+            self.layers.append(
+                (
+                    (first.weight, _norm_eps(first)),
+                    tuple(_product(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    attn.head_dim,
+                    attn.scaling,
+                    (second.weight, _norm_eps(second)),
+                    tuple(_product(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")),
+                )
+            )
+
+
+def _product(module: torch.nn.Module):
+    """An int4 linear of saker's layout with no bias as its kernel's tensors (its module's reshapes and casts are
+    no-ops on a flat step's (T, K) input); any other linear as itself."""
     if getattr(module, "layout", None) == "saker" and module.bias is None:
-        return cpu_kernels.int4_linear(x, module.packed, module.scales, module.mins)
-    return module(x)
+        return (module.packed, module.scales, module.mins)
+    return module
 
 
 def forward(
-    model: torch.nn.Module,
+    plan: Plan,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     flat,
@@ -97,34 +123,46 @@ def forward(
 ) -> torch.Tensor:
     """The model's forward over one flat step's ``tokens`` (T,) at ``positions`` (T,) (``attention.FlatStep``:
     each token's key and value written at its pool slot, each token attending over its own sequence's positions):
-    float32 logits of the tokens at ``logits_at`` (every token's when None), (K, V)."""
-    inner = model.model
+    float32 logits of the tokens at ``logits_at`` (every token's when None), (K, V). Straight into the kernels'
+    extension, or through their ``torch.library`` ops while compiling or profiling (``cpu_kernels._through_op``)."""
+    if cpu_kernels._through_op():
+        norm, add_norm = cpu_kernels.rms_norm, cpu_kernels.add_rms_norm
+        rotary, attend, int4 = cpu_kernels.rotary_write, cpu_kernels.call, cpu_kernels.int4_linear
+    else:
+        ext, in_order = cpu_kernels.kernel(), cpu_kernels.sums_in_order()
+
+        def norm(x, weight, eps):
+            return ext.rms_norm(x, weight, eps, in_order)
+
+        def add_norm(x, residual, weight, eps):
+            return ext.add_rms_norm(x, residual, weight, eps, in_order)
+
+        rotary, attend, int4 = ext.rotary_write, ext.paged_attention, ext.int4_linear
+
+    def product(spec, x):
+        return int4(x, *spec) if type(spec) is tuple else spec(x)
+
     count = tokens.shape[0]
-    hidden = inner.embed_tokens(tokens.view(-1))
-    cos, sin = inner.rotary_emb(hidden.unsqueeze(0), positions.view(1, -1))
+    hidden = plan.embed(tokens.view(-1))
+    cos, sin = plan.rotary(hidden.unsqueeze(0), positions.view(1, -1))
     cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
     tables, which, lo, hi = flat.spans(None)
-    residual = None
-    for index, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        norm = layer.input_layernorm
+    write, residual = flat.write, None
+    for index, (first, (q_proj, k_proj, v_proj, o_proj), head_dim, scale, second, mlp) in enumerate(plan.layers):
         if residual is None:
-            x, residual = cpu_kernels.rms_norm(hidden, norm.weight, _norm_eps(norm)), hidden
+            x, residual = norm(hidden, *first), hidden
         else:
-            x, residual = cpu_kernels.add_rms_norm(hidden, residual, norm.weight, _norm_eps(norm))
-        head_dim = attn.head_dim
-        q = _linear(attn.q_proj, x).view(count, -1, head_dim)
-        k = _linear(attn.k_proj, x).view(count, -1, head_dim)
-        v = _linear(attn.v_proj, x).view(count, -1, head_dim)
+            x, residual = add_norm(hidden, residual, *first)
+        q = product(q_proj, x).view(count, -1, head_dim)
+        k = product(k_proj, x).view(count, -1, head_dim)
+        v = product(v_proj, x).view(count, -1, head_dim)
         keys, values = flat.keys[index], flat.values[index]
-        q = cpu_kernels.rotary_write(q, k, v, cos, sin, keys, values, flat.write)
-        out = cpu_kernels.call(q, keys, values, tables, which, lo, hi, attn.scaling)
-        hidden = _linear(attn.o_proj, out.view(count, -1))
-        norm = layer.post_attention_layernorm
-        x, residual = cpu_kernels.add_rms_norm(hidden, residual, norm.weight, _norm_eps(norm))
-        gate = torch.nn.functional.silu(_linear(mlp.gate_proj, x))
-        hidden = _linear(mlp.down_proj, gate.mul_(_linear(mlp.up_proj, x)))
-    x, _ = cpu_kernels.add_rms_norm(hidden, residual, inner.norm.weight, _norm_eps(inner.norm))
+        q = rotary(q, k, v, cos, sin, keys, values, write)
+        hidden = product(o_proj, attend(q, keys, values, tables, which, lo, hi, scale).view(count, -1))
+        x, residual = add_norm(hidden, residual, *second)
+        gate, up, down = mlp
+        hidden = product(down, torch.nn.functional.silu(product(gate, x)).mul_(product(up, x)))
+    x, _ = add_norm(hidden, residual, *plan.norm)
     if logits_at is not None:
         x = x[logits_at]
-    return model.lm_head(x).float()
+    return plan.head(x).float()

@@ -34,7 +34,8 @@ class ModelRunner:
     compiled_flat: object = None  # the flat step's forward compiled (``compile_flat``: the CPU's kernel path), or None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
-    fused: bool = False  # steps run saker's own forward of the model's layers (``fused_forward``), not transformers'
+    # steps run saker's own forward of the model's layers (``fused_forward``) where it has one, not transformers'
+    fused: fused_forward.Plan | None = None
     # tests only: called before each forward and each sampling with what it is ("rows", "flat", "sample"); raising
     # there is a step failing at that point (tests/engine/test_fault_isolation.py)
     fault: object = field(default=None, repr=False)
@@ -58,7 +59,8 @@ class ModelRunner:
 
             head_dim = self.probe_cache().layers[0].keys.shape[-1]
             self.kv_dtype = torch.float32 if cpu_kernels.supports(head_dim) else torch.float64
-        self.fused = fused_forward.supports(self.model, self.kv_dtype, self.adapters)
+        if fused_forward.supports(self.model, self.kv_dtype, self.adapters):
+            self.fused = fused_forward.Plan(self.model)
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(
@@ -158,9 +160,9 @@ class ModelRunner:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
             every = rows.clone()  # every row's logits: a tensor of its own (inputs that alias are another graph)
             return self.run_compiled_flat(tokens, positions, write, gather, rows, positions + 1, every, keys, values)
-        if self.fused and adapter_names is None:
+        if self.fused is not None and adapter_names is None:
             flat = FlatStep(keys, values, write, tokens.shape[0], gather, row_positions=positions)
-            return fused_forward.forward(self.model, tokens, positions, flat)
+            return fused_forward.forward(self.fused, tokens, positions, flat)
         n, width = gather.shape[0], gather.shape[1] * BLOCK
         mask = (torch.arange(width, device=positions.device).view(1, -1) <= positions.view(-1, 1)).view(n, 1, 1, width)
         flat = FlatStep(keys, values, write, n, gather, mask, positions, batched=True, scratch=scratch)
@@ -193,8 +195,8 @@ class ModelRunner:
         """The model's forward over one flat sequence of tokens (``attention.FlatStep``), float32 logits at
         ``logits_at``: what ``flat_step`` runs eagerly and ``flat_forward`` compiles; saker's own forward of the
         model's layers where it has one (``fused_forward``), else transformers'."""
-        if self.fused:
-            return fused_forward.forward(self.model, tokens, positions, flat, logits_at)
+        if self.fused is not None:
+            return fused_forward.forward(self.fused, tokens, positions, flat, logits_at)
         out = self.model(
             input_ids=tokens.view(1, -1),
             position_ids=positions.view(1, -1),
