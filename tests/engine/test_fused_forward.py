@@ -36,23 +36,24 @@ def test_rms_norm_is_transformers_rmsnorm_and_each_row_its_own(dim):
     x = torch.randn(37, dim) * torch.logspace(-3, 2, 37).view(-1, 1)  # rows of very different sizes
     with torch.no_grad():
         want = norm(x)
-    got = cpu_kernels.rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    in_order = cpu_kernels.sums_in_order()
+    got = cpu_kernels.rms_norm(x, norm.weight.detach(), norm.variance_epsilon, in_order)
     # the bits: a float32 mean of squares summed in another order (or in float64) moved the embedded int4 model's
     # logprobs by up to 4.6e-4 (an ulp crossing the int4 kernel's int16 rounding of its inputs)
     assert torch.equal(got, want)
     assert torch.equal(cpu_kernels.kernel().rms_norm(x, norm.weight.detach(), 1e-5, False), want)
     for i in (0, 5, 36):
-        assert torch.equal(cpu_kernels.rms_norm(x[i : i + 1], norm.weight.detach(), 1e-5)[0], got[i])
+        assert torch.equal(cpu_kernels.rms_norm(x[i : i + 1], norm.weight.detach(), 1e-5, in_order)[0], got[i])
 
 
 def test_add_rms_norm_adds_to_the_bit_and_normalises_the_sum():
     torch.manual_seed(1)
     x, residual, weight = torch.randn(9, 64), torch.randn(9, 64), torch.randn(64)
-    normed, total = cpu_kernels.add_rms_norm(x, residual, weight, 1e-6)
+    normed, total = cpu_kernels.add_rms_norm(x, residual, weight, 1e-6, True)
     assert torch.equal(total, residual + x)
-    assert torch.equal(normed, cpu_kernels.rms_norm(residual + x, weight, 1e-6))
+    assert torch.equal(normed, cpu_kernels.rms_norm(residual + x, weight, 1e-6, True))
     with pytest.raises(RuntimeError, match="residual like x"):
-        cpu_kernels.add_rms_norm(x, residual[:3], weight, 1e-6)
+        cpu_kernels.add_rms_norm(x, residual[:3], weight, 1e-6, True)
 
 
 @pytest.mark.parametrize("dim", [16, 64, 128])

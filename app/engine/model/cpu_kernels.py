@@ -210,12 +210,12 @@ def _(x, weight, eps, in_order):
     return torch.empty_like(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_order: bool) -> torch.Tensor:
     """x (T, D), weight (D,) float32 -> transformers' RMSNorm of each row, to the bit (its mean of squares
-    PyTorch's: ``sums_in_order``)."""
+    PyTorch's, reproduced when ``in_order``: ``sums_in_order()``, asked once outside any compiled code)."""
     if _through_op():
-        return _rms_norm_op(x, weight, eps, sums_in_order())
-    return kernel().rms_norm(x, weight, eps, sums_in_order())
+        return _rms_norm_op(x, weight, eps, in_order)
+    return kernel().rms_norm(x, weight, eps, in_order)
 
 
 @torch.library.custom_op("saker::add_rms_norm", mutates_args=())
@@ -231,12 +231,12 @@ def _(x, residual, weight, eps, in_order):
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, in_order: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream between two sublayers: ``(rms_norm(residual + x), residual + x)``."""
     if _through_op():
-        return _add_rms_norm_op(x, residual, weight, eps, sums_in_order())
-    return kernel().add_rms_norm(x, residual, weight, eps, sums_in_order())
+        return _add_rms_norm_op(x, residual, weight, eps, in_order)
+    return kernel().add_rms_norm(x, residual, weight, eps, in_order)
 
 
 @torch.library.custom_op("saker::rotary_write", mutates_args=("keys", "values"))

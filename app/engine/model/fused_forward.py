@@ -90,6 +90,7 @@ class Plan:
         inner = model.model
         self.model, self.embed, self.rotary, self.head = model, inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.norm = (inner.norm.weight, _norm_eps(inner.norm))
+        self.in_order = cpu_kernels.sums_in_order()  # asked here, not in a step (a compiled one cannot ask)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -125,19 +126,18 @@ def forward(
     each token's key and value written at its pool slot, each token attending over its own sequence's positions):
     float32 logits of the tokens at ``logits_at`` (every token's when None), (K, V). Straight into the kernels'
     extension, or through their ``torch.library`` ops while compiling or profiling (``cpu_kernels._through_op``)."""
+    in_order = plan.in_order
     if cpu_kernels._through_op():
-        norm, add_norm = cpu_kernels.rms_norm, cpu_kernels.add_rms_norm
-        rotary, attend, int4 = cpu_kernels.rotary_write, cpu_kernels.call, cpu_kernels.int4_linear
+        ops, rotary, attend, int4 = cpu_kernels, cpu_kernels.rotary_write, cpu_kernels.call, cpu_kernels.int4_linear
     else:
-        ext, in_order = cpu_kernels.kernel(), cpu_kernels.sums_in_order()
+        ops = cpu_kernels.kernel()
+        rotary, attend, int4 = ops.rotary_write, ops.paged_attention, ops.int4_linear
 
-        def norm(x, weight, eps):
-            return ext.rms_norm(x, weight, eps, in_order)
+    def norm(x, weight, eps):
+        return ops.rms_norm(x, weight, eps, in_order)
 
-        def add_norm(x, residual, weight, eps):
-            return ext.add_rms_norm(x, residual, weight, eps, in_order)
-
-        rotary, attend, int4 = ext.rotary_write, ext.paged_attention, ext.int4_linear
+    def add_norm(x, residual, weight, eps):
+        return ops.add_rms_norm(x, residual, weight, eps, in_order)
 
     def product(spec, x):
         return int4(x, *spec) if type(spec) is tuple else spec(x)
