@@ -37,7 +37,7 @@ def supports(model: torch.nn.Module, kv_dtype: torch.dtype | None, adapters: tup
     inner = getattr(model, "model", None)
     if adapters or config is None or inner is None or getattr(config, "model_type", None) not in MODEL_TYPES:
         return False
-    if not getattr(model, "_saker_exact", False) or kv_dtype != torch.float32 or cpu_kernels.kernel() is None:
+    if not getattr(model, "_saker_exact", False) or kv_dtype != torch.float32:
         return False
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "sliding_window", None) is not None:
         return False
@@ -86,7 +86,7 @@ class Plan:
 
     def __init__(self, model: torch.nn.Module):
         inner = model.model
-        self.model, self.embed, self.rotary, self.head = model, inner.embed_tokens, inner.rotary_emb, model.lm_head
+        self.embed, self.rotary, self.head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.norm = (inner.norm.weight, _norm_eps(inner.norm))
         self.in_order = cpu_kernels.sums_in_order()  # asked here, not in a step (a compiled one cannot ask)
         self.layers = []

@@ -7,8 +7,8 @@
 // (or in float64) moved the embedded int4 SmolLM2's logprobs by up to 4.6e-4, since the int4 kernel rounds its
 // inputs to int16 per group and an ulp can cross a rounding step. Where PyTorch's CPU capability is AVX2 its sum's
 // order is reproduced here (``torch_sum_of_squares``: ATen's cascade over 8-lane vectors); elsewhere
-// ``x.pow(2).mean(-1)`` is called from here as transformers calls it (about 12 us of a reduction's set-up a row). Every row is computed from its own inputs only, so a row's outputs are the same bits
-// whatever rows come with it. -ffp-contract=off (cpu_kernels.FLAGS): no product is fused into a sum.
+// ``x.pow(2).mean(-1)`` is called from here as transformers calls it (about 12 us of a reduction's set-up a row).
+// Every row is computed from its own inputs only, so a row's outputs are the same bits whatever rows come with it. -ffp-contract=off (cpu_kernels.FLAGS): no product is fused into a sum.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
