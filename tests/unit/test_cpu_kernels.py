@@ -159,13 +159,14 @@ def test_the_int4_linear_is_its_int16_inputs_times_its_codes_and_each_row_its_ow
     mins = zeros - 8 * scales
     x = torch.randn(17, k) * torch.rand(1, k) * 4  # inputs of uneven sizes, as hidden states are
     x[3, :32] = 0.0  # a group of zeros (d = 0)
-    out = cpu_kernels.int4_linear(x, pack_int4_cpu(codes), scales, mins)
+    packed = pack_int4_cpu(codes, scales, mins)
+    out = cpu_kernels.int4_linear(x, *packed)
     weights = codes.double().view(n, k // GROUP, GROUP) * scales.double()[..., None] + mins.double()[..., None]
     expected = int16_groups(x) @ weights.view(n, k).T
     torch.testing.assert_close(out.double(), expected, atol=4e-6 * float(expected.abs().max()), rtol=0)
     for rows in (1, 2, 3, 4, 5, 8, 9):
-        assert torch.equal(cpu_kernels.int4_linear(x[:rows], pack_int4_cpu(codes), scales, mins), out[:rows]), rows
-    assert torch.equal(cpu_kernels.int4_linear(x[5:6], pack_int4_cpu(codes), scales, mins), out[5:6])
+        assert torch.equal(cpu_kernels.int4_linear(x[:rows], *packed), out[:rows]), rows
+    assert torch.equal(cpu_kernels.int4_linear(x[5:6], *packed), out[5:6])
     # the kernel's own codes are the reference's: a group's largest input is exactly +-127 of them
     assert (
         int16_groups(x).view(17, k // 32, 32).abs().amax(-1) - x.view(17, k // 32, 32).abs().amax(-1)
@@ -173,18 +174,18 @@ def test_the_int4_linear_is_its_int16_inputs_times_its_codes_and_each_row_its_ow
 
 
 def test_the_int4_linear_refuses_what_it_cannot_compute():
-    """Inputs not in whole groups of 32, an odd number of outputs and other dtypes are errors, not wrong numbers."""
+    """Inputs not in whole groups of 32, outputs not in tiles of 8 and other dtypes are errors, not wrong numbers."""
     from app.engine.model.quantize import pack_int4_cpu
 
     codes = torch.randint(0, 16, (16, 64), dtype=torch.int32)
-    ones = torch.ones(16, 2)
+    packed, ones, _ = pack_int4_cpu(codes, torch.ones(16, 2), torch.ones(16, 2))
     with pytest.raises(RuntimeError, match="groups of 32"):
-        cpu_kernels.int4_linear(torch.randn(2, 48), pack_int4_cpu(codes)[:, :24], ones, ones)
+        cpu_kernels.int4_linear(torch.randn(2, 48), packed[:, :24], ones, ones)
     with pytest.raises(RuntimeError, match="float32 x"):
-        cpu_kernels.int4_linear(torch.randn(2, 64).double(), pack_int4_cpu(codes), ones, ones)
-    with pytest.raises(RuntimeError, match="even number"):
-        cpu_kernels.int4_linear(torch.randn(2, 64), pack_int4_cpu(codes)[:15], ones[:15], ones[:15])
-    assert cpu_kernels.int4_linear(torch.randn(0, 64), pack_int4_cpu(codes), ones, ones).shape == (0, 16)
+        cpu_kernels.int4_linear(torch.randn(2, 64).double(), packed, ones, ones)
+    with pytest.raises(RuntimeError, match="tiles of 8"):
+        cpu_kernels.int4_linear(torch.randn(2, 64), packed[:12], ones[:12], ones[:12])
+    assert cpu_kernels.int4_linear(torch.randn(0, 64), packed, ones, ones).shape == (0, 16)
 
 
 def test_an_int8_lm_head_gives_float32_logits(llama_dir):

@@ -178,7 +178,7 @@ def _(x, weight, scales, mins):
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 @ W.T -> (M, N) float32 for int4 codes in groups of 32 (``w = q * scale + min``; weight
-    (N, K / 2) uint8, ``quantize.pack_int4_cpu``'s layout; scales, mins (N, K / 32) float32): each row of x
+    (N, K / 2) uint8, scales, mins (N, K / 32) float32, in ``quantize.pack_int4_cpu``'s tiles): each row of x
     quantized to int16 per group and multiplied in integers (``kernels/int4_linear.cpp``), the groups summed in a
     fixed order (the same bits whatever M is); through the custom op ``saker::int4_linear`` while compiling."""
     if _through_op():

@@ -101,12 +101,24 @@ def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), INNER_K_TILES)
 
 
-def pack_int4_cpu(codes: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """(N, K) int codes 0..15 in saker's CPU layout (``kernels/int4_linear.cpp``): (N, K / 2) uint8, each group's
-    16 bytes holding its codes 0..15 in the low nibbles and 16..31 in the high ones."""
+def pack_int4_cpu(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) int codes 0..15 and their (N, K / 32) scales and mins in saker's CPU layout
+    (``kernels/int4_linear.cpp``), outputs in tiles of 8: codes (N, K / 2) uint8 holding (N / 8, K / 32, 8, 16)
+    bytes, byte ``2 * o + e`` of a tile's group's chunk ``c`` holding output ``o``'s code of input ``2c + e`` in its
+    low nibble and of input ``2c + 16 + e`` in its high one; scales and mins float32 (N, K / 32) holding
+    (N / 8, K / 32, 8)."""
     n, k = codes.shape
-    groups = codes.to(torch.uint8).contiguous().view(n, k // group, 2, group // 2)
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    assert group == 32 and n % 8 == 0, "groups of 32 inputs, outputs in tiles of 8"
+    tiles = codes.to(torch.uint8).reshape(n // 8, 8, k // group, group // 2, 2)  # tile, output, group, pair, e
+    tiles = tiles.permute(0, 2, 3, 1, 4)  # tile, group, pair, output, e
+    packed = (tiles[:, :, :8] | (tiles[:, :, 8:] << 4)).reshape(n, k // 2).contiguous()
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:
+        return values.float().reshape(n // 8, 8, k // group).transpose(1, 2).reshape(n, k // group).contiguous()
+
+    return packed, per_tile(scales), per_tile(mins)
 
 
 def int4_layout(device: torch.device | str) -> str:
@@ -120,8 +132,8 @@ def int4_layout(device: torch.device | str) -> str:
 class Int4Linear(nn.Module):
     """An int4 linear, ``w = (q - 8) * scale + zero`` per group of 32 inputs, in one of two layouts
     (``int4_layout``): saker's CPU kernel (buffers ``packed`` (N, K / 2) uint8, ``scales`` and ``mins`` (N, K / 32)
-    float32, ``min = zero - 8 * scale``) or PyTorch's for the device (``packed`` as ``pack_int4`` gives it,
-    ``scale_zeros`` (K / 32, N, 2) bfloat16)."""
+    float32, ``min = zero - 8 * scale``, all three in ``pack_int4_cpu``'s tiles of 8 outputs) or PyTorch's for the
+    device (``packed`` as ``pack_int4`` gives it, ``scale_zeros`` (K / 32, N, 2) bfloat16)."""
 
     def __init__(
         self,
@@ -137,10 +149,11 @@ class Int4Linear(nn.Module):
         self.group = group
         self.layout = int4_layout(device)
         if self.layout == "saker":
-            self.register_buffer("packed", pack_int4_cpu(codes, group).to(device))
-            self.register_buffer("scales", scales.float().contiguous().to(device))
-            mins = zeros.double() - 8.0 * scales.double()  # one rounding, not two
-            self.register_buffer("mins", mins.float().contiguous().to(device))
+            mins = (zeros.double() - 8.0 * scales.double()).float()  # one rounding, not two
+            packed, scales, mins = pack_int4_cpu(codes, scales, mins, group)
+            self.register_buffer("packed", packed.to(device))
+            self.register_buffer("scales", scales.to(device))
+            self.register_buffer("mins", mins.to(device))
         else:
             self.register_buffer("packed", pack_int4(codes, torch.device(device)))
             # (K / group, N, 2): each group's scale and zero, the layout both of PyTorch's kernels read
@@ -229,7 +242,8 @@ def quantizable(module: nn.Module, mode: str) -> bool:
         return False  # quantized from the float weights on the CPU, then packed for the device they serve on
     weight, _ = _weight_of(module)
     out_features, in_features = weight.shape
-    # the int4 kernel packs outputs by 16 and reads inputs in whole groups; other shapes stay as they are
+    # the int4 kernels pack outputs by 16 (CUDA; the CPU's by 8) and read inputs in whole groups; other shapes stay
+    # as they are
     return mode == "int8" or (in_features % GROUP == 0 and out_features % 16 == 0)
 
 

@@ -50,9 +50,9 @@ def source_identity(model_path: str, revision: str | None, gguf: str | None) -> 
 def cache_key(mode: str, source: list, device: torch.device | str = "cpu") -> str:
     kind = torch.device(device).type
     # the CPU's key is as it was before CUDA packing and saker's int4 kernel existed, so CPU caches already written
-    # for PyTorch's layout stay valid; saker's int4 layout has a key of its own
+    # for PyTorch's layout stay valid; saker's int4 layout has a key of its own (its tiles of 8 outputs another)
     extra = ([] if kind == "cpu" else [kind]) + (
-        ["saker-int4"] if mode == "int4" and int4_layout(device) == "saker" else []
+        ["saker-int4", "tiles-8"] if mode == "int4" and int4_layout(device) == "saker" else []
     )
     text = json.dumps([FORMAT, mode, torch.__version__, source] + extra, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -5,14 +5,24 @@
 // xq = round-half-even(x * 32767 / max |x|), so x ~ d * xq, within 2^-16 of the group's largest input), then for
 // each group
 //   sum_k x_k w_k  ~  d * scale * sum_k xq_k q_k + d * sum_k xq_k * min,
-// where sum_k xq_k q_k is exact in integers (_mm256_madd_epi16: 0..15 x -32767..32767 pairs into int32 lanes).
+// where sum_k xq_k q_k is exact in integers (_mm256_madd_epi16: 0..15 x -32767..32767 pairs into int32 lanes) and
+// so is its float (|sum| <= 32 * 15 * 32767 < 2^24).
 // int8 inputs (llama.cpp's Q8_1, _mm256_maddubs_epi16) ran 6-21 % faster here but moved the embedded SmolLM2's
 // logprobs 2.4x further from its float32 ones (0.116 against 0.049; PyTorch's bfloat16 inputs 0.075); int16
-// inputs are finer than bfloat16's 8 bits. Float rounding happens only when the groups are summed (``rows``), in an order that
-// depends on K alone, so a row's outputs are the same bits however many rows come with it. Rows go 4 at a time
-// over each pair of weight rows (their codes unpacked once per 4).
+// inputs are finer than bfloat16's 8 bits.
 //
-// Weight layout: (N, K / 32, 16) bytes, byte j of a group holding q_j in its low nibble and q_{j+16} in its high one.
+// Lanes over outputs: a vector holds 8 outputs (a tile), so a group's whole integer dot of each output ends in its
+// own lane and the float work per group (the conversion, d * scale, the min term) is shared by 8 outputs. Float
+// rounding happens only there: output (m, n) = fma over groups g in order of (dot_g * (d_g * scale_g)) then
+// (d_g * sum(xq_g)) * min_g, an order that depends on K alone, so a row's outputs are the same bits however many
+// rows come with it. Rows go 4 at a time over a tile (its codes unpacked once per 4). Against lanes over inputs
+// (each output's group split over 8 lanes, summed at the end) this took 0.61-0.78x the time at 1-32 rows.
+//
+// Weight layout, (N / 8, K / 32, 8, 16) bytes (stored as (N, K / 2)): tile t, group g, chunk c, byte 2 * o + e
+// holds q[8t + o][32g + 2c + e] in its low nibble and q[8t + o][32g + 2c + 16 + e] in its high one, so one
+// 16-byte load widened to int16 gives the codes of input pairs c and c + 8 for the tile's 8 outputs, each pair
+// against one broadcast pair of xq in _mm256_madd_epi16. Scales and mins (N / 8, K / 32, 8) float32 (stored as
+// (N, K / 32)): tile t, group g, output o.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,11 +40,6 @@ namespace {
 
 constexpr int64_t GROUP = 32;
 constexpr float LIMIT = 32767.0f;  // the int16 codes of a group span -LIMIT..LIMIT
-// How far ahead a lone row's loop asks for its weights (bytes), and its scales and mins (a quarter as far in
-// floats). The hardware's own prefetch left the 1-row products at 8-10 GB/s of about 20 from memory; prefetching
-// 1 KiB ahead changed nothing, 4-16 KiB ahead a line per 4 groups made them 5-8 % faster (4 lines per 16
-// groups: 3 %). Rows in tiles of 2-4 are not memory-bound and do not prefetch (7 % slower with it).
-constexpr int64_t PREFETCH = 16384;
 
 // Row m of x quantized per group: codes (K) int16, d (G) and d * sum(codes) (G) per group: x * (32767 / max |x|)
 // rounded half to even (cvtps under the default rounding mode).
@@ -70,7 +75,8 @@ void quantize_row(const float* x, int64_t K, int16_t* codes, float* d, float* ds
   }
 }
 
-// A group's 32 codes as two vectors of 16 int16: codes 0..15 (the low nibbles), codes 16..31 (the high ones).
+// A chunk's 32 codes as two vectors of 16 int16: input pairs c (the low nibbles) and c + 8 (the high ones), each
+// as (output 0: inputs 2c, 2c + 1), (output 1: ...), ..., (output 7: ...).
 struct Codes {
   __m256i low, high;
 };
@@ -81,72 +87,49 @@ inline Codes unpack(const uint8_t* w) {
   return {_mm256_and_si256(both, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(both, 4)};
 }
 
-// The 8 int32 partial sums of q x xq over one group (exact: |sum| <= 32 * 15 * 32767 < 2^24, so its float is too).
-inline __m256i dot32(const Codes& q, const int16_t* xq) {
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-  return _mm256_add_epi32(_mm256_madd_epi16(q.low, x0), _mm256_madd_epi16(q.high, x1));
-}
+// Two int16 inputs (a pair) in every 32-bit lane.
+inline __m256i pair(const int16_t* x) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
 
-// sum_g a[g] * b[g] in one fixed order: 8 lanes over g, the tree, then the tail in order.
-inline float dot_groups(const float* a, const float* b, int64_t G) {
-  const int64_t body = G / 8 * 8;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < body; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
-  float sum = saker::sum8(acc);
-  for (int64_t g = body; g < G; ++g) sum = std::fma(a[g], b[g], sum);
-  return sum;
-}
-
-// Output (m, n) = sum over groups of d * scale * dot + d * sum(xq) * min. Each group's 8 exact integer partial dots
-// are converted to floats and fused into the output's 8-lane accumulator times d * scale, group after group; then
-// its lanes are summed in one fixed tree and the min terms (``dot_groups``) added. The order depends on K alone.
-// Two weight rows go together (N is even: whole groups of 16 outputs), so R rows x 2 outputs make 2R independent
-// chains and each row's codes serve both.
+// Rows m0 .. m0 + R of the outputs of tiles [t0, t1): per tile and group, each row's 8 exact integer dots (one per
+// output) in an int32 accumulator, then converted and fused into the row's float accumulator (see the top).
+// Tiles of 2 at a time and unrolling the chunks were slower here (registers run out: 16 on AVX2).
 template <int R>
 void rows(const int16_t* xq, const float* d, const float* dsum, const uint8_t* w, const float* scales,
-          const float* mins, float* out, int64_t m0, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+          const float* mins, float* out, int64_t m0, int64_t t0, int64_t t1, int64_t K, int64_t N) {
   const int64_t G = K / GROUP;
-  constexpr int64_t BYTES = GROUP / 2;
-  for (int64_t n = n0; n < n1; n += 2) {
-    const uint8_t* w0 = w + n * G * BYTES;
-    const uint8_t* w1 = w0 + G * BYTES;
-    const float* s0 = scales + n * G;
-    const float* s1 = s0 + G;
-    __m256 acc[2][R];
-    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * G * 128;
+    const float* st = scales + t * G * 8;
+    const float* mt = mins + t * G * 8;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      if (R == 1 && (g & 3) == 0) {  // a lone row streams its weights: ask for them PREFETCH ahead, a line at a time
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + g * BYTES + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + g * BYTES + PREFETCH), _MM_HINT_T0);
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const Codes q = unpack(wt + (g * 8 + c) * 16);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xm = xq + (m0 + r) * K + g * GROUP + 2 * c;
+          const __m256i pairs = _mm256_add_epi32(_mm256_madd_epi16(q.low, pair(xm)), _mm256_madd_epi16(q.high, pair(xm + 16)));
+          dot[r] = _mm256_add_epi32(dot[r], pairs);
+        }
       }
-      if (R == 1 && (g & 15) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(s0 + g + PREFETCH / 4), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(s1 + g + PREFETCH / 4), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(mins + n * G + g + PREFETCH / 4), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(mins + (n + 1) * G + g + PREFETCH / 4), _MM_HINT_T0);
-      }
-      const Codes q0 = unpack(w0 + g * BYTES), q1 = unpack(w1 + g * BYTES);
-      const __m256 sc0 = _mm256_broadcast_ss(s0 + g), sc1 = _mm256_broadcast_ss(s1 + g);
+      const __m256 sc = _mm256_loadu_ps(st + g * 8), mn = _mm256_loadu_ps(mt + g * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const int16_t* xm = xq + m * K + g * GROUP;
         const __m256 dm = _mm256_broadcast_ss(d + m * G + g);
-        acc[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q0, xm)), _mm256_mul_ps(dm, sc0), acc[0][r]);
-        acc[1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q1, xm)), _mm256_mul_ps(dm, sc1), acc[1][r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dm, sc), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(dsum + m * G + g), mn, acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      for (int c = 0; c < 2; ++c)
-        out[m * N + n + c] = saker::sum8(acc[c][r]) + dot_groups(dsum + m * G, mins + (n + c) * G, G);
-    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + (m0 + r) * N + t * 8, acc[r]);
   }
 }
 
 }  // namespace
 
-// x (M, K) float32, K a multiple of 32; w (N, K / 2) uint8 in the layout above; scales, mins (N, K / 32) float32.
+// x (M, K) float32, K a multiple of 32; w (N, K / 2) uint8, scales and mins (N, K / 32) float32, in the layout
+// above (N a multiple of 8).
 // Returns (M, N) float32.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) % GROUP == 0 && w.size(1) * 2 == x.size(1),
@@ -159,7 +142,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   mins = mins.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / GROUP;
   TORCH_CHECK(scales.numel() == N * G && mins.numel() == N * G, "scales and mins (N, K / 32)");
-  TORCH_CHECK(N % 2 == 0, "an even number of outputs");
+  TORCH_CHECK(N % 8 == 0, "outputs in tiles of 8");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   std::vector<int16_t> xq(M * K);
@@ -175,10 +158,10 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   saker::over_columns(N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += 4) {
       switch (std::min<int64_t>(4, M - m)) {
-        case 4: rows<4>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0, n1, K, N); break;
-        case 3: rows<3>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0, n1, K, N); break;
-        case 2: rows<2>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0, n1, K, N); break;
-        default: rows<1>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0, n1, K, N);
+        case 4: rows<4>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N); break;
+        case 3: rows<3>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N); break;
+        case 2: rows<2>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N); break;
+        default: rows<1>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N);
       }
     }
   });
