@@ -174,15 +174,23 @@ def llama_model(
     device: str = "cpu",
     **config: Any,
 ):
-    """A Llama (or, with ``kind="mistral"``, a Mistral) with random weights (drawn after
+    """A Llama (or, with ``kind="mistral"`` or ``"qwen2"``, a Mistral or a Qwen2) with random weights (drawn after
     ``torch.manual_seed(seed)``, on ``device``) for ``tok``: its vocabulary, BOS and EOS. ``config``: more
     config fields (``rope_theta``, ``sliding_window``, ``dtype``, ...)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     }[kind]
     config.setdefault("bos_token_id", tok.bos_token_id)
     config.setdefault("eos_token_id", tok.eos_token_id)

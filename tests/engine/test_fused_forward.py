@@ -80,21 +80,49 @@ def test_rotary_write_is_transformers_rotation_and_writes_the_pool(dim):
         cpu_kernels.rotary_write(q, k, v, cos, sin, keys, values, write + slots)
 
 
-@pytest.fixture(scope="module")
-def fused(llama_dir, tmp_path_factory):
-    """The tiny Llama served int4 (its flat steps by the fused forward), prompts in chunks of 8, up to 4 rows; and
-    the same int4 model loaded again outside any engine, its own attention as served (the oracle)."""
+def tiny_decoder(llama_dir, root, kind: str):
+    """The tests' tiny Llama, or a tiny Mistral (no sliding window) or Qwen2 (its q, k, v biases drawn, not
+    zero) of the same shape and tokenizer."""
+    if kind == "llama":
+        return llama_dir
+    from transformers import AutoTokenizer
+
+    from tooling.tiny_models import llama_model
+
+    path = root / kind
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    model = llama_model(tok, kind=kind, seed=1, **({"sliding_window": None} if kind == "mistral" else {}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                bias = getattr(layer.self_attn, name).bias
+                if bias is not None:
+                    bias.normal_(0.0, 0.2)
+    tok.save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=fused_forward.MODEL_TYPES)
+def fused(request, llama_dir, tmp_path_factory):
+    """Each tiny decoder the fused forward knows (Llama, Mistral, Qwen2) served int4 (its flat steps by the fused
+    forward), prompts in chunks of 8, up to 4 rows; and the same int4 model loaded again outside any engine, its
+    own attention as served (the oracle)."""
     from app.engine.core.worker import Worker
     from app.engine.model.attention import use_engine_attention
     from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
 
-    config = LoadConfig(model=str(llama_dir), quantize="int4", cache_dir=str(tmp_path_factory.mktemp("fused")))
+    root = tmp_path_factory.mktemp("fused")
+    model_dir = tiny_decoder(llama_dir, root, request.param)
+    config = LoadConfig(model=str(model_dir), quantize="int4", cache_dir=str(root / "cache"))
     worker = Worker.from_loaded(
         ("m",), load_model(config), max_batch_rows=4, prefill_chunk_tokens=8, prefix_cache_tokens=0
     )
     plain = load_model(config).model
-    assert use_engine_attention(plain)
+    assert use_engine_attention(plain) and plain.config.model_type == request.param
+    biased = plain.model.layers[0].self_attn.q_proj.bias is not None
+    assert biased == (request.param == "qwen2")  # Qwen2's products with biases go through their modules
     return worker, plain
 
 

@@ -15,8 +15,8 @@ directly), attention the fixed-order kernel over the block pool. transformers' m
 ``model(...)`` is still its plain forward, the oracle the tests compare this one with.
 
 Used for a model whose flat step attends by the CPU's float32 kernel (an int4/int8 model, ``_saker_exact``) when
-its layers are what this forward knows (``supports``): Llama decoder layers with SiLU MLPs and no sliding window, and
-no PEFT adapters. Any other model runs transformers' forward."""
+its layers are what this forward knows (``supports``): Llama, Mistral and Qwen2 decoder layers with SiLU MLPs and no
+sliding window, and no PEFT adapters. Any other model runs transformers' forward."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import torch
 
 from app.engine.model import cpu_kernels
 
-# decoder layers of exactly this shape (no q/k norms, no scaled embeddings), each tested with a tiny model: Mistral's
-# and Qwen2's layers have it too (Qwen2's with biases, which their modules add) but wait for such a test
-MODEL_TYPES = ("llama",)
+# decoder layers of exactly this shape (no q/k norms, no scaled embeddings), each tested with a tiny model
+# (tests/engine/test_fused_forward.py); Qwen2's q, k and v have biases, which their modules add
+MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def supports(model: torch.nn.Module, kv_dtype: torch.dtype | None, adapters: tuple = ()) -> bool:
-    """Whether ``forward`` computes ``model``'s forward: a Llama decoder (``MODEL_TYPES``) on the CPU whose
+    """Whether ``forward`` computes ``model``'s forward: a Llama-shaped decoder (``MODEL_TYPES``) on the CPU whose
     attention is the float32 kernel's (``_saker_exact`` and a float32 pool), its layers' modules the usual ones,
     full attention in every layer, SiLU, and no adapters."""
     config = getattr(model, "config", None)
