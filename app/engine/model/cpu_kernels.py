@@ -1,11 +1,13 @@
 """saker's CPU kernels (``kernels/``): the fixed-order float32 attention over the block pool
 (``kernels/paged_attention.cpp``), an int8 linear with float32 outputs (``kernels/int8_linear.cpp``, the LM head
 of the int4/int8 models), the int4 linear by integer dot products (``kernels/int4_linear.cpp``, every other linear
-of an int4 model) and the raw logprobs' log-softmax (``kernels/log_softmax.cpp``). Built with PyTorch's C++
+of an int4 model), the raw logprobs' log-softmax (``kernels/log_softmax.cpp``) and the sampler's choice of each row's
+token (``kernels/sampler.cpp``). Built with PyTorch's C++
 extension loader at the first use (about 40 s; then cached, keyed by the sources and flags), and None where they
 cannot be (no C++ compiler or ninja, or PyTorch's CPU capability below AVX2, e.g. ``ATEN_CPU_CAPABILITY=default``):
 attention then computes in float64 (``attention.py``), the head keeps PyTorch's bfloat16 kernel, the int4 linears
-PyTorch's (bfloat16 inputs) and the log-softmax is PyTorch's in float64 (``logprobs.py``).
+PyTorch's (bfloat16 inputs), the log-softmax is PyTorch's in float64 (``logprobs.py``) and the sampler PyTorch's
+operations (``sampler.py``).
 
 One instruction set: every kernel is built with ``-mavx2 -mfma`` (``FLAGS``), never for the build machine
 (no ``-march=native``) and with no AVX-512 variant, so an AVX-512 CPU runs the same instructions as an AVX2 one
@@ -37,6 +39,7 @@ SOURCES = [
         "int8_linear.cpp",
         "int4_linear.cpp",
         "log_softmax.cpp",
+        "sampler.cpp",
         "decoder_ops.cpp",
         "bindings.cpp",
     )
@@ -191,6 +194,13 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     order (``kernels/log_softmax.cpp`` says why PyTorch's float32 one is not used), the same bits whatever M is
     and on every CPU that runs the kernels."""
     return kernel().log_softmax(x)
+
+
+def sample_tokens(scores, greedy, temperature, top_k, top_p, log_min_p, seeds, steps) -> torch.Tensor:
+    """Each row's token from its scores (B, V) float32 (masks, biases and penalties applied): the first argmax for a
+    ``greedy`` row; for a sampled one temperature, top-k, top-p, min-p and the counter-based draw of its ``seeds``
+    and ``steps`` (``kernels/sampler.cpp``; per-row columns (B,)). (B,) int64."""
+    return kernel().sample_tokens(scores, greedy, temperature, top_k, top_p, log_min_p, seeds, steps)
 
 
 # -- a decoder layer's small operations (``kernels/decoder_ops.cpp``, used by ``fused_forward``) --------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.model import cpu_kernels
 from app.engine.sampling.grammar import RowGrammar, allowed_tokens, prefetch
 from app.engine.sampling.logprobs import log_softmax
 from app.engine.params import Constraint, SamplingParams
@@ -136,6 +137,7 @@ class SamplingRows:
         self.grammars = grammars if grammars and any(g is not None for g in grammars) else None
         self.constrained = [i for i, g in enumerate(grammars) if g is not None] if self.grammars else []
         rows = len(specs)
+        self._draw_columns: tuple[torch.Tensor, ...] | None = None
         self.greedy_all = all(s.greedy for s in specs)
         self.sampled_any = not self.greedy_all
         self.steps = steps if steps is not None else torch.zeros(rows, dtype=torch.long, device=device)
@@ -209,6 +211,22 @@ class SamplingRows:
 
     def __len__(self) -> int:
         return len(self.specs)
+
+    def draw_columns(self) -> tuple[torch.Tensor, ...]:
+        """Every row's greedy flag, temperature, top-k, top-p and log(min-p) (-inf: none), each (B,): the CPU
+        sampler kernel's parameters (made once per membership)."""
+        if self._draw_columns is None:
+            specs, device = self.specs, self.device
+            self._draw_columns = (
+                torch.tensor([s.greedy for s in specs], dtype=torch.bool, device=device),
+                torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
+                torch.tensor([s.top_k for s in specs], dtype=torch.long, device=device),
+                torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
+                torch.tensor(
+                    [math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs], dtype=torch.float32, device=device
+                ),
+            )
+        return self._draw_columns
 
     # -- membership -------------------------------------------------------------------------------------------
     def select(self, keep: list[int]) -> "SamplingRows":
@@ -364,6 +382,13 @@ class SamplingRows:
 def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Logits after every row's processing, in vocabulary order: -inf where a token may not be chosen. Greedy
     rows get bias, suppression and penalties only (their argmax is taken over these)."""
+    scores = adjusted_scores(logits, rows)
+    return scores if rows.greedy_all else truncated_scores(scores, rows)
+
+
+def adjusted_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """The processing every row gets, greedy or not: allowed tokens, the grammar's mask, logit bias, suppression
+    before ``min_tokens``, and the penalties."""
     scores = logits
     if rows.allowed is not None:
         scores = scores.masked_fill(~rows.allowed, NEG_INF)
@@ -379,8 +404,12 @@ def shape_scores(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         scores = torch.where(rows.seen, penalized, scores)
     if rows.presence is not None:
         scores = scores - rows.counts * rows.frequency - (rows.counts > 0).float() * rows.presence
-    if rows.greedy_all:
-        return scores
+    return scores
+
+
+def truncated_scores(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """What a sampled row draws from: its adjusted scores over its temperature, -inf where top-k, top-p or min-p
+    leave a token out (a greedy row's unchanged)."""
     if rows.temperature is not None:
         scores = scores / rows.temperature
     if rows.top_k is not None or rows.top_p is not None:
@@ -445,9 +474,20 @@ def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tu
     """One step for every row of ``logits`` (B, V) float32: tokens (on the device, to feed the next forward) and
     the numbers the output side needs, brought to the host in one transfer. ``advance``: constrained rows' matchers
     take their tokens (not for a speculative step's positions: ``SamplingRows.advance_grammar_runs`` does that for
-    the tokens kept)."""
-    scores = shape_scores(logits, rows)
-    tokens = choose(scores, rows)
+    the tokens kept).
+
+    On the CPU, where saker's kernels are built, a batch with sampled rows makes its choice in one kernel call
+    (``cpu_kernels.sample_tokens``: temperature, top-k, top-p, min-p and the draw per row, OpenMP over the rows)
+    instead of the 30-odd tensor operations of ``truncated_scores`` and ``choose``, whose sort of the whole
+    vocabulary for top-p was most of a sampled step's cost (docs/performance.md, "The sampler in one kernel")."""
+    scores = adjusted_scores(logits, rows)
+    if rows.greedy_all:
+        tokens = scores.argmax(-1)
+    elif scores.device.type == "cpu" and cpu_kernels.kernel() is not None:
+        tokens = cpu_kernels.sample_tokens(scores, *rows.draw_columns(), rows.seeds, rows.steps)
+    else:
+        scores = truncated_scores(scores, rows)
+        tokens = choose(scores, rows)
     rows.record(tokens)
     if not rows.wants_logprob:
         numbers = StepNumbers(tokens.tolist())
@@ -455,7 +495,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tu
         return tokens, numbers
     lp = log_softmax(logits)  # exact to float32 rounding on every CPU (``logprobs.log_softmax``)
     if rows.processed is not None:  # logprobs_mode processed_logprobs: what the row sampled from
-        lp = torch.where(rows.processed, log_softmax(scores), lp)
+        drawn_from = scores if rows.greedy_all else truncated_scores(scores, rows)
+        lp = torch.where(rows.processed, log_softmax(drawn_from), lp)
     column = tokens.view(-1, 1)
     parts = [column.double(), lp.gather(-1, column).double()]
     k = rows.k
