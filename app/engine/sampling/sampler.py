@@ -483,9 +483,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tu
     scores = adjusted_scores(logits, rows)
     if rows.greedy_all:
         tokens = scores.argmax(-1)
-    elif scores.device.type == "cpu" and cpu_kernels.kernel() is not None:
+    elif scores.device.type == "cpu" and rows.processed is None and cpu_kernels.kernel() is not None:
         tokens = cpu_kernels.sample_tokens(scores, *rows.draw_columns(), rows.seeds, rows.steps)
-    else:
+    else:  # (rows reporting processed logprobs report the distribution these operations drew from)
         scores = truncated_scores(scores, rows)
         tokens = choose(scores, rows)
     rows.record(tokens)
@@ -495,8 +495,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tu
         return tokens, numbers
     lp = log_softmax(logits)  # exact to float32 rounding on every CPU (``logprobs.log_softmax``)
     if rows.processed is not None:  # logprobs_mode processed_logprobs: what the row sampled from
-        drawn_from = scores if rows.greedy_all else truncated_scores(scores, rows)
-        lp = torch.where(rows.processed, log_softmax(drawn_from), lp)
+        lp = torch.where(rows.processed, log_softmax(scores), lp)
     column = tokens.view(-1, 1)
     parts = [column.double(), lp.gather(-1, column).double()]
     k = rows.k
