@@ -167,10 +167,11 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def service(saker_cache):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model
     from app.service import CompletionService
 
-    settings = make_settings(model=str(ensure_default_model(make_settings(cache_dir=str(saker_cache)))))
+    settings = make_settings(model=str(ensure_default_model(LoadConfig(cache_dir=str(saker_cache)))))
     return CompletionService(settings, make_worker(settings))
 
 

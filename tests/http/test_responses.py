@@ -1046,9 +1046,10 @@ def test_agents_sdk_runs_a_function_tool(gpt2_server):
 # -- SmolLM2 (a real model) under gunicorn ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_dir(saker_cache):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model
 
-    return ensure_default_model(make_settings(cache_dir=str(saker_cache)))
+    return ensure_default_model(LoadConfig(cache_dir=str(saker_cache)))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 import requests
 import torch
 
-from conftest import make_settings
 from references import continuation
 from servers import Gunicorn
 
@@ -24,9 +23,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol_dir(saker_cache):
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model
 
-    return ensure_default_model(make_settings(cache_dir=str(saker_cache)))
+    return ensure_default_model(LoadConfig(cache_dir=str(saker_cache)))
 
 
 @pytest.fixture(scope="module")

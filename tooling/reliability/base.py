@@ -74,11 +74,11 @@ class RunBase:
     def model(self) -> Path:
         if self.args.model:
             return Path(self.args.model).expanduser().resolve()
+        from app.engine.model.load_config import LoadConfig
         from app.engine.model.loader import ensure_default_model
-        from app.settings import Settings
 
         self.log("converting/checking the embedded SmolLM2 (once)")
-        return ensure_default_model(Settings(cache_dir=str(Path(self.args.cache_dir).expanduser().resolve())))
+        return ensure_default_model(LoadConfig(cache_dir=str(Path(self.args.cache_dir).expanduser().resolve())))
 
     def start(self) -> None:
         self.model_dir = self.model()

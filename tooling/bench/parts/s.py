@@ -63,10 +63,10 @@ S_SCHEMA = {
 
 def smol_path(bench: Bench) -> Path:
     """The embedded SmolLM2, converted once into the bench's cache (as the server does into its own)."""
+    from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import ensure_default_model
-    from app.settings import Settings
 
-    path = ensure_default_model(Settings(cache_dir=str(bench.cache_dir)))
+    path = ensure_default_model(LoadConfig(cache_dir=str(bench.cache_dir)))
     if "smol" not in bench.models:
         config = json.loads((path / "config.json").read_text())
         bench.models["smol"] = {
