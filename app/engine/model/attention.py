@@ -284,7 +284,7 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: i
     rows = flat.rows
     # decode rows read the pool in place (the CPU's float32 kernel where it is built: 0.86-0.89x the time of the
     # tiny model's 32-row step against gathering the blocks for SDPA)
-    in_place = on_cuda or (keys.dtype == torch.float32 and cpu_kernels.supports(keys.shape[-1]))
+    in_place = on_cuda or (keys.dtype == torch.float32 and getattr(module, "_saker_kernel_attends", False))
     if rows and in_place:  # each row over its own positions, read in place
         q = query[:, :, 0] if flat.batched else query[0, :, :rows].transpose(0, 1)  # (rows, Hq, D)
         tables, which, lo, hi = flat.spans(window)

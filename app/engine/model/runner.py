@@ -54,11 +54,14 @@ class ModelRunner:
                 f"this model cannot be served: {problem}; saker keeps every sequence's keys and values in "
                 "blocks of its KV pool, which needs plain (or sliding-window) attention layers"
             )
-        if getattr(self.model, "_saker_exact", False):  # fixed-order attention: the float32 kernel's pool, or float64
+        if self.input_device.type == "cpu":
             from app.engine.model import cpu_kernels
 
-            head_dim = self.probe_cache().layers[0].keys.shape[-1]
-            self.kv_dtype = torch.float32 if cpu_kernels.supports(head_dim) else torch.float64
+            kernel_attends = cpu_kernels.supports(self.probe_cache().layers[0].keys.shape[-1])
+            for module in self.model.modules():  # read by ``attention.flat_attention``: a constant to a compiled step
+                module._saker_kernel_attends = kernel_attends
+            if getattr(self.model, "_saker_exact", False):  # fixed-order attention: the kernel's pool, or float64
+                self.kv_dtype = torch.float32 if kernel_attends else torch.float64
         if fused_forward.supports(self.model, self.kv_dtype, self.adapters):
             self.fused = fused_forward.Plan(self.model)
         self.byte_level = is_byte_level(self.tokenizer)
