@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -86,3 +87,25 @@ def test_top_k_beyond_the_vocabulary_is_all_of_it(gpt2_client, reference, gpt2_d
         choice = resp.get_json()["choices"][0]
         assert [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]] == want
         assert choice["text"] == continuation(tok, ids, ids + want)
+
+
+def test_a_float32_models_decode_rows_read_the_pool_in_place(gpt2_worker, reference, gpt2_dir, monkeypatch):
+    """On the CPU, where the kernels are built, a float32 model's decode rows attend by the fixed-order kernel over
+    the pool in place (``attention.flat_attention``), not by gathering their blocks for SDPA (prompt chunks still
+    do); the answer is a plain forward's."""
+    from app.engine.model import attention, cpu_kernels
+    from app.engine.params import SamplingParams
+    from references import ref_greedy
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip("saker's CPU kernels are not built here")
+    attended, gathered = [], []
+    call, read = cpu_kernels.call, attention._read
+    monkeypatch.setattr(cpu_kernels, "call", lambda *a: attended.append(a[0].shape[0]) or call(*a))
+    monkeypatch.setattr(attention, "_read", lambda *a, **k: gathered.append(a[3] if len(a) > 3 else k) or read(*a, **k))
+    prompt = gpt2_worker.encode("The pool is read in place")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [output], _ = gpt2_worker.complete([prompt], params, 256)
+    model, tok = reference(gpt2_dir)
+    assert output.choices[0].token_ids == ref_greedy(model, tok, prompt, 6)[len(prompt) :]
+    assert attended and "rows keys" not in gathered and "rows values" not in gathered
