@@ -70,6 +70,12 @@ def sequence_seed(seed: int | None, index: int) -> int:
     return (base * 1_000_003 + index * 0x9E3779B1) % (2**63)
 
 
+def _log_min_p(specs: list["RowSpec"], device) -> torch.Tensor:
+    """(B,) float32: each row's log(min_p), -inf where it has none."""
+    values = [math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 @dataclass(frozen=True)
 class RowSpec:
     """What one row asked for (host side: decides which passes a step needs)."""
@@ -155,9 +161,7 @@ class SamplingRows:
         self.top_p = column("top_p") if any(s.top_p < 1.0 for s in specs) else None
         self.log_min_p = None
         if any(s.min_p > 0 for s in specs):
-            self.log_min_p = torch.tensor(
-                [math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs], dtype=torch.float32, device=device
-            ).view(-1, 1)
+            self.log_min_p = _log_min_p(specs, device).view(-1, 1)
         self.repetition = column("repetition") if any(s.repetition != 1.0 for s in specs) else None
         self.presence = column("presence") if any(s.presence or s.frequency for s in specs) else None
         self.frequency = column("frequency") if self.presence is not None else None
@@ -222,9 +226,7 @@ class SamplingRows:
                 torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
                 torch.tensor([s.top_k for s in specs], dtype=torch.long, device=device),
                 torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
-                torch.tensor(
-                    [math.log(s.min_p) if s.min_p > 0 else NEG_INF for s in specs], dtype=torch.float32, device=device
-                ),
+                _log_min_p(specs, device),
             )
         return self._draw_columns
 
