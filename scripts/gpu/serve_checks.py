@@ -96,6 +96,8 @@ try:
     if not args.no_m:
         plan = Plan()
         part_m.MAX_ID = 27_000  # the 1B shape's trained tokenizer holds 27,731 ids
+        if args.model:  # another model: stay inside its vocabulary
+            part_m.MAX_ID = min(27_000, json.loads((Path(path) / "config.json").read_text())["vocab_size"])
         if args.quick:
             plan = replace(plan, m_clients=4, m_tokens=48, m_long=200, m_every=0.5)
         else:  # 16 streams of 1,024 tokens; a 1,536-token prompt (the 1B shape holds 2,048 positions) every second
