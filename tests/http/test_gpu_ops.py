@@ -40,6 +40,7 @@ def test_real_cuda_out_of_memory_is_503_and_memory_comes_back(cuda_app, monkeypa
     expected = client.post(URL, json=body).get_json()["choices"]
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
+    reserved = torch.cuda.memory_reserved()  # the block pool is reserved from the start, and stays
     step = "compiled_step" if runner.compiled_step is not None else "rows_step"  # the decode step in use
     real = getattr(runner, step)
     calls = {"n": 0}
@@ -63,9 +64,10 @@ def test_real_cuda_out_of_memory_is_503_and_memory_comes_back(cuda_app, monkeypa
         assert resp.get_json()["error"]["code"] == "out_of_memory"
     monkeypatch.undo()
     torch.cuda.synchronize()
-    # the failed request's tensors (its KV cache, the ballast) are gone, and the cache gave them back
+    # the failed request's tensors (its rows' blocks, the ballast) are gone, and the allocator gave the ballast's
+    # 256 MiB back to the driver (the block pool, reserved at start-up, is the rest of what stays reserved)
     assert torch.cuda.memory_allocated() <= baseline + (1 << 20)
-    assert torch.cuda.memory_reserved() < 256 * (1 << 20)
+    assert torch.cuda.memory_reserved() < reserved + 64 * (1 << 20)
     again = client.post(URL, json=body)
     assert again.status_code == 200 and again.get_json()["choices"] == expected
     metrics = client.get("/metrics").get_data(as_text=True)

@@ -227,3 +227,50 @@ def test_fixed_order_speculation_gives_the_unspeculated_bits(jitted, llama_dir, 
         assert x.token_ids == y.token_ids
         assert x.logprobs.token_logprobs == y.logprobs.token_logprobs  # the same bits, not approximately
         assert x.logprobs.top_logprobs == y.logprobs.top_logprobs
+
+
+class _Launch:
+    """A stand-in for a jitted kernel that dynamo can trace on the CPU: ``launch[grid](*args, **meta)`` runs
+    ``body(*args)``, plain tensor operations writing the kernel's output argument."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def __getitem__(self, grid):
+        return self.body
+
+
+def test_the_kernels_wrappers_trace_into_one_full_graph(monkeypatch):
+    """What runs around each launch (the output's allocation, its dtype, the grid, the launch's constants) must be
+    traceable by dynamo, or a compiled step with the fixed-order kernels fails at start-up, as the first GPU run of
+    ``SAKER_BATCH_INVARIANT`` under ``torch.compile`` did (``torch.result_type`` returns no tensor). The Triton
+    launches themselves are stood in for here, since dynamo traces a Triton kernel only on a GPU; there
+    ``test_the_kernel_compiles_inside_a_full_graph`` and the engine's compiled tests compile the real ones."""
+
+    def linear_body(x, w, b, out, *rest, HAS_BIAS, **meta):
+        out.copy_(x @ w.T + (b if HAS_BIAS else 0))
+
+    def norm_body(x, w, out, *rest, **meta):
+        out.copy_(w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rest[-1])))
+
+    def attention_body(q, *rest, **meta):
+        rest[6].copy_(q * 2)
+
+    monkeypatch.setitem(cuda_kernels._state, "linear", _Launch(linear_body))
+    monkeypatch.setitem(cuda_kernels._state, "rms_norm", _Launch(norm_body))
+    monkeypatch.setitem(cuda_kernels._state, "kernel", _Launch(attention_body))
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(3, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)
+    norm_w = torch.randn(8, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen)
+    pool = torch.randn(BLOCKS * BLOCK, 2, 16, generator=gen)
+    tables = torch.arange(1, 9).view(2, 4)
+    which, lo, hi = torch.tensor([0, 1, 1]), torch.tensor([0, 0, 0]), torch.tensor([5, 9, 9])
+
+    def step(x, w, b, norm_w, q):
+        h = cuda_kernels.rms_norm(cuda_kernels.linear(cuda_kernels.linear(x, w, b), w.T), norm_w, 1e-5)
+        return h, cuda_kernels.decode_attention(q, pool, pool, tables, which, lo, hi, 0.1)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(x, w, b, norm_w, q), step(x, w, b, norm_w, q)):
+        torch.testing.assert_close(got, want)

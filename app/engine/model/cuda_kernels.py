@@ -296,7 +296,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm (``weight * (x / rms(x)).to(x.dtype)``, the statistics in float32), one program per row."""
     shape = x.shape
     x = x.reshape(-1, shape[-1]).contiguous()
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     jit("rms_norm")[(x.shape[0],)](
         x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1])
     )
