@@ -181,9 +181,101 @@ def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fuse
     assert len(long_prompt) > 16 and max(calls) > 1
 
 
+@pytest.fixture(scope="module")
+def fused_gpt2(gpt2_dir):
+    """The tests' tiny GPT-2 in float32 served (its steps by ``fused_forward``'s GPT-2 forward), prompts in chunks of
+    8, up to 4 rows; and the same model loaded again outside any engine (the oracle: transformers' own forward)."""
+    from app.engine.core.worker import Worker
+    from app.engine.model.load_config import LoadConfig
+    from app.engine.model.loader import load_model
+
+    config = LoadConfig(model=str(gpt2_dir), dtype="float32")
+    worker = Worker.from_loaded(
+        ("m",), load_model(config), max_batch_rows=4, prefill_chunk_tokens=8, prefix_cache_tokens=0
+    )
+    return worker, load_model(config).model
+
+
+def test_a_float32_gpt2_steps_through_its_fused_forward_and_answers_as_the_plain_forward(fused_gpt2, monkeypatch):
+    """Every step of a float32 GPT-2 (a request alone; a long prompt's chunks beside requests decoding, greedy and
+    seeded) is the fused forward, not transformers' model, and every answer is the plain forward's (argmax and
+    log-softmax within 1e-4, the greedy tokens of ``generate()``). And the fused forward's logits over one flat step
+    are transformers' model's over the same step to the bit: the same operations in the same order."""
+    from app.engine.model.attention import FlatStep
+
+    worker, plain = fused_gpt2
+    runner, tok = worker.runner, worker.tokenizer
+    assert type(runner.fused) is fused_forward.GPT2Plan
+    calls, real = [], fused_forward.forward
+
+    def counted(plan, tokens, *args, **kwargs):
+        calls.append(tokens.shape[0])
+        return real(plan, tokens, *args, **kwargs)
+
+    def transformers_forward(*args, **kwargs):
+        raise AssertionError("a step ran transformers' forward")
+
+    monkeypatch.setattr(fused_forward, "forward", counted)
+    monkeypatch.setattr(runner.model, "forward", transformers_forward)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
+    background = [
+        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
+        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
+    ]
+    [alone], _ = worker.complete([tok("Hello there").input_ids], greedy, 256)
+    results: dict[int, object] = {}
+    started = threading.Event()
+
+    def run(i, ids, params):
+        started.set()
+        results[i] = worker.complete([ids], params, 256)[0][0]
+
+    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    [chunked], _ = worker.complete([long_prompt], greedy, 256)
+    for thread in threads:
+        thread.join()
+    monkeypatch.undo()
+    assert 1 in calls and max(calls) > 1 and len(long_prompt) > 16
+    check_reference(alone, plain, tok, tok("Hello there").input_ids, greedy)
+    want = ref_greedy(plain, tok, tok("Hello there").input_ids, 10)[len(tok("Hello there").input_ids) :]
+    assert alone.choices[0].token_ids[: len(want)] == want
+    check_reference(chunked, plain, tok, long_prompt, greedy)
+    for i, (ids, params) in enumerate(background):
+        check_reference(results[i], plain, tok, ids, params)
+
+    # one flat step by hand: two decode rows over their blocks (in place) and a chunk of a third sequence
+    layers = plain.config.n_layer
+    heads, dim = plain.config.n_head, plain.config.n_embd // plain.config.n_head
+    gen = torch.Generator().manual_seed(3)
+
+    def pool():
+        return [torch.randn(64 * 16, heads, dim, generator=gen) for _ in range(layers)]
+
+    tokens = torch.tensor([11, 12, 5, 6, 7, 8])
+    positions = torch.tensor([20, 33, 16, 17, 18, 19])
+    gather = torch.tensor([[1, 2, 0], [3, 4, 5]])
+    chunk = (torch.tensor([6, 7]), 16, 4)
+    write = torch.tensor([1 * 16 + 4, 5 * 16 + 1, 7 * 16, 7 * 16 + 1, 7 * 16 + 2, 7 * 16 + 3])
+    outs = []
+    for fused in (True, False):
+        keys, values = pool(), pool()
+        gen.manual_seed(3)
+        flat = FlatStep(keys, values, write, 2, gather, row_positions=positions[:2], chunks=(chunk,))
+        runner.fused = fused_forward.plan(runner.model) if fused else None
+        outs.append((runner._flat_logits(tokens, positions, flat, torch.tensor([0, 1, 5])), keys, values))
+    runner.fused = fused_forward.plan(runner.model)
+    (got, got_k, got_v), (want, want_k, want_v) = outs
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_k + got_v, want_k + want_v))
+
+
 def test_a_model_it_does_not_know_keeps_transformers_forward(gpt2_dir, llama_dir, tmp_path):
-    """GPT-2 (another layer shape), and a float32 Llama (its attention SDPA's, not the float32 kernel's), run
-    transformers' forward; an int4 Llama with PEFT adapters would too (``supports``)."""
+    """An int4 GPT-2 (its products quantized), and a float32 Llama (its attention SDPA's, not the float32
+    kernel's), run transformers' forward; an int4 Llama with PEFT adapters would too (``supports``)."""
     from app.engine.model.load_config import LoadConfig
     from app.engine.model.loader import load_model
     from app.engine.model.runner import ModelRunner, eos_ids

@@ -16,7 +16,13 @@ directly), attention the fixed-order kernel over the block pool. transformers' m
 
 Used for a model whose flat step attends by the CPU's float32 kernel (an int4/int8 model, ``_saker_exact``) when
 its layers are what this forward knows (``supports``): Llama, Mistral and Qwen2 decoder layers with SiLU MLPs and no
-sliding window, and no PEFT adapters. Any other model runs transformers' forward."""
+sliding window, and no PEFT adapters.
+
+GPT-2 in float32 on the CPU has a forward of its own here too (``GPT2Plan``): its layers are PyTorch's own
+operations already (layer norm, ``addmm`` for its Conv1D products, GELU), so it is transformers' operations in
+transformers' order, called straight instead of through some thirty module calls a step, with the step's attention
+the engine's (``attention.flat_attention``: the decode rows through the float32 kernel over the pool in place).
+Any other model runs transformers' forward."""
 
 from __future__ import annotations
 
@@ -32,8 +38,10 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 def supports(model: torch.nn.Module, kv_dtype: torch.dtype | None, adapters: tuple = ()) -> bool:
     """Whether ``forward`` computes ``model``'s forward: a Llama-shaped decoder (``MODEL_TYPES``) on the CPU whose
     attention is the float32 kernel's (``_saker_exact`` and a float32 pool), its layers' modules the usual ones,
-    full attention in every layer, SiLU, and no adapters."""
+    full attention in every layer, SiLU, and no adapters; or a float32 GPT-2 on the CPU (``_supports_gpt2``)."""
     config = getattr(model, "config", None)
+    if not adapters and getattr(config, "model_type", None) == "gpt2":
+        return _supports_gpt2(model, kv_dtype)
     inner = getattr(model, "model", None)
     if adapters or config is None or inner is None or getattr(config, "model_type", None) not in MODEL_TYPES:
         return False
@@ -78,6 +86,63 @@ def _norm_eps(norm: torch.nn.Module) -> float | None:
     return eps if isinstance(eps, float) and weight is not None and getattr(norm, "bias", None) is None else None
 
 
+def _supports_gpt2(model: torch.nn.Module, kv_dtype: torch.dtype | None) -> bool:
+    """A GPT-2 LM whose every weight is a float32 CPU tensor and whose products are transformers' Conv1D modules (not
+    quantized: an int4/int8 GPT-2 rounds its activations, ``_saker_exact``), self-attention only, the pool float32."""
+    from transformers.pytorch_utils import Conv1D
+
+    config, inner, head = model.config, getattr(model, "transformer", None), getattr(model, "lm_head", None)
+    if inner is None or head is None or getattr(model, "_saker_exact", False) or kv_dtype not in (None, torch.float32):
+        return False
+    if getattr(config, "add_cross_attention", False) or not hasattr(inner, "wpe"):
+        return False
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
+        return False
+    layers = getattr(inner, "h", None)
+    return bool(layers) and all(
+        type(module) is Conv1D
+        for layer in layers
+        for module in (layer.attn.c_attn, layer.attn.c_proj, layer.mlp.c_fc, layer.mlp.c_proj)
+    )
+
+
+class GPT2Plan:
+    """What ``forward`` reads of a float32 GPT-2, gathered once: the embeddings, and per layer its norms'
+    ``(weight, bias, eps)``, its attention module (the engine's attention reads its layer index and scaling), its
+    Conv1D products as ``(bias, weight)`` for ``torch.addmm`` (what ``Conv1D.forward`` calls) and its activation."""
+
+    def __init__(self, model: torch.nn.Module):
+        inner = model.transformer
+        self.embed, self.positions, self.head = inner.wte, inner.wpe, model.lm_head
+        self.width = inner.embed_dim
+
+        def norm(module):
+            return (module.weight, module.bias, module.eps)
+
+        def conv(module):
+            return (module.bias, module.weight)
+
+        self.norm = norm(inner.ln_f)
+        self.layers = [
+            (
+                norm(layer.ln_1),
+                layer.attn,
+                conv(layer.attn.c_attn),
+                conv(layer.attn.c_proj),
+                norm(layer.ln_2),
+                conv(layer.mlp.c_fc),
+                layer.mlp.act,
+                conv(layer.mlp.c_proj),
+            )
+            for layer in inner.h
+        ]
+
+
+def plan(model: torch.nn.Module) -> "Plan | GPT2Plan":
+    """The plan of a model ``supports``."""
+    return GPT2Plan(model) if model.config.model_type == "gpt2" else Plan(model)
+
+
 class Plan:
     """What ``forward`` reads of a model it supports, gathered once (``supports`` first): per layer its norms'
     weights and epsilons, its products (an int4 linear of saker's layout with no bias as its kernel's tensors,
@@ -114,7 +179,7 @@ def _product(module: torch.nn.Module):
 
 
 def forward(
-    plan: Plan,
+    plan: Plan | GPT2Plan,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     flat,
@@ -123,7 +188,10 @@ def forward(
     """The model's forward over one flat step's ``tokens`` (T,) at ``positions`` (T,) (``attention.FlatStep``:
     each token's key and value written at its pool slot, each token attending over its own sequence's positions):
     float32 logits of the tokens at ``logits_at`` (every token's when None), (K, V). Straight into the kernels'
-    extension, or through their ``torch.library`` ops while compiling or profiling (``cpu_kernels._through_op``)."""
+    extension, or through their ``torch.library`` ops while compiling or profiling (``cpu_kernels._through_op``).
+    A GPT-2's plan runs its own forward (``_gpt2_forward``)."""
+    if type(plan) is GPT2Plan:
+        return _gpt2_forward(plan, tokens, positions, flat, logits_at)
     in_order = plan.in_order
     if cpu_kernels._through_op():
         ops, rotary, attend, int4 = cpu_kernels, cpu_kernels.rotary_write, cpu_kernels.call, cpu_kernels.int4_linear
@@ -161,6 +229,29 @@ def forward(
         gate, up, down = mlp
         hidden = product(down, torch.nn.functional.silu(product(gate, x)).mul_(product(up, x)))
     x, _ = add_norm(hidden, residual, *plan.norm)
+    if logits_at is not None:
+        x = x[logits_at]
+    return plan.head(x).float()
+
+
+def _gpt2_forward(plan: GPT2Plan, tokens, positions, flat, logits_at):
+    """GPT-2's forward (``GPT2LMHeadModel``, eval) over a flat step: transformers' operations in its order."""
+    from app.engine.model.attention import flat_attention
+
+    layer_norm, addmm = torch.nn.functional.layer_norm, torch.addmm
+    count, width = tokens.shape[0], plan.width
+    shape = (width,)
+    hidden = plan.embed(tokens.view(-1)) + plan.positions(positions.view(-1))
+    for first, attn, qkv, out, second, up, act, down in plan.layers:
+        x = layer_norm(hidden, shape, *first)
+        q, k, v = addmm(qkv[0], x, qkv[1]).split(width, dim=1)
+        heads = (1, count, -1, attn.head_dim)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))  # (1, heads, T, head dim)
+        attended, _ = flat_attention(attn, q, k, v, flat, attn.scaling)
+        hidden = addmm(out[0], attended.reshape(count, width), out[1]) + hidden
+        x = layer_norm(hidden, shape, *second)
+        hidden = addmm(down[0], act(addmm(up[0], x, up[1])), down[1]) + hidden
+    x = layer_norm(hidden, shape, *plan.norm)
     if logits_at is not None:
         x = x[logits_at]
     return plan.head(x).float()

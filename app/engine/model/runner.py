@@ -35,7 +35,7 @@ class ModelRunner:
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
     # steps run saker's own forward of the model's layers (``fused_forward``) where it has one, not transformers'
-    fused: fused_forward.Plan | None = None
+    fused: fused_forward.Plan | fused_forward.GPT2Plan | None = None
     # tests only: called before each forward and each sampling with what it is ("rows", "flat", "sample"); raising
     # there is a step failing at that point (tests/engine/test_fault_isolation.py)
     fault: object = field(default=None, repr=False)
@@ -63,7 +63,7 @@ class ModelRunner:
             if getattr(self.model, "_saker_exact", False):  # fixed-order attention: the kernel's pool, or float64
                 self.kv_dtype = torch.float32 if kernel_attends else torch.float64
         if fused_forward.supports(self.model, self.kv_dtype, self.adapters):
-            self.fused = fused_forward.Plan(self.model)
+            self.fused = fused_forward.plan(self.model)
         self.byte_level = is_byte_level(self.tokenizer)
         configs = getattr(self.model, "peft_config", {})
         self.mixes_adapters = bool(self.adapters) and all(
