@@ -260,17 +260,29 @@ def test_a_float32_gpt2_steps_through_its_fused_forward_and_answers_as_the_plain
     gather = torch.tensor([[1, 2, 0], [3, 4, 5]])
     chunk = (torch.tensor([6, 7]), 16, 4)
     write = torch.tensor([1 * 16 + 4, 5 * 16 + 1, 7 * 16, 7 * 16 + 1, 7 * 16 + 2, 7 * 16 + 3])
-    outs = []
-    for fused in (True, False):
-        keys, values = pool(), pool()
-        gen.manual_seed(3)
-        flat = FlatStep(keys, values, write, 2, gather, row_positions=positions[:2], chunks=(chunk,))
-        runner.fused = fused_forward.plan(runner.model) if fused else None
-        outs.append((runner._flat_logits(tokens, positions, flat, torch.tensor([0, 1, 5])), keys, values))
-    runner.fused = fused_forward.plan(runner.model)
-    (got, got_k, got_v), (want, want_k, want_v) = outs
-    assert torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(got_k + got_v, want_k + want_v))
+
+    def both_ways():
+        outs = []
+        for fused in (True, False):
+            gen.manual_seed(3)
+            keys, values = pool(), pool()
+            flat = FlatStep(keys, values, write, 2, gather, row_positions=positions[:2], chunks=(chunk,))
+            runner.fused = fused_forward.plan(runner.model) if fused else None
+            outs.append((runner._flat_logits(tokens, positions, flat, torch.tensor([0, 1, 5])), keys, values))
+        runner.fused = fused_forward.plan(runner.model)
+        (got, got_k, got_v), (want, want_k, want_v) = outs
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_k + got_v, want_k + want_v))
+
+    both_ways()
+    # a larger GPT-2's products are packed for oneDNN at load (``optimize.pack_linears_onednn``): the fused forward
+    # calls those modules as transformers' forward does (this model's are packed here, whatever their size)
+    from app.engine.model.optimize import PackedLinear, pack_linears_onednn
+
+    assert pack_linears_onednn(runner.model, min_elements=0) > 0
+    assert fused_forward.supports(runner.model, runner.kv_dtype)
+    assert any(type(spec) is PackedLinear for spec in fused_forward.plan(runner.model).layers[0])
+    both_ways()
 
 
 def test_a_model_it_does_not_know_keeps_transformers_forward(gpt2_dir, llama_dir, tmp_path):

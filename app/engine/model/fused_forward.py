@@ -87,9 +87,12 @@ def _norm_eps(norm: torch.nn.Module) -> float | None:
 
 
 def _supports_gpt2(model: torch.nn.Module, kv_dtype: torch.dtype | None) -> bool:
-    """A GPT-2 LM whose every weight is a float32 CPU tensor and whose products are transformers' Conv1D modules (not
-    quantized: an int4/int8 GPT-2 rounds its activations, ``_saker_exact``), self-attention only, the pool float32."""
+    """A GPT-2 LM whose every weight is a float32 CPU tensor and whose products are transformers' Conv1D modules or
+    their oneDNN-packed replacements (``optimize.PackedLinear``), not quantized ones (an int4/int8 GPT-2 rounds its
+    activations, ``_saker_exact``); self-attention only; the pool float32."""
     from transformers.pytorch_utils import Conv1D
+
+    from app.engine.model.optimize import PackedLinear
 
     config, inner, head = model.config, getattr(model, "transformer", None), getattr(model, "lm_head", None)
     if inner is None or head is None or getattr(model, "_saker_exact", False) or kv_dtype not in (None, torch.float32):
@@ -100,7 +103,7 @@ def _supports_gpt2(model: torch.nn.Module, kv_dtype: torch.dtype | None) -> bool
         return False
     layers = getattr(inner, "h", None)
     return bool(layers) and all(
-        type(module) is Conv1D
+        type(module) in (Conv1D, PackedLinear)
         for layer in layers
         for module in (layer.attn.c_attn, layer.attn.c_proj, layer.mlp.c_fc, layer.mlp.c_proj)
     )
@@ -109,7 +112,8 @@ def _supports_gpt2(model: torch.nn.Module, kv_dtype: torch.dtype | None) -> bool
 class GPT2Plan:
     """What ``forward`` reads of a float32 GPT-2, gathered once: the embeddings, and per layer its norms'
     ``(weight, bias, eps)``, its attention module (the engine's attention reads its layer index and scaling), its
-    Conv1D products as ``(bias, weight)`` for ``torch.addmm`` (what ``Conv1D.forward`` calls) and its activation."""
+    products (a Conv1D as ``(bias, weight)`` for ``torch.addmm``, what ``Conv1D.forward`` calls; a packed one as
+    its module) and its activation."""
 
     def __init__(self, model: torch.nn.Module):
         inner = model.transformer
@@ -120,7 +124,7 @@ class GPT2Plan:
             return (module.weight, module.bias, module.eps)
 
         def conv(module):
-            return (module.bias, module.weight)
+            return (module.bias, module.weight) if hasattr(module, "weight") else module
 
         self.norm = norm(inner.ln_f)
         self.layers = [
@@ -239,18 +243,22 @@ def _gpt2_forward(plan: GPT2Plan, tokens, positions, flat, logits_at):
     from app.engine.model.attention import flat_attention
 
     layer_norm, addmm = torch.nn.functional.layer_norm, torch.addmm
+
+    def product(spec, x):
+        return addmm(spec[0], x, spec[1]) if type(spec) is tuple else spec(x)
+
     count, width = tokens.shape[0], plan.width
     shape = (width,)
     hidden = plan.embed(tokens.view(-1)) + plan.positions(positions.view(-1))
     for first, attn, qkv, out, second, up, act, down in plan.layers:
         x = layer_norm(hidden, shape, *first)
-        q, k, v = addmm(qkv[0], x, qkv[1]).split(width, dim=1)
+        q, k, v = product(qkv, x).split(width, dim=1)
         heads = (1, count, -1, attn.head_dim)
         q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))  # (1, heads, T, head dim)
         attended, _ = flat_attention(attn, q, k, v, flat, attn.scaling)
-        hidden = addmm(out[0], attended.reshape(count, width), out[1]) + hidden
+        hidden = product(out, attended.reshape(count, width)) + hidden
         x = layer_norm(hidden, shape, *second)
-        hidden = addmm(down[0], act(addmm(up[0], x, up[1])), down[1]) + hidden
+        hidden = product(down, act(product(up, x))) + hidden
     x = layer_norm(hidden, shape, *plan.norm)
     if logits_at is not None:
         x = x[logits_at]
