@@ -527,19 +527,27 @@ def test_a_request_that_could_never_fit_the_kv_budget_is_a_400(gpt2_dir):
 
 
 class InjectedOOM:
-    """A pre-hook on the model's second block that raises CUDA's out-of-memory error in decode steps of at least
-    ``rows`` rows, ``times`` times (None: always), after the first block has already appended to its cache."""
+    """CUDA's out-of-memory error raised in the second layer's attention of decode steps of at least ``rows`` rows,
+    ``times`` times (None: always): after the first layer has already written its keys and values to the pool. It
+    wraps ``attention.flat_attention``, which every forward's attention goes through (transformers' modules and
+    ``fused_forward`` alike)."""
 
-    def __init__(self, model, rows: int, times: int | None):
+    def __init__(self, rows: int, times: int | None):
+        from app.engine.model import attention
+
         self.rows, self.times, self.raised = rows, times, 0
-        block = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[1]
-        self.handle = block.register_forward_pre_hook(self)
+        self.module, self.real = attention, attention.flat_attention
+        attention.flat_attention = self
 
-    def __call__(self, module, args):
-        hidden = args[0]
-        if hidden.shape[1] == 1 and hidden.shape[0] >= self.rows and (self.times is None or self.raised < self.times):
+    def __call__(self, module, query, key, value, flat, *args, **kwargs):
+        decode = not flat.chunks and flat.rows >= self.rows
+        if module.layer_idx == 1 and decode and (self.times is None or self.raised < self.times):
             self.raised += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return self.real(module, query, key, value, flat, *args, **kwargs)
+
+    def remove(self) -> None:
+        self.module.flat_attention = self.real
 
 
 def run_tickets(worker, requests):
@@ -567,11 +575,11 @@ def test_out_of_memory_in_a_step_fails_the_newest_request_only(batch_worker, ref
         for text in ("Once upon a time there was", "Hello", "The capital of France is")
     ]
     expected = [alone(worker, ids, params) for ids, params in requests]
-    inject = InjectedOOM(worker.runner.model, rows=3 if times == 1 else 2, times=times)
+    inject = InjectedOOM(rows=3 if times == 1 else 2, times=times)
     try:
         results = run_tickets(worker, requests)
     finally:
-        inject.handle.remove()
+        inject.remove()
     assert inject.raised == (1 if times == 1 else 2)
     survivors = 2 if times == 1 else 1
     for result, want in zip(results[:survivors], expected):
