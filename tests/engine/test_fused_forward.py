@@ -126,13 +126,12 @@ def fused(request, llama_dir, tmp_path_factory):
     return worker, plain
 
 
-def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fused, monkeypatch):
-    """A request alone, then a long prompt's chunks beside requests decoding (mixed steps, rows joining and
-    leaving): every forward is the fused one (transformers' model is not called by a step), and every answer is
-    the plain forward's: its argmax and log-softmax within 1e-4, the greedy tokens of its ``generate()``."""
-    worker, plain = fused
-    runner, tok = worker.runner, worker.tokenizer
-    assert runner.fused is not None
+def serve_alone_and_beside(worker, monkeypatch) -> tuple[list, list[int]]:
+    """Through the engine, with ``fused_forward.forward`` counted and transformers' forward made to fail: a greedy
+    request alone, then a long prompt's chunks beside a greedy and a seeded request decoding (mixed steps, rows
+    joining and leaving). Returns each request as ``(ids, params, output)`` (the one alone first, the long prompt
+    second) and the number of tokens of each fused forward."""
+    tok = worker.tokenizer
     calls, real = [], fused_forward.forward
 
     def counted(plan, tokens, *args, **kwargs):
@@ -143,18 +142,10 @@ def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fuse
         raise AssertionError("a step ran transformers' forward")
 
     monkeypatch.setattr(fused_forward, "forward", counted)
-    monkeypatch.setattr(runner.model, "forward", transformers_forward)
+    monkeypatch.setattr(worker.runner.model, "forward", transformers_forward)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
-
     alone = tok("Hello there").input_ids
     [output], _ = worker.complete([alone], greedy, 256)
-    monkeypatch.undo()  # the oracle below is the same class's plain forward
-    check_reference(output, plain, tok, alone, greedy)
-    want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
-    assert output.choices[0].token_ids[: len(want)] == want
-    assert calls and 1 in calls
-
-    monkeypatch.setattr(fused_forward, "forward", counted)
     long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
     background = [
         (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
@@ -174,11 +165,30 @@ def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fuse
     [chunked], _ = worker.complete([long_prompt], greedy, 256)
     for thread in threads:
         thread.join()
-    monkeypatch.undo()
-    check_reference(chunked, plain, tok, long_prompt, greedy)
-    for i, (ids, params) in enumerate(background):
-        check_reference(results[i], plain, tok, ids, params)
-    assert len(long_prompt) > 16 and max(calls) > 1
+    monkeypatch.undo()  # the oracle is the same class's plain forward
+    served = [(alone, greedy, output), (long_prompt, greedy, chunked)]
+    return served + [(ids, params, results[i]) for i, (ids, params) in enumerate(background)], calls
+
+
+def check_served(served: list, calls: list[int], plain, tok) -> None:
+    """Every answer is the plain forward's (argmax and log-softmax within 1e-4), the one alone the greedy tokens of
+    its ``generate()``; the steps were decode rows alone and wider ones, with the long prompt over several chunks."""
+    for ids, params, output in served:
+        check_reference(output, plain, tok, ids, params)
+    (alone, _, output), (long_prompt, _, _) = served[:2]
+    want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
+    assert output.choices[0].token_ids[: len(want)] == want
+    assert 1 in calls and max(calls) > 1 and len(long_prompt) > 16
+
+
+def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fused, monkeypatch):
+    """A request alone, then a long prompt's chunks beside requests decoding (mixed steps, rows joining and
+    leaving): every forward is the fused one (transformers' model is not called by a step), and every answer is
+    the plain forward's: its argmax and log-softmax within 1e-4, the greedy tokens of its ``generate()``."""
+    worker, plain = fused
+    assert worker.runner.fused is not None
+    served, calls = serve_alone_and_beside(worker, monkeypatch)
+    check_served(served, calls, plain, worker.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -204,48 +214,10 @@ def test_a_float32_gpt2_steps_through_its_fused_forward_and_answers_as_the_plain
     from app.engine.model.attention import FlatStep
 
     worker, plain = fused_gpt2
-    runner, tok = worker.runner, worker.tokenizer
+    runner = worker.runner
     assert type(runner.fused) is fused_forward.GPT2Plan
-    calls, real = [], fused_forward.forward
-
-    def counted(plan, tokens, *args, **kwargs):
-        calls.append(tokens.shape[0])
-        return real(plan, tokens, *args, **kwargs)
-
-    def transformers_forward(*args, **kwargs):
-        raise AssertionError("a step ran transformers' forward")
-
-    monkeypatch.setattr(fused_forward, "forward", counted)
-    monkeypatch.setattr(runner.model, "forward", transformers_forward)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
-    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
-    background = [
-        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
-        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
-    ]
-    [alone], _ = worker.complete([tok("Hello there").input_ids], greedy, 256)
-    results: dict[int, object] = {}
-    started = threading.Event()
-
-    def run(i, ids, params):
-        started.set()
-        results[i] = worker.complete([ids], params, 256)[0][0]
-
-    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
-    for thread in threads:
-        thread.start()
-    started.wait()
-    [chunked], _ = worker.complete([long_prompt], greedy, 256)
-    for thread in threads:
-        thread.join()
-    monkeypatch.undo()
-    assert 1 in calls and max(calls) > 1 and len(long_prompt) > 16
-    check_reference(alone, plain, tok, tok("Hello there").input_ids, greedy)
-    want = ref_greedy(plain, tok, tok("Hello there").input_ids, 10)[len(tok("Hello there").input_ids) :]
-    assert alone.choices[0].token_ids[: len(want)] == want
-    check_reference(chunked, plain, tok, long_prompt, greedy)
-    for i, (ids, params) in enumerate(background):
-        check_reference(results[i], plain, tok, ids, params)
+    served, calls = serve_alone_and_beside(worker, monkeypatch)
+    check_served(served, calls, plain, worker.tokenizer)
 
     # one flat step by hand: two decode rows over their blocks (in place) and a chunk of a third sequence
     layers = plain.config.n_layer

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.model import cpu_kernels
+from app.engine.model import attention, cpu_kernels
 
 # decoder layers of exactly this shape (no q/k norms, no scaled embeddings), each tested with a tiny model
 # (tests/engine/test_fused_forward.py); Qwen2's q, k and v have biases, which their modules add
@@ -240,8 +240,6 @@ def forward(
 
 def _gpt2_forward(plan: GPT2Plan, tokens, positions, flat, logits_at):
     """GPT-2's forward (``GPT2LMHeadModel``, eval) over a flat step: transformers' operations in its order."""
-    from app.engine.model.attention import flat_attention
-
     layer_norm, addmm = torch.nn.functional.layer_norm, torch.addmm
 
     def product(spec, x):
@@ -255,7 +253,7 @@ def _gpt2_forward(plan: GPT2Plan, tokens, positions, flat, logits_at):
         q, k, v = product(qkv, x).split(width, dim=1)
         heads = (1, count, -1, attn.head_dim)
         q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))  # (1, heads, T, head dim)
-        attended, _ = flat_attention(attn, q, k, v, flat, attn.scaling)
+        attended, _ = attention.flat_attention(attn, q, k, v, flat, attn.scaling)
         hidden = product(out, attended.reshape(count, width)) + hidden
         x = layer_norm(hidden, shape, *second)
         hidden = product(down, act(product(up, x))) + hidden
