@@ -240,7 +240,8 @@ class Settings(BaseSettings):
         "step (decode rows, prompt chunks, both) through one graph whose token count is dynamic, "
         "checked at start against the eager forward bit for bit; for other CPU models and on "
         "CUDA: the decode-only step, one graph per batch bucket (1, 2, 4, 8, 16, 24, 32, then "
-        "multiples of 8; CUDA graphs on CUDA; on the CPU also per attention window). Unset: on "
+        "multiples of 8; CUDA graphs on CUDA; on the CPU also per attention window); on CUDA "
+        "with Triton also the steps with prompt chunks, one CUDA graph per token bucket. Unset: on "
         "with CUDA, off on the CPU (measured against saker's own eager forward of the int4/int8 models, "
         "the compiled flat step takes 1.9x the time at 1 row and 1.2x at 32 rows, and a start "
         "takes about a minute longer).",

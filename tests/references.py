@@ -116,6 +116,50 @@ class Oracle(Proposer):
 _MASK = (1 << 64) - 1
 
 
+def serve_alone_and_beside(worker, plain, tol: float = 1e-4) -> None:
+    """A request alone, then a long prompt (in chunks, beside decoding rows) while two others decode, greedy and
+    seeded: every answer checked against the plain forward ``plain`` (its argmax and log-softmax within ``tol``,
+    ``check_reference``), the lone request's greedy tokens against its ``generate()``."""
+    import threading
+    import time
+
+    from app.engine.params import SamplingParams
+
+    tok = worker.tokenizer
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
+    assert len(long_prompt) > 16
+    alone = tok("Hello there").input_ids
+    [output], _ = worker.complete([alone], greedy, 256)
+    check_reference(output, plain, tok, alone, greedy, tol)
+    if tol <= 1e-4:  # a GPU's float32 may part from the CPU's at a near tie (``check_reference`` allows ties)
+        want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
+        assert output.choices[0].token_ids[: len(want)] == want
+
+    background = [
+        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
+        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
+    ]
+    results: dict[int, object] = {}
+
+    def run(i, ids, params):
+        results[i] = worker.complete([ids], params, 256)[0][0]
+
+    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
+    for thread in threads:
+        thread.start()
+    try:
+        while not worker.engine.batch.groups and any(thread.is_alive() for thread in threads):
+            time.sleep(0.01)  # the others are decoding before the long prompt comes
+        [chunked], _ = worker.complete([long_prompt], greedy, 256)
+    finally:
+        for thread in threads:
+            thread.join()
+    check_reference(chunked, plain, tok, long_prompt, greedy, tol)
+    for i, (ids, params) in enumerate(background):
+        check_reference(results[i], plain, tok, ids, params, tol)
+
+
 def candidate_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 0x9E3779B1) % 2**63
 

@@ -13,7 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from app.engine.core.shapes import windows
+from app.engine.model.shapes import windows
 from app.engine.core.blocks import BLOCK
 from tooling.bench.models import model_or_1b
 from app.engine.params import SamplingParams

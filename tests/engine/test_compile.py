@@ -28,13 +28,13 @@ import torch
 import torch._dynamo
 
 from app.engine.core.blocks import BLOCK
-from app.engine.core.shapes import bucket
+from app.engine.model.shapes import bucket
 from app.engine.core.sequence import RequestGroup
 from app.engine.output.decoder import collect
 from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT
 from app.engine.params import SamplingParams
 from conftest import make_settings
-from references import check_reference, ref_sampled
+from references import check_reference, ref_sampled, serve_alone_and_beside
 
 TOL = 1e-4
 
@@ -120,7 +120,7 @@ def test_buckets():
 
 
 def test_windows():
-    from app.engine.core.shapes import window, windows
+    from app.engine.model.shapes import window, windows
 
     assert windows(8192) == (256, 512, 1024, 2048, 4096, 8192)
     assert windows(3072) == (256, 512, 1024, 2048, 3072) and windows(200) == (200,)
@@ -272,15 +272,12 @@ def test_every_step_runs_one_compiled_flat_graph_and_answers_as_a_plain_forward(
     ``generate()``)."""
     from torch._dynamo.utils import counters
 
-    from references import ref_greedy
-
     from app.engine.model.quantize import Int4Linear
 
     worker, plain = flat_compiled
     runner = worker.runner
     assert runner.compiled_flat is not None and runner.compiled_step is None
     assert any(isinstance(m, Int4Linear) for m in runner.model.modules())
-    tok = worker.tokenizer
     sizes, calls, mixed = [], [], []
     graph, real_flat, real_run = runner.compiled_flat, runner.flat_step, runner.run_compiled_flat
 
@@ -299,43 +296,61 @@ def test_every_step_runs_one_compiled_flat_graph_and_answers_as_a_plain_forward(
     monkeypatch.setattr(runner, "compiled_flat", counted)
     monkeypatch.setattr(runner, "run_compiled_flat", run_compiled)
     monkeypatch.setattr(runner, "flat_step", flat_step)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
-    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
-
-    alone = tok("Hello there").input_ids
-    [output], _ = worker.complete([alone], greedy, 256)
-    check_reference(output, plain, tok, alone, greedy)
-    want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
-    assert output.choices[0].token_ids[: len(want)] == want
-
-    background = [
-        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
-        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
-    ]
-    results: dict[int, object] = {}
-
-    def run(i, ids, params):
-        results[i] = worker.complete([ids], params, 256)[0][0]
-
-    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
-    for thread in threads:
-        thread.start()
-    try:
-        while not worker.engine.batch.groups and any(thread.is_alive() for thread in threads):
-            time.sleep(0.01)  # the others are decoding before the long prompt comes
-        [chunked], _ = worker.complete([long_prompt], greedy, 256)
-    finally:
-        for thread in threads:
-            thread.join()
-    check_reference(chunked, plain, tok, long_prompt, greedy)
-    for i, (ids, params) in enumerate(background):
-        check_reference(results[i], plain, tok, ids, params)
-    assert len(long_prompt) > 16 and any(mixed), "no step carried decode rows and a prompt chunk together"
+    serve_alone_and_beside(worker, plain)
+    assert any(mixed), "no step carried decode rows and a prompt chunk together"
     # every step through the graph: of many sizes, a lone row's included (padded to 2 tokens: ``runner.padded``)
     assert len(calls) == len(sizes) and len(set(sizes)) > 3 and 1 in sizes
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a new graph"
     assert sum(counters["recompiles"].values()) == recompiles, "a step recompiled the graph"
+
+
+def test_cudas_bucketed_flat_step_pads_each_step_to_a_captured_size_and_answers_as_a_plain_forward(
+    flat_compiled, monkeypatch
+):
+    """CUDA's compiled flat step (``FlatSizes``: one CUDA graph per token bucket, captured at start-up), run on the
+    CPU where inductor makes no CUDA graph but the padding is the same: start-up runs every bucket once; each step
+    with prompt chunks then reaches the graph with its tokens padded to a bucket, its tables to (bucket, width) and
+    its logits to the bucket's or the cap's rows, so every step replays a captured size; a larger step runs the
+    eager flat forward; the decode-only steps keep their own path. Every answer is the plain
+    forward's (``serve_alone_and_beside``). What only a GPU shows (the capture and replay themselves) is
+    tests/engine/test_models.py's on a GPU."""
+    from app.engine.model.runner import FlatSizes
+
+    worker, plain = flat_compiled
+    runner, pool = worker.runner, worker.engine.batch.pool
+    monkeypatch.setattr(runner, "compiled_flat", runner.compiled_flat)  # the module's graph back after
+    monkeypatch.setattr(runner, "flat_sizes", None)
+    # up to 8 tokens: a lone prompt fits, a chunk of 8 beside decoding rows does not (the eager forward runs it)
+    sizes = FlatSizes(top=8, width=256 // BLOCK, logits=4)
+    assert sizes.buckets == (2, 4, 8)
+    shapes, eager = [], []
+    real_compile, real_forward = torch.compile, runner.flat_forward
+
+    def compile_counted(fn, **options):
+        graph = real_compile(fn, **options)
+
+        def counted(tokens, positions, write, tables, which, hi, logits_at, keys, values):
+            shapes.append((tokens.shape[0], tuple(tables.shape), logits_at.shape[0]))
+            return graph(tokens, positions, write, tables, which, hi, logits_at, keys, values)
+
+        return counted
+
+    def forward_counted(*args):
+        eager.append(args[0].shape[0])
+        return real_forward(*args)
+
+    monkeypatch.setattr(torch, "compile", compile_counted)
+    assert runner.compile_flat(pool.keys, pool.values, sizes) and runner.flat_sizes is sizes
+    # start-up: the two checked steps (12 tokens -> 16, a lone row -> 2), three runs each, then every bucket
+    assert {count for count, _, _ in shapes} == set(sizes.buckets)
+    shapes.clear()
+    monkeypatch.setattr(runner, "flat_forward", forward_counted)
+    serve_alone_and_beside(worker, plain)
+    assert shapes, "no step with prompt chunks went through the graph"
+    for count, tables, logits in shapes:
+        assert count in sizes.buckets and tables == (count, sizes.width) and logits == min(count, sizes.logits)
+    assert eager, "no step beyond the captured sizes ran the eager forward"
 
 
 def test_a_compiled_flat_step_that_is_not_the_eager_forward_to_the_bit_is_not_used(flat_compiled, monkeypatch, caplog):

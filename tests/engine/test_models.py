@@ -308,13 +308,14 @@ def test_device_map_fills_the_primary_gpu_first(llama_dir):
 @pytest.mark.gpu
 def test_compiled_decoding_matches_the_reference(llama_dir, reference):
     """SAKER_COMPILE on CUDA: the decode-only step replayed as CUDA graphs gives transformers' own answer (fp32),
-    alone and with n > 1 (several rows of one bucket). Oracle: the model loaded by transformers on the CPU, apart
+    alone and with n > 1 (several rows of one bucket); so do the steps with prompt chunks, through the flat step's
+    graphs (a long prompt's chunks beside decoding rows). Oracle: the model loaded by transformers on the CPU, apart
     from the engine: every chosen token is the argmax of a plain forward over the prompt and the answer so far, its
     logprob and top logprob that forward's log-softmax (``check_reference``; 1e-3: CUDA's float32 against the
     CPU's), the text the tokenizer's decode, and greedy decoding as ``model.generate()`` makes it."""
     from app.engine.params import SamplingParams
     from app.engine.core.worker import Worker
-    from references import check_reference, continuation, ref_greedy, ref_logprobs
+    from references import check_reference, continuation, ref_greedy, ref_logprobs, serve_alone_and_beside
 
     from torch._dynamo.utils import counters
 
@@ -343,6 +344,15 @@ def test_compiled_decoding_matches_the_reference(llama_dir, reference):
             if same < len(want):
                 lp = ref_logprobs(model, ids + want[:same])[-1]
                 assert lp[want[same]] - lp[made[same]] <= 1e-3, (same, made, want)
+    # the steps with prompt chunks (alone, and riding beside decoding rows) replay the flat step's CUDA graphs,
+    # one per token bucket captured at start-up (``FlatSizes``), none skipped
+    runner, replays = compiled.runner, []
+    assert runner.compiled_flat is not None and runner.flat_sizes is not None
+    graph = runner.compiled_flat
+    runner.compiled_flat = lambda *args: replays.append(args[0].shape[0]) or graph(*args)
+    serve_alone_and_beside(compiled, model, tol=1e-3)
+    assert replays and set(replays) <= set(runner.flat_sizes.buckets), replays
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
 def test_a_model_folder_under_home_loads(gpt2_dir, tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import torch
 
 from app.engine.model.attention import Scratch
 from app.engine.core.blocks import BLOCK, BlockManager
-from app.engine.core.shapes import BUCKETS, bucket, window, windows
+from app.engine.model.shapes import BUCKETS, bucket, window, windows
 from app.engine.model.kv_cache import KVPool
 from app.engine.model.runner import MIXED, ModelRunner
 from app.engine.sampling.sampler import SamplingRows
@@ -442,6 +442,8 @@ class BlockBatch:
             extra["adapter_names"] = [g.params.adapter or "__base__" for g in self.groups for _ in range(g.rows)]
         pool = self.pool
         runner.inject("rows")
+        if compiled is not None and self.static:  # a step of its own to CUDA graphs: the last one's logits are read
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             logits = (compiled or runner.rows_step)(
                 tokens, _on(positions, device), _on(write, device), _on(gather, device), pool.keys, pool.values, **extra

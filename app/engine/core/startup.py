@@ -17,7 +17,9 @@ from app.engine.core.solo import SoloRun
 from app.engine.model.loader import LoadedModel
 from app.engine.output.decoder import collect
 from app.engine.params import SamplingParams
-from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT, ModelRunner, eos_ids
+from app.engine.model.kv_cache import BLOCK
+from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT, FlatSizes, ModelRunner, eos_ids
+from app.engine.model.shapes import bucket
 from app.engine.core.engine_core import EngineCore
 from app.engine.core.speculative import SpeculativeConfig
 
@@ -116,9 +118,13 @@ def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConf
     # the pool now: its default budget (90 % of the free GPU memory) is taken once a draft model holds its own
     core.kv_cache_tokens = core.batch.make_pool()
     core.info, core.load_seconds = info, loaded.load_seconds
-    if runner.flat_compiles() and (config.compile if config.compile is not None else COMPILE_FLAT_BY_DEFAULT):
+    on_cuda = runner.input_device.type == "cuda"
+    flat_default = COMPILE_FLAT_BY_DEFAULT
+    if not on_cuda and runner.flat_compiles() and (config.compile if config.compile is not None else flat_default):
         compile_flat_step(runner, core)  # the CPU's kernel path: every step through one compiled graph
-    elif config.compile if config.compile is not None else runner.input_device.type == "cuda":
+    elif config.compile if config.compile is not None else on_cuda:
+        if on_cuda and runner.flat_compiles():  # the steps with prompt chunks: a CUDA graph per token bucket (first:
+            compile_flat_step(runner, core, flat_sizes(config, info.context_length))  # the decode step reads it)
         compile_decode_step(runner, core, config.max_batch_rows, info.context_length)
     core.start()
     log.info(
@@ -133,6 +139,9 @@ def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConf
     return core
 
 
+MAX_CAPTURED_TOKENS = 1024  # the largest flat step CUDA graphs are captured for (larger ones run eagerly)
+
+
 def warm_up(runner: ModelRunner, context_length: int) -> None:
     """One short greedy generation before /health turns 200, so the first request is not the slow one."""
     bos = runner.tokenizer.bos_token_id
@@ -141,13 +150,14 @@ def warm_up(runner: ModelRunner, context_length: int) -> None:
     collect(iter(SoloRun(runner, ids, params, max_length=context_length)), params)
 
 
-def compile_flat_step(runner: ModelRunner, core: EngineCore) -> None:
-    """The flat step compiled (``ModelRunner.compile_flat``) and checked against the eager forward on the engine's
-    pool, before /health turns 200; the seconds it took are logged."""
+def compile_flat_step(runner: ModelRunner, core: EngineCore, sizes: FlatSizes | None = None) -> None:
+    """The flat step compiled (``ModelRunner.compile_flat``; on CUDA captured at ``sizes``) and checked against the
+    eager forward on the engine's pool, before /health turns 200; the seconds it took are logged."""
     start = time.perf_counter()
     pool = core.batch.pool
-    if runner.compile_flat(pool.keys, pool.values):
-        log.info("compiled the flat step (%.1f s)", time.perf_counter() - start)
+    if runner.compile_flat(pool.keys, pool.values, sizes):
+        captured = f", {len(sizes.buckets)} CUDA graphs up to {sizes.top} tokens" if sizes else ""
+        log.info("compiled the flat step (%.1f s%s)", time.perf_counter() - start, captured)
 
 
 def compile_decode_step(runner: ModelRunner, core: EngineCore, max_rows: int, context_length: int) -> None:
@@ -165,3 +175,11 @@ def compile_decode_step(runner: ModelRunner, core: EngineCore, max_rows: int, co
         core.batch.capacity,
         time.perf_counter() - start,
     )
+
+
+def flat_sizes(config: EngineConfig, context_length: int) -> FlatSizes:
+    """What CUDA's compiled flat step is captured for: up to a step's token budget (the prompts' chunks beside the
+    running rows' tokens), tables as wide as the context, logits for every running row plus a few prompts ending."""
+    chunk = config.prefill_chunk_tokens or MAX_CAPTURED_TOKENS
+    top = min(MAX_CAPTURED_TOKENS, max(config.prefill_batch_tokens, config.max_batch_rows + chunk))
+    return FlatSizes(top=top, width=-(-context_length // BLOCK), logits=bucket(config.max_batch_rows + 8))

@@ -198,6 +198,7 @@ class FlatStep:
     chunks: tuple[tuple[torch.Tensor, int, int], ...] = ()
     batched: bool = False
     scratch: "Scratch | None" = None  # where blocks are read into (None: fresh tensors; a compiled step)
+    kernel: bool = False  # every query through the one attention kernel (the compiled flat step: ``_spans`` given)
     _spans: dict = field(default_factory=dict, repr=False)  # window -> ``spans``, made at the first layer
 
     def spans(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,9 +271,10 @@ def flat_attention(module, query, key, value, flat: FlatStep, scaling, window: i
     values.index_copy_(0, flat.write, new_values.to(values.dtype))
     exact = getattr(module, "_saker_exact", False)
     on_cuda = cuda_kernels.available(keys.device)
-    # every query through one fixed-order kernel: the CPU's float32 one (the pool is float64 where it is not built),
-    # or on CUDA in fixed order (SAKER_BATCH_INVARIANT), where prompt chunks' queries are rows of their own too
-    if (exact and keys.dtype == torch.float32) or (on_cuda and cuda_kernels.fixed_order()):
+    # every query through one kernel: the CPU's fixed-order float32 one (the pool is float64 where it is not built),
+    # on CUDA in fixed order (SAKER_BATCH_INVARIANT), or in the compiled flat step (``flat.kernel``: on CUDA one
+    # CUDA graph per token bucket, prompt chunks included); prompt chunks' queries are rows of their own there
+    if flat.kernel or (exact and keys.dtype == torch.float32) or (on_cuda and cuda_kernels.fixed_order()):
         q = query[:, :, 0] if flat.batched else query[0].transpose(0, 1)  # (T, Hq, D)
         tables, which, lo, hi = flat.spans(window)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5

@@ -31,7 +31,10 @@ class ModelRunner:
     input_device: torch.device = field(default=None)  # type: ignore[assignment]
     byte_level: bool = False
     compiled_step: object = None  # SAKER_COMPILE: the decode-only step compiled (CUDA graphs on CUDA), or None
-    compiled_flat: object = None  # the flat step's forward compiled (``compile_flat``: the CPU's kernel path), or None
+    compiled_flat: object = None  # the flat step's forward compiled (``compile_flat``), or None
+    # CUDA: the sizes the compiled flat step is padded to (one CUDA graph per token bucket); None on the CPU, whose
+    # compiled flat step is one graph dynamic in its sizes and also runs the decode-only steps
+    flat_sizes: "FlatSizes | None" = None
     mixes_adapters: bool = False  # every named adapter is LoRA: one batch may mix them (and the base)
     kv_dtype: torch.dtype | None = None  # the block pool's dtype (None: the model's keys' own)
     # steps run saker's own forward of the model's layers (``fused_forward``) where it has one, not transformers'
@@ -159,7 +162,7 @@ class ModelRunner:
         ``attention.Scratch`` buffers to read the rows' blocks into."""
         from app.engine.model.attention import FlatStep
 
-        if self.compiled_flat is not None and adapter_names is None:  # the same compiled graph as every flat step
+        if self.compiled_flat is not None and self.flat_sizes is None and adapter_names is None:  # the CPU's one graph
             rows = torch.arange(tokens.shape[0], device=tokens.device)
             every = rows.clone()  # every row's logits: a tensor of its own (inputs that alias are another graph)
             return self.run_compiled_flat(tokens, positions, write, gather, rows, positions + 1, every, keys, values)
@@ -211,13 +214,20 @@ class ModelRunner:
         )
         return out.logits[0].float()
 
-    # -- the compiled flat step (CPU) --------------------------------------------------------------------------------
+    # -- the compiled flat step -----------------------------------------------------------------------------------
     def flat_compiles(self) -> bool:
-        """Whether this model's flat step can be one compiled graph whose inputs are tensors only: on the CPU with
-        attention by the fixed-order kernel over a float32 pool (``cpu_kernels``: the int4/int8 models) and no PEFT
-        adapters. Its other models (float32 and bfloat16 ones attend by SDPA over each chunk's blocks, a loop
-        over the step's chunks) run their flat steps eagerly."""
-        return self.input_device.type == "cpu" and self.kv_dtype == torch.float32 and not self.adapters
+        """Whether this model's flat step can be one compiled graph whose inputs are tensors only (every query, a
+        prompt chunk's too, through one attention kernel over the pool; no PEFT adapters): on the CPU with the
+        fixed-order float32 kernel over a float32 pool (``cpu_kernels``: the int4/int8 models), on CUDA with the
+        Triton kernel (``cuda_kernels``). Other models (float32 and bfloat16 ones on the CPU attend by SDPA over
+        each chunk's blocks, a loop over the step's chunks) run their flat steps eagerly."""
+        if self.adapters:
+            return False
+        if self.input_device.type == "cpu":
+            return self.kv_dtype == torch.float32
+        from app.engine.model import cuda_kernels
+
+        return cuda_kernels.available(self.input_device)
 
     def flat_forward(
         self,
@@ -240,7 +250,8 @@ class ModelRunner:
 
         zeros = torch.zeros_like(hi)
         spans = {w: (tables, which, (hi - w).clamp_min(0) if w else zeros, hi) for w in self.windows}
-        return self._flat_logits(tokens, positions, FlatStep(keys, values, write, 0, _spans=spans), logits_at)
+        flat = FlatStep(keys, values, write, 0, kernel=True, _spans=spans)
+        return self._flat_logits(tokens, positions, flat, logits_at)
 
     @functools.cached_property
     def windows(self) -> tuple[int | None, ...]:
@@ -250,45 +261,68 @@ class ModelRunner:
         return (None, *sorted(w for w in found if isinstance(w, int) and w > 0))
 
     def run_compiled_flat(self, tokens, positions, write, tables, which, hi, logits_at, keys, values) -> torch.Tensor:
-        """``flat_forward``'s compiled graph on a step's tensors (``padded``)."""
-        count = logits_at.shape[0]
-        out = self.compiled_flat(*padded(tokens, positions, write, tables, which, hi, logits_at, keys, values))
-        return out[:count] if count < 2 else out
+        """``flat_forward``'s compiled graph on a step's tensors (``padded``); on CUDA a step larger than the
+        captured sizes (``FlatSizes.fits``) runs ``flat_forward`` eagerly."""
+        count, sizes = logits_at.shape[0], self.flat_sizes
+        if sizes is not None and not sizes.fits(tokens.shape[0], tables.shape[1], count):
+            return self.flat_forward(tokens, positions, write, tables, which, hi, logits_at, keys, values)
+        if sizes is not None:  # a step of its own to CUDA graphs (the decode step's graphs run between these)
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.compiled_flat(*padded(tokens, positions, write, tables, which, hi, logits_at, keys, values, sizes))
+        return out[:count] if out.shape[0] > count else out
 
     def compile_step(self) -> None:
         """SAKER_COMPILE: the decode-only step through torch.compile (one graph; CUDA graphs on CUDA)."""
         mode = "reduce-overhead" if self.input_device.type == "cuda" else None
         self.compiled_step = torch.compile(self.rows_step, fullgraph=True, mode=mode)
 
-    def compile_flat(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+    def compile_flat(self, keys: list, values: list, sizes: FlatSizes | None = None) -> bool:
         """Compile ``flat_forward`` (inductor, one graph, the token dimension dynamic) and run it now on ``keys`` and
-        ``values`` (the pool's), so that no request pays the compile; every flat step and decode-only step then
-        goes through it. The compiled graph must give the eager forward's numbers to the bit (the int4/int8 kernels
+        ``values`` (the pool's), so that no request pays the compile. On the CPU every flat step and decode-only
+        step then goes through it, and it must give the eager forward's numbers to the bit (the int4/int8 kernels
         round their inputs, to int16 per group or to bfloat16, where a float32 ulp can become a visible change;
-        ``eager_numbers``): the warm-up steps are checked against ``flat_forward`` run eagerly, and where they differ
-        the graph is dropped with a warning and the steps stay eager. Returns whether it is in use."""
+        ``eager_numbers``). On CUDA (``sizes``) it replays as one CUDA graph per token bucket, each captured here,
+        and runs the steps with prompt chunks (the decode-only steps keep ``compile_step``'s graphs); its logits
+        must be the eager forward's within ``CUDA_DRIFT`` of their largest (inductor fuses and rounds otherwise). The
+        warm-up steps are checked against ``flat_forward`` run eagerly, and where they differ the graph is dropped
+        with a warning and the steps stay eager. Returns whether it is in use."""
         import logging
 
         log = logging.getLogger("saker.worker")
         if not self.flat_compiles() or not keys or keys[0].shape[0] < (WARM_BLOCK + 1) * BLOCK:
             return False
-        eager_numbers()
+        if sizes is None:  # the bits of the eager forward: the CPU's (CUDA's are checked within ``CUDA_DRIFT``)
+            eager_numbers()
         assert self.windows  # found now, not while tracing
-        self.compiled_flat = torch.compile(self.flat_forward, fullgraph=True)
+        self.flat_sizes = sizes
+        if sizes is not None:
+            from torch._inductor import config as inductor
+
+            for tensor in (*keys, *values):  # CUDA graphs read the pool where it is, never a copy
+                torch._dynamo.mark_static_address(tensor)
+            # a graph per token bucket is the design (inductor warns past 8 sizes, taking them for unpadded ones)
+            inductor.triton.cudagraph_dynamic_shape_warn_limit = None
+        self.compiled_flat = torch.compile(self.flat_forward, fullgraph=True, mode="reduce-overhead" if sizes else None)
         problem = None
         try:
             with torch.inference_mode():
                 # the first step with every varying size distinct (dynamo gives equal sizes one symbol: tokens 12,
-                # tables 5 x 3, logits 4), then a lone row
-                for step in (warm_step(self, (3, 4, 5)), warm_step(self, (1,))):
-                    step = padded(*step, keys, values)  # both sides on the same tensors
-                    compiled = self.compiled_flat(*step)
+                # tables 5 x 3, logits 4; with ``sizes`` where 12 tokens are captured), then a lone row
+                checks = [warm_step(self, (3, 4, 5)), warm_step(self, (1,))]
+                for step in [s for s in checks if sizes is None or sizes.fits(s[0].shape[0], 3, 4)]:
+                    step = padded(*step, keys, values, sizes)  # both sides on the same tensors
+                    for _ in range(3 if sizes else 1):  # CUDA graphs: run eagerly, recorded, then replayed
+                        torch.compiler.cudagraph_mark_step_begin()
+                        compiled = self.compiled_flat(*step).clone()
                     eager = self.flat_forward(*step)
-                    if not torch.equal(compiled, eager):
-                        problem = (
-                            f"its logits differ from the eager forward's (up to {(compiled - eager).abs().max():.3g})"
-                        )
+                    problem = drift(compiled, eager, CUDA_DRIFT if sizes else 0.0)
+                    if problem:
                         break
+                for tokens in sizes.buckets if sizes and not problem else ():  # every other bucket captured now
+                    step = padded(*warm_step(self, (1,)), keys, values, sizes, tokens)
+                    for _ in range(3):
+                        torch.compiler.cudagraph_mark_step_begin()
+                        self.compiled_flat(*step)
         except Exception as exc:  # inductor could not build it here: the steps stay as they were
             problem = f"it could not be compiled ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         finally:
@@ -296,28 +330,84 @@ class ModelRunner:
                 tensor[WARM_BLOCK * BLOCK : (WARM_BLOCK + 1) * BLOCK].zero_()
         if problem is not None:
             log.warning("the compiled flat step is not used: %s; steps run eagerly", problem)
-            self.compiled_flat = None
+            self.compiled_flat, self.flat_sizes = None, None
         return self.compiled_flat is not None
 
 
-def padded(tokens, positions, write, tables, which, hi, logits_at, keys, values) -> tuple:
+CUDA_DRIFT = 0.02  # how far (of the largest logit) CUDA's compiled flat step may be from its eager forward
+
+
+def drift(compiled: torch.Tensor, eager: torch.Tensor, allowed: float) -> str | None:
+    """Why the compiled graph's logits are not the eager forward's: different bits (``allowed`` 0), or further than
+    ``allowed`` times the largest eager logit; None when they agree."""
+    if compiled.shape == eager.shape and torch.isfinite(compiled).all():
+        gap = (compiled.float() - eager.float()).abs().max()
+        if (gap == 0) if allowed == 0 else bool(gap <= allowed * eager.float().abs().max()):
+            return None
+        return f"its logits differ from the eager forward's (up to {gap:.3g})"
+    finite = bool(torch.isfinite(compiled).all())
+    return f"its logits are not the eager forward's (shape {tuple(compiled.shape)}, all finite: {finite})"
+
+
+@dataclass(frozen=True)
+class FlatSizes:
+    """What CUDA's compiled flat step is padded to, so that each step replays a CUDA graph captured at start-up:
+    its tokens up to a bucket (``tokens``), its block tables to as many rows as the bucket and ``width`` blocks
+    each (the context's), its logits to the bucket's or ``logits`` rows, the fewer. A step beyond them (more tokens
+    than ``top``'s bucket, more logits, a wider table) runs eagerly."""
+
+    top: int
+    width: int
+    logits: int
+
+    @staticmethod
+    def tokens(count: int) -> int:
+        """The batch buckets (``shapes.bucket``: 2, 4, 8, 16, 24, 32, then multiples of 8) up to 256 tokens, then
+        multiples of 64 (vLLM's capture sizes are as coarse above 256): at most a quarter of a large step is
+        padding, and a 1,024-token budget is 46 graphs."""
+        from app.engine.model.shapes import bucket
+
+        return bucket(max(2, count)) if count <= 256 else -(-count // 64) * 64
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({self.tokens(n) for n in range(2, self.top + 1)}))
+
+    def logits_rows(self, tokens: int) -> int:
+        return max(2, min(tokens, self.logits))  # at least 2: dynamo specializes a size of 1
+
+    def fits(self, tokens: int, width: int, logits: int) -> bool:
+        padded_tokens = self.tokens(tokens)
+        fitting = padded_tokens <= self.tokens(self.top) and width <= self.width
+        return fitting and logits <= self.logits_rows(padded_tokens)
+
+
+def padded(
+    tokens, positions, write, tables, which, hi, logits_at, keys, values, sizes: FlatSizes | None = None, to: int = 0
+) -> tuple:
     """A step's tensors for the compiled graph: each dimension that varies from step to step marked dynamic and
-    padded to at least 2 (a padding token written at slot 0, in the null block, attending over nothing; a null
-    table row or column; a repeated logit), because dynamo specializes sizes 0 and 1: one graph serves every step,
-    a lone row's included. The padding changes no other token's numbers where every operation is row-wise (the
-    kernel path's)."""
-    if tokens.shape[0] < 2:
-        pad = torch.zeros(1, dtype=torch.long, device=tokens.device)
+    padded to at least 2 (padding tokens written at slot 0, in the null block, attending over nothing; null table
+    rows or columns; a repeated logit), because dynamo specializes sizes 0 and 1: one graph serves every step, a
+    lone row's included. With ``sizes`` (CUDA) the tokens are padded to their bucket (``to``: to that many), the
+    tables and logits as ``FlatSizes`` says. The padding changes no other token's numbers where every operation is
+    row-wise (the kernel path's)."""
+    count, rows, width, logits = tokens.shape[0], max(2, tables.shape[0]), max(2, tables.shape[1]), 2
+    if sizes is not None:
+        count = to or sizes.tokens(count)
+        rows, width, logits = count, sizes.width, sizes.logits_rows(count)
+    if tokens.shape[0] < max(2, count):
+        pad = torch.zeros(max(2, count) - tokens.shape[0], dtype=torch.long, device=tokens.device)
         tokens, positions, write, which, hi = (torch.cat([t, pad]) for t in (tokens, positions, write, which, hi))
-    if tables.shape[0] < 2 or tables.shape[1] < 2:
-        tables = torch.nn.functional.pad(tables, (0, max(0, 2 - tables.shape[1]), 0, max(0, 2 - tables.shape[0])))
+    if tables.shape[0] < rows or tables.shape[1] < width:
+        grow = (0, max(0, width - tables.shape[1]), 0, max(0, rows - tables.shape[0]))
+        tables = torch.nn.functional.pad(tables, grow)
     tables = tables.contiguous()  # the batch's are a view of wider arrays: other strides would be another graph
-    if logits_at.shape[0] < 2:
-        logits_at = torch.cat([logits_at, logits_at.new_zeros(2 - logits_at.shape[0])])
+    if logits_at.shape[0] < logits:
+        logits_at = torch.cat([logits_at, logits_at.new_zeros(logits - logits_at.shape[0])])
     for tensor in (tokens, positions, write, which, hi, logits_at):
         torch._dynamo.mark_dynamic(tensor, 0)
     torch._dynamo.mark_dynamic(tables, (0, 1))
-    for tensor in (*keys, *values):  # a pool of another size (a solo run's) is the same graph
+    for tensor in (*keys, *values) if sizes is None else ():  # a pool of another size (a solo run's) is the same graph
         torch._dynamo.mark_dynamic(tensor, 0)
     return tokens, positions, write, tables, which, hi, logits_at, keys, values
 
