@@ -116,10 +116,10 @@ class Oracle(Proposer):
 _MASK = (1 << 64) - 1
 
 
-def serve_alone_and_beside(worker, plain, tol: float = 1e-4) -> None:
-    """A request alone, then a long prompt (in chunks, beside decoding rows) while two others decode, greedy and
-    seeded: every answer checked against the plain forward ``plain`` (its argmax and log-softmax within ``tol``,
-    ``check_reference``), the lone request's greedy tokens against its ``generate()``."""
+def serve_alone_and_beside(worker) -> list[tuple]:
+    """Through the engine: a greedy request alone, then a long prompt (in chunks, beside decoding rows) while a
+    greedy and a seeded request decode (mixed steps, rows joining and leaving). Returns each request as ``(ids,
+    params, output)``, the one alone first and the long prompt second (``check_served`` checks them)."""
     import threading
     import time
 
@@ -128,14 +128,8 @@ def serve_alone_and_beside(worker, plain, tol: float = 1e-4) -> None:
     tok = worker.tokenizer
     greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
     long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
-    assert len(long_prompt) > 16
     alone = tok("Hello there").input_ids
     [output], _ = worker.complete([alone], greedy, 256)
-    check_reference(output, plain, tok, alone, greedy, tol)
-    if tol <= 1e-4:  # a GPU's float32 may part from the CPU's at a near tie (``check_reference`` allows ties)
-        want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
-        assert output.choices[0].token_ids[: len(want)] == want
-
     background = [
         (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
         (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
@@ -155,9 +149,21 @@ def serve_alone_and_beside(worker, plain, tol: float = 1e-4) -> None:
     finally:
         for thread in threads:
             thread.join()
-    check_reference(chunked, plain, tok, long_prompt, greedy, tol)
-    for i, (ids, params) in enumerate(background):
-        check_reference(results[i], plain, tok, ids, params, tol)
+    served = [(alone, greedy, output), (long_prompt, greedy, chunked)]
+    return served + [(ids, params, results[i]) for i, (ids, params) in enumerate(background)]
+
+
+def check_served(served: list[tuple], plain, tok, tol: float = 1e-4) -> None:
+    """``serve_alone_and_beside``'s answers against the plain forward ``plain``: its argmax and log-softmax within
+    ``tol`` (``check_reference``), the lone request's greedy tokens those of its ``generate()``; the long prompt
+    long enough to be chunked."""
+    for ids, params, output in served:
+        check_reference(output, plain, tok, ids, params, tol)
+    (alone, _, output), (long_prompt, _, _) = served[:2]
+    assert len(long_prompt) > 16
+    if tol <= 1e-4:  # a GPU's float32 may part from the CPU's at a near tie (``check_reference`` allows ties)
+        want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
+        assert output.choices[0].token_ids[: len(want)] == want
 
 
 def candidate_seed(seed: int, index: int) -> int:

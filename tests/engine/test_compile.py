@@ -34,7 +34,7 @@ from app.engine.output.decoder import collect
 from app.engine.model.runner import COMPILE_FLAT_BY_DEFAULT
 from app.engine.params import SamplingParams
 from conftest import make_settings
-from references import check_reference, ref_sampled, serve_alone_and_beside
+from references import check_reference, check_served, ref_sampled, serve_alone_and_beside
 
 TOL = 1e-4
 
@@ -297,7 +297,7 @@ def test_every_step_runs_one_compiled_flat_graph_and_answers_as_a_plain_forward(
     monkeypatch.setattr(runner, "run_compiled_flat", run_compiled)
     monkeypatch.setattr(runner, "flat_step", flat_step)
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
-    serve_alone_and_beside(worker, plain)
+    check_served(serve_alone_and_beside(worker), plain, worker.tokenizer)
     assert any(mixed), "no step carried decode rows and a prompt chunk together"
     # every step through the graph: of many sizes, a lone row's included (padded to 2 tokens: ``runner.padded``)
     assert len(calls) == len(sizes) and len(set(sizes)) > 3 and 1 in sizes
@@ -312,8 +312,8 @@ def test_cudas_bucketed_flat_step_pads_each_step_to_a_captured_size_and_answers_
     CPU where inductor makes no CUDA graph but the padding is the same: start-up runs every bucket once; each step
     with prompt chunks then reaches the graph with its tokens padded to a bucket, its tables to (bucket, width) and
     its logits to the bucket's or the cap's rows, so every step replays a captured size; a larger step runs the
-    eager flat forward; the decode-only steps keep their own path. Every answer is the plain
-    forward's (``serve_alone_and_beside``). What only a GPU shows (the capture and replay themselves) is
+    eager flat forward; the decode-only steps keep their own path. Every answer is the plain forward's
+    (``serve_alone_and_beside``, ``check_served``). What only a GPU shows (the capture and replay themselves) is
     tests/engine/test_models.py's on a GPU."""
     from app.engine.model.runner import FlatSizes
 
@@ -346,7 +346,7 @@ def test_cudas_bucketed_flat_step_pads_each_step_to_a_captured_size_and_answers_
     assert {count for count, _, _ in shapes} == set(sizes.buckets)
     shapes.clear()
     monkeypatch.setattr(runner, "flat_forward", forward_counted)
-    serve_alone_and_beside(worker, plain)
+    check_served(serve_alone_and_beside(worker), plain, worker.tokenizer)
     assert shapes, "no step with prompt chunks went through the graph"
     for count, tables, logits in shapes:
         assert count in sizes.buckets and tables == (count, sizes.width) and logits == min(count, sizes.logits)

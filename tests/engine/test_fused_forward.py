@@ -10,14 +10,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from app.engine.model import cpu_kernels, fused_forward
-from app.engine.params import SamplingParams
-from references import check_reference, ref_greedy
+from references import check_served, serve_alone_and_beside
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU kernels cannot be built here")
 
@@ -126,12 +123,9 @@ def fused(request, llama_dir, tmp_path_factory):
     return worker, plain
 
 
-def serve_alone_and_beside(worker, monkeypatch) -> tuple[list, list[int]]:
-    """Through the engine, with ``fused_forward.forward`` counted and transformers' forward made to fail: a greedy
-    request alone, then a long prompt's chunks beside a greedy and a seeded request decoding (mixed steps, rows
-    joining and leaving). Returns each request as ``(ids, params, output)`` (the one alone first, the long prompt
-    second) and the number of tokens of each fused forward."""
-    tok = worker.tokenizer
+def served_through_fused(worker, monkeypatch) -> list[tuple]:
+    """``references.serve_alone_and_beside`` with ``fused_forward.forward`` counted and transformers' forward made
+    to fail: the requests as served, every step through the fused forward, decode rows alone and wider steps."""
     calls, real = [], fused_forward.forward
 
     def counted(plan, tokens, *args, **kwargs):
@@ -143,42 +137,10 @@ def serve_alone_and_beside(worker, monkeypatch) -> tuple[list, list[int]]:
 
     monkeypatch.setattr(fused_forward, "forward", counted)
     monkeypatch.setattr(worker.runner.model, "forward", transformers_forward)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
-    alone = tok("Hello there").input_ids
-    [output], _ = worker.complete([alone], greedy, 256)
-    long_prompt = tok("Once upon a time there was a little robot who lived by the sea and loved the sky").input_ids
-    background = [
-        (tok("The capital of France is").input_ids, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)),
-        (tok("Hi").input_ids, SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=1, ignore_eos=True)),
-    ]
-    results: dict[int, object] = {}
-    started = threading.Event()
-
-    def run(i, ids, params):
-        started.set()
-        results[i] = worker.complete([ids], params, 256)[0][0]
-
-    threads = [threading.Thread(target=run, args=(i, ids, p)) for i, (ids, p) in enumerate(background)]
-    for thread in threads:
-        thread.start()
-    started.wait()
-    [chunked], _ = worker.complete([long_prompt], greedy, 256)
-    for thread in threads:
-        thread.join()
+    served = serve_alone_and_beside(worker)
     monkeypatch.undo()  # the oracle is the same class's plain forward
-    served = [(alone, greedy, output), (long_prompt, greedy, chunked)]
-    return served + [(ids, params, results[i]) for i, (ids, params) in enumerate(background)], calls
-
-
-def check_served(served: list, calls: list[int], plain, tok) -> None:
-    """Every answer is the plain forward's (argmax and log-softmax within 1e-4), the one alone the greedy tokens of
-    its ``generate()``; the steps were decode rows alone and wider ones, with the long prompt over several chunks."""
-    for ids, params, output in served:
-        check_reference(output, plain, tok, ids, params)
-    (alone, _, output), (long_prompt, _, _) = served[:2]
-    want = ref_greedy(plain, tok, alone, 10)[len(alone) :]
-    assert output.choices[0].token_ids[: len(want)] == want
-    assert 1 in calls and max(calls) > 1 and len(long_prompt) > 16
+    assert 1 in calls and max(calls) > 1  # decode rows alone, and wider steps
+    return served
 
 
 def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fused, monkeypatch):
@@ -187,8 +149,7 @@ def test_every_step_runs_the_fused_forward_and_answers_as_the_plain_forward(fuse
     the plain forward's: its argmax and log-softmax within 1e-4, the greedy tokens of its ``generate()``."""
     worker, plain = fused
     assert worker.runner.fused is not None
-    served, calls = serve_alone_and_beside(worker, monkeypatch)
-    check_served(served, calls, plain, worker.tokenizer)
+    check_served(served_through_fused(worker, monkeypatch), plain, worker.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +177,7 @@ def test_a_float32_gpt2_steps_through_its_fused_forward_and_answers_as_the_plain
     worker, plain = fused_gpt2
     runner = worker.runner
     assert type(runner.fused) is fused_forward.GPT2Plan
-    served, calls = serve_alone_and_beside(worker, monkeypatch)
-    check_served(served, calls, plain, worker.tokenizer)
+    check_served(served_through_fused(worker, monkeypatch), plain, worker.tokenizer)
 
     # one flat step by hand: two decode rows over their blocks (in place) and a chunk of a third sequence
     layers = plain.config.n_layer

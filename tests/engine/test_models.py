@@ -315,7 +315,8 @@ def test_compiled_decoding_matches_the_reference(llama_dir, reference):
     CPU's), the text the tokenizer's decode, and greedy decoding as ``model.generate()`` makes it."""
     from app.engine.params import SamplingParams
     from app.engine.core.worker import Worker
-    from references import check_reference, continuation, ref_greedy, ref_logprobs, serve_alone_and_beside
+    from references import check_reference, check_served, continuation, ref_greedy, ref_logprobs
+    from references import serve_alone_and_beside
 
     from torch._dynamo.utils import counters
 
@@ -350,7 +351,7 @@ def test_compiled_decoding_matches_the_reference(llama_dir, reference):
     assert runner.compiled_flat is not None and runner.flat_sizes is not None
     graph = runner.compiled_flat
     runner.compiled_flat = lambda *args: replays.append(args[0].shape[0]) or graph(*args)
-    serve_alone_and_beside(compiled, model, tol=1e-3)
+    check_served(serve_alone_and_beside(compiled), model, tok, tol=1e-3)
     assert replays and set(replays) <= set(runner.flat_sizes.buckets), replays
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 

@@ -119,8 +119,8 @@ def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConf
     core.kv_cache_tokens = core.batch.make_pool()
     core.info, core.load_seconds = info, loaded.load_seconds
     on_cuda = runner.input_device.type == "cuda"
-    flat_default = COMPILE_FLAT_BY_DEFAULT
-    if not on_cuda and runner.flat_compiles() and (config.compile if config.compile is not None else flat_default):
+    flat_on_cpu = not on_cuda and runner.flat_compiles()
+    if flat_on_cpu and (config.compile if config.compile is not None else COMPILE_FLAT_BY_DEFAULT):
         compile_flat_step(runner, core)  # the CPU's kernel path: every step through one compiled graph
     elif config.compile if config.compile is not None else on_cuda:
         if on_cuda and runner.flat_compiles():  # the steps with prompt chunks: a CUDA graph per token bucket (first:

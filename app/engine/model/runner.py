@@ -12,6 +12,7 @@ from app.engine.model import fused_forward
 from app.engine.model.attention import use_engine_attention
 from app.engine.model.kv_cache import BLOCK
 from app.engine.model.kv_cache import default_kv_budget, kv_bytes_per_token
+from app.engine.model.shapes import bucket
 from app.engine.output.token_text import is_byte_level
 
 MIXED = object()  # a decode batch whose rows use different adapters (LoRA only): peft's ``adapter_names``
@@ -340,13 +341,13 @@ CUDA_DRIFT = 0.02  # how far (of the largest logit) CUDA's compiled flat step ma
 def drift(compiled: torch.Tensor, eager: torch.Tensor, allowed: float) -> str | None:
     """Why the compiled graph's logits are not the eager forward's: different bits (``allowed`` 0), or further than
     ``allowed`` times the largest eager logit; None when they agree."""
-    if compiled.shape == eager.shape and torch.isfinite(compiled).all():
-        gap = (compiled.float() - eager.float()).abs().max()
-        if (gap == 0) if allowed == 0 else bool(gap <= allowed * eager.float().abs().max()):
-            return None
-        return f"its logits differ from the eager forward's (up to {gap:.3g})"
     finite = bool(torch.isfinite(compiled).all())
-    return f"its logits are not the eager forward's (shape {tuple(compiled.shape)}, all finite: {finite})"
+    if compiled.shape != eager.shape or not finite:
+        return f"its logits are not the eager forward's (shape {tuple(compiled.shape)}, all finite: {finite})"
+    gap = (compiled.float() - eager.float()).abs().max()
+    if gap <= allowed * eager.float().abs().max():  # allowed 0: the same bits
+        return None
+    return f"its logits differ from the eager forward's (up to {gap:.3g})"
 
 
 @dataclass(frozen=True)
@@ -365,8 +366,6 @@ class FlatSizes:
         """The batch buckets (``shapes.bucket``: 2, 4, 8, 16, 24, 32, then multiples of 8) up to 256 tokens, then
         multiples of 64 (vLLM's capture sizes are as coarse above 256): at most a quarter of a large step is
         padding, and a 1,024-token budget is 46 graphs."""
-        from app.engine.model.shapes import bucket
-
         return bucket(max(2, count)) if count <= 256 else -(-count // 64) * 64
 
     @property
