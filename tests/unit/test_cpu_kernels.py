@@ -133,6 +133,23 @@ def test_the_int8_linear_is_the_float64_product_and_each_row_its_own(k):
     assert torch.equal(cpu_kernels.int8_linear(x[5:6], weight, scales), out[5:6])
 
 
+@pytest.mark.parametrize("n, k", [(300, 576), (257, 13), (49, 64)])
+def test_the_int8_linears_avx512_path_gives_the_avx2_paths_bits(n, k):
+    """Where the CPU has AVX-512 the int8 linear (the LM head) holds two outputs' lanes in one vector
+    (``rows_wide``): every output must be the AVX2 path's bits at every width, an odd last output and a tail of k
+    included."""
+    ext = cpu_kernels.kernel()
+    if not ext.wide_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 path runs here")
+    torch.manual_seed(n + k)
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales = torch.rand(n)
+    x = torch.randn(19, k)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 19):
+        wide = ext.int8_linear(x[:rows], weight, scales, True)
+        assert torch.equal(wide, ext.int8_linear(x[:rows], weight, scales, False)), rows
+
+
 def int16_groups(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as the int4 kernel sees it, by plain tensor arithmetic: each row quantized per group of 32 to int16
     (``d = max |x| / 32767``, codes ``round(x * 32767 / max |x|)``, half to even), returned de-quantized in
@@ -173,6 +190,30 @@ def test_the_int4_linear_is_its_int16_inputs_times_its_codes_and_each_row_its_ow
     ).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("n, k", [(8 * 37, 576), (24, 64), (1536, 576)])
+def test_the_int4_linears_avx512_path_gives_the_avx2_paths_bits(n, k):
+    """Where the CPU has AVX-512 VNNI the int4 linear runs 16 outputs per vector with one instruction for the pair
+    products (``rows_wide``): every output must be the AVX2 path's bits, at every width, an odd last tile included
+    (37 tiles), so that a machine's instruction set never changes an answer. Inputs at the int16 codes' extremes
+    and codes of 15 push the integer sums to their largest."""
+    from app.engine.model.quantize import int4_codes, pack_int4_cpu
+
+    ext = cpu_kernels.kernel()
+    if not ext.wide_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 path runs here")
+    torch.manual_seed(n + k)
+    codes, scales, zeros = int4_codes(torch.randn(n, k))
+    codes[: n // 2, :32] = 15
+    packed = pack_int4_cpu(codes, scales, zeros - 8 * scales)
+    x = torch.randn(19, k) * torch.rand(1, k) * 4
+    x[2, :32] = 1.0  # every code of a group at 32767
+    x[4, :32] = -1.0
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 19):
+        wide = ext.int4_linear(x[:rows], *packed, True)
+        assert torch.equal(wide, ext.int4_linear(x[:rows], *packed, False)), rows
+    assert cpu_kernels.wide() == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
 def test_the_int4_linear_refuses_what_it_cannot_compute():
     """Inputs not in whole groups of 32, outputs not in tiles of 8 and other dtypes are errors, not wrong numbers."""
     from app.engine.model.quantize import pack_int4_cpu
@@ -186,6 +227,9 @@ def test_the_int4_linear_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="tiles of 8"):
         cpu_kernels.int4_linear(torch.randn(2, 64), packed[:12], ones[:12], ones[:12])
     assert cpu_kernels.int4_linear(torch.randn(0, 64), packed, ones, ones).shape == (0, 16)
+    if not cpu_kernels.kernel().wide_supported():
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            cpu_kernels.kernel().int4_linear(torch.randn(2, 64), packed, ones, ones, True)
 
 
 def test_an_int8_lm_head_gives_float32_logits(llama_dir):

@@ -4,7 +4,8 @@ whatever the width of the step that computes it, and raw logprobs are exact to f
 PyTorch picks its CPU kernels when it is imported, by the best instruction set the CPU has
 (``torch.backends.cpu.get_cpu_capability()``: AVX512 or AVX2 on x86); ``ATEN_CPU_CAPABILITY`` (``avx2``,
 ``default``) lowers that choice, so one machine can run each lower path. saker's own kernels
-(``app/engine/model/kernels/``) have one path, ``-mavx2 -mfma`` on every x86 CPU, and are built only where PyTorch runs
+(``app/engine/model/kernels/``) are built ``-mavx2 -mfma`` on every x86 CPU, the int4 and int8 linears with AVX-512
+paths taken where the CPU has AVX-512 VNNI and PyTorch runs AVX512 (lowered with it), and only where PyTorch runs
 AVX2 or better: under ``default`` the fallbacks run (attention and the log-softmax in float64, the int8 LM head in
 bfloat16). So the checks here run in this process (the CPU's own path) and, by
 ``test_each_lower_capability_passes_these_checks``, again in a subprocess under each lower capability the CPU has:

@@ -9,11 +9,13 @@ attention then computes in float64 (``attention.py``), the head keeps PyTorch's 
 PyTorch's (bfloat16 inputs), the log-softmax is PyTorch's in float64 (``logprobs.py``) and the sampler PyTorch's
 operations (``sampler.py``).
 
-One instruction set: every kernel is built with ``-mavx2 -mfma`` (``FLAGS``), never for the build machine
-(no ``-march=native``) and with no AVX-512 variant, so an AVX-512 CPU runs the same instructions as an AVX2 one
-and gets the same bits. What changes with the CPU is PyTorch's own kernels (its dispatch picks AVX-512 or AVX2
-at run time; ``ATEN_CPU_CAPABILITY`` lowers it): tests/unit/test_instruction_sets.py runs the width and
-accuracy checks under each capability the CPU has.
+One answer on every instruction set: every kernel is built with ``-mavx2 -mfma`` (``FLAGS``), never for the build
+machine (no ``-march=native``). The int4 and int8 linears also carry AVX-512 paths (GCC target regions in the same
+sources), taken at run time where the CPU has AVX-512 VNNI and PyTorch runs AVX512 (``wide``): they compute each
+output by the AVX2 path's operations lane by lane, in more lanes, so they give the same bits
+(tests/unit/test_cpu_kernels.py compares the two paths). What changes with the CPU is PyTorch's own kernels (its
+dispatch picks AVX-512 or AVX2 at run time; ``ATEN_CPU_CAPABILITY`` lowers it, and saker's wide paths with it):
+tests/unit/test_instruction_sets.py runs the width and accuracy checks under each capability the CPU has.
 
 They are also ``torch.library`` custom ops (``saker::paged_attention``, ``saker::int8_linear``,
 ``saker::int4_linear``), so that a compiled step keeps each as one opaque call."""
@@ -151,9 +153,21 @@ def call(q, keys, values, tables, which, lo, hi, scale: float) -> torch.Tensor:
     return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale)
 
 
+def wide() -> bool:
+    """Whether the int4 and int8 linears take their AVX-512 paths: where the CPU has AVX-512 VNNI and PyTorch runs
+    AVX512 (so ``ATEN_CPU_CAPABILITY=avx2`` lowers saker's kernels with PyTorch's). Their outputs are the AVX2
+    paths' bits (tests/unit/test_cpu_kernels.py)."""
+    if "wide" not in _state:
+        ext = kernel()
+        _state["wide"] = bool(
+            ext is not None and ext.wide_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        )
+    return _state["wide"]
+
+
 @torch.library.custom_op("saker::int8_linear", mutates_args=())
 def _int8_linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return kernel().int8_linear(x, weight, scales)
+    return kernel().int8_linear(x, weight, scales, wide())
 
 
 @_int8_linear_op.register_fake
@@ -166,12 +180,12 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     (the same bits whatever M is); through the custom op ``saker::int8_linear`` while compiling."""
     if _through_op():
         return _int8_linear_op(x, weight, scales)
-    return kernel().int8_linear(x, weight, scales)
+    return kernel().int8_linear(x, weight, scales, wide())
 
 
 @torch.library.custom_op("saker::int4_linear", mutates_args=())
 def _int4_linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    return kernel().int4_linear(x, weight, scales, mins)
+    return kernel().int4_linear(x, weight, scales, mins, wide())
 
 
 @_int4_linear_op.register_fake
@@ -186,7 +200,7 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, min
     fixed order (the same bits whatever M is); through the custom op ``saker::int4_linear`` while compiling."""
     if _through_op():
         return _int4_linear_op(x, weight, scales, mins)
-    return kernel().int4_linear(x, weight, scales, mins)
+    return kernel().int4_linear(x, weight, scales, mins, wide())
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:

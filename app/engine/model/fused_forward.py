@@ -200,8 +200,11 @@ def forward(
     if cpu_kernels._through_op():
         ops, rotary, attend, int4 = cpu_kernels, cpu_kernels.rotary_write, cpu_kernels.call, cpu_kernels.int4_linear
     else:
-        ops = cpu_kernels.kernel()
-        rotary, attend, int4 = ops.rotary_write, ops.paged_attention, ops.int4_linear
+        ops, wide = cpu_kernels.kernel(), cpu_kernels.wide()
+        rotary, attend = ops.rotary_write, ops.paged_attention
+
+        def int4(x, weight, scales, mins):
+            return ops.int4_linear(x, weight, scales, mins, wide)
 
     def norm(x, weight, eps):
         return ops.rms_norm(x, weight, eps, in_order)
