@@ -117,3 +117,35 @@ def test_sampled_batches_go_through_the_kernel(monkeypatch):
     params = SamplingParams(seed=1, temperature=0.9)
     sample(logits_of(2, 64, seed=0, peak=2.0), rows_of(params, 2, 64))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 31, 33, 4096, 50257])
+def test_greedy_rows_take_torchs_argmax_ties_infinities_and_nan_included(vocab):
+    """``cpu_kernels.argmax_rows`` (what an all-greedy batch takes on the CPU) against ``torch.argmax``: the first
+    index of each row's largest score, over vocabularies that are not whole vectors, rows with that score tied at
+    several places (the first wins), a row masked to -inf, a row holding +inf and rows holding NaN (torch answers
+    the first NaN)."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=gen)
+    x[1] = x[1].round()  # ties everywhere
+    if vocab > 3:
+        x[2, [vocab - 1, 2, vocab // 2]] = 9.0  # a tie for the top, its first place in the middle of a vector
+        x[3, vocab - 1] = 50.0  # the largest in the tail after the last whole vector
+    x[4] = -torch.inf
+    x[5, vocab // 3] = torch.inf
+    x[6, vocab - 1] = torch.nan
+    x[7, [vocab // 2, 0]] = torch.nan
+    x[8] = torch.nan
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(-1))
+    for i in (0, 2, 7, 11):
+        assert torch.equal(cpu_kernels.argmax_rows(x[i : i + 1]), x[i : i + 1].argmax(-1))
+
+
+def test_an_all_greedy_batch_goes_through_the_kernel(monkeypatch):
+    """On the CPU an all-greedy batch's choice is the kernel's argmax (the test above shows it is torch's)."""
+    calls = []
+    real = cpu_kernels.argmax_rows
+    monkeypatch.setattr(cpu_kernels, "argmax_rows", lambda x: calls.append(1) or real(x))
+    logits = logits_of(3, 64, seed=0, peak=2.0)
+    tokens = sample(logits, rows_of(SamplingParams(temperature=0.0), 3, 64))[1].tokens
+    assert calls == [1] and tokens == logits.argmax(-1).tolist()

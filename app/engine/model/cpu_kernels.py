@@ -217,6 +217,13 @@ def sample_tokens(scores, greedy, temperature, top_k, top_p, log_min_p, seeds, s
     return kernel().sample_tokens(scores, greedy, temperature, top_k, top_p, log_min_p, seeds, steps)
 
 
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's first argmax of scores (B, V) float32, as ``torch.argmax`` answers (the first NaN where there is
+    one), the rows shared by the threads and each row read in 8 lanes (``kernels/sampler.cpp``'s ``first_max``):
+    PyTorch's took 1.4 ms for 32 rows of 49,152. (B,) int64."""
+    return kernel().argmax_rows(scores)
+
+
 # -- a decoder layer's small operations (``kernels/decoder_ops.cpp``, used by ``fused_forward``) --------------------
 def sums_in_order() -> bool:
     """Whether the norms reproduce PyTorch's float32 sum of a row (its CPU capability AVX2: the order the kernel

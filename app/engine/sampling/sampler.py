@@ -446,17 +446,25 @@ def grammar_mask(rows: SamplingRows, vocab: int, device) -> torch.Tensor:
     return full
 
 
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's first argmax: saker's kernel on the CPU where it is built (``cpu_kernels.argmax_rows``), else
+    PyTorch's (the same answer)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and cpu_kernels.kernel() is not None:
+        return cpu_kernels.argmax_rows(scores)
+    return scores.argmax(-1)
+
+
 def choose(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Next token per row from shaped scores: argmax for greedy rows, an inverse-CDF draw for sampled rows."""
     if rows.greedy_all:
-        return scores.argmax(-1)
+        return argmax(scores)
     cdf = scores.softmax(-1).cumsum(-1, dtype=torch.float64)
     # the token whose interval (cdf[i-1], cdf[i]] holds u * total: tokens without mass have empty intervals, and
     # u < 1 keeps the target at most the total, so the pick is never past the last token with mass
     target = uniforms(rows.seeds, rows.steps).view(-1, 1) * cdf[:, -1:]
     picks = torch.searchsorted(cdf, target).view(-1)
     if rows.greedy is not None:
-        picks = torch.where(rows.greedy, scores.argmax(-1), picks)
+        picks = torch.where(rows.greedy, argmax(scores), picks)
     return picks
 
 
@@ -484,7 +492,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows, advance: bool = True) -> tu
     vocabulary for top-p was most of a sampled step's cost (docs/performance.md, "The sampler in one kernel")."""
     scores = adjusted_scores(logits, rows)
     if rows.greedy_all:
-        tokens = scores.argmax(-1)
+        tokens = argmax(scores)
     elif scores.device.type == "cpu" and rows.processed is None and cpu_kernels.kernel() is not None:
         tokens = cpu_kernels.sample_tokens(scores, *rows.draw_columns(), rows.seeds, rows.steps)
     else:  # (rows reporting processed logprobs report the distribution these operations drew from)

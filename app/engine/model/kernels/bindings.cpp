@@ -11,6 +11,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 torch::Tensor log_softmax(torch::Tensor x);
 torch::Tensor sample_tokens(torch::Tensor scores, torch::Tensor greedy, torch::Tensor temperature, torch::Tensor top_k,
                             torch::Tensor top_p, torch::Tensor log_min_p, torch::Tensor seeds, torch::Tensor steps);
+torch::Tensor argmax_rows(torch::Tensor scores);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool in_order);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                                                       double eps, bool in_order);
@@ -27,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)");
   m.def("rotary_write", &rotary_write, "q and k rotated by position; k and v written at their pool slots");
   m.def("log_softmax", &log_softmax, "each row's log-softmax, its normaliser summed in float64, fixed order");
+  m.def("argmax_rows", &argmax_rows, "each row's first argmax (torch.argmax's answer), the rows over the threads");
   m.def("sample_tokens", &sample_tokens, "each row's token: argmax, or temperature, top-k, top-p, min-p and the draw");
 }

@@ -53,11 +53,37 @@ inline float exp1(float x) {
   return out[0];
 }
 
+// The first index of the row's largest value, as torch.argmax gives it: the first NaN where there is one. Two
+// passes of 8 lanes: the maximum (exact in any order), then the first lane equal to it.
 int64_t first_max(const float* x, int64_t V) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < V; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+  const int64_t body = V / 32 * 32;
+  __m256 m[4], nan = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) m[j] = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < body; i += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m[j] = _mm256_max_ps(m[j], v);
+    }
+  float top = saker::max8(_mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t i = body; i < V; ++i) {
+    any_nan = any_nan || std::isnan(x[i]);
+    top = std::max(top, x[i]);
+  }
+  if (any_nan) {
+    for (int64_t i = 0; i < V; ++i)
+      if (std::isnan(x[i])) return i;
+  }
+  const __m256 tv = _mm256_set1_ps(top);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < V; ++i)
+    if (x[i] == top) return i;
+  return 0;  // not reached
 }
 
 // a float's bits as an unsigned integer in the same order (larger float, larger key; NaN aside)
@@ -228,5 +254,20 @@ torch::Tensor sample_tokens(torch::Tensor scores, torch::Tensor greedy, torch::T
                     : draw(row, V, tp[b], kp[b], pp[b], mpp[b], uniform(sdp[b], stp[b]), buffers);
     }
   }
+  return out;
+}
+
+// scores (B, V) float32. Returns (B,) int64: each row's first argmax (first_max), the rows shared by the threads.
+torch::Tensor argmax_rows(torch::Tensor scores) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat, "scores: (rows, vocabulary) float32");
+  const int64_t B = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(V > 0, "an empty vocabulary");
+  scores = scores.contiguous();
+  auto out = torch::empty({B}, scores.options().dtype(at::kLong));
+  const float* x = scores.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B)));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < B; ++b) op[b] = first_max(x + b * V, V);
   return out;
 }
