@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.supports(64), reason="the CPU ke
 @pytest.mark.parametrize("dim", [64, 100, 576, 960, 2048, 4104])
 def test_rms_norm_is_transformers_rmsnorm_and_each_row_its_own(dim):
     """To the bit, for row sizes that leave whole and partial cascades, vectors and elements in PyTorch's sum (whose
-    order the kernel reproduces where PyTorch's capability is AVX2, ``cpu_kernels.sums_in_order``, and calls
-    elsewhere: both ways are checked)."""
+    order the kernel reproduces where PyTorch's capability is AVX2 or AVX512, ``cpu_kernels.sums_in_order``, and
+    calls elsewhere: both ways are checked)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     torch.manual_seed(dim)

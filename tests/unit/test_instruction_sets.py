@@ -194,6 +194,24 @@ def test_an_int4_models_logits_at_a_position_do_not_depend_on_the_tokens_after_i
             assert torch.equal(model(input_ids=ids[:, :length]).logits[0], whole[:length]), length
 
 
+@pytest.mark.parametrize("dim", [64, 100, 576, 960, 1536, 2048, 4104, 70000])
+def test_the_norms_reproduce_pytorchs_sum_of_squares_under_this_capability(dim):
+    """The fused forward's RMSNorm reproduces ``x.pow(2).mean(-1)`` to the bit where ``cpu_kernels.sums_in_order``
+    says so (AVX2 and AVX512: ATen's sum has no AVX-512 variant, so its 8-lane order is the same under both), for
+    row sizes that leave whole and partial cascades, vectors and elements; run again under each lower capability."""
+    if cpu_kernels.kernel() is None or not cpu_kernels.sums_in_order():
+        pytest.skip(f"the norms call PyTorch's sum here ({capability()})")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(dim)
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    x = torch.randn(5, dim) * torch.logspace(-3, 2, 5).view(-1, 1)
+    with torch.no_grad():
+        assert torch.equal(cpu_kernels.rms_norm(x, norm.weight.detach(), 1e-5, True), norm(x))
+
+
 def test_raw_logprobs_are_exact_to_float32_rounding():
     """The logprobs the sampler reports (and echo's): the float64 log-softmax of the logits rounded to float32, on
     a vocabulary of the embedded model's size with a peaked distribution (PyTorch's float32 log-softmax: 4.8e-5 off

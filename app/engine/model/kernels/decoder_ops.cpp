@@ -5,9 +5,10 @@
 // The arithmetic is transformers' own, operation for operation and rounding for rounding, so the outputs are the
 // plain forward's bits. RMSNorm's one sum, the mean of squares, is PyTorch's own: a float32 sum in another order
 // (or in float64) moved the embedded int4 SmolLM2's logprobs by up to 4.6e-4, since the int4 kernel rounds its
-// inputs to int16 per group and an ulp can cross a rounding step. Where PyTorch's CPU capability is AVX2 its sum's
-// order is reproduced here (``torch_sum_of_squares``: ATen's cascade over 8-lane vectors); elsewhere
-// ``x.pow(2).mean(-1)`` is called from here as transformers calls it (about 12 us of a reduction's set-up a row).
+// inputs to int16 per group and an ulp can cross a rounding step. Where PyTorch's CPU capability is AVX2 or AVX512
+// its sum's order is reproduced here (``torch_sum_of_squares``: ATen's cascade over 8-lane vectors; ATen's sum has
+// no AVX-512 variant, so its AVX2 kernel serves both); elsewhere ``x.pow(2).mean(-1)`` is called from here as
+// transformers calls it (about 12 us of a reduction's set-up).
 // Every row is computed from its own inputs only, so a row's outputs are the same bits whatever rows come with it. -ffp-contract=off (cpu_kernels.FLAGS): no product is fused into a sum.
 
 #include <torch/extension.h>
@@ -37,7 +38,7 @@ inline __m256 squares8(const float* p) {
 // vectors (its CPU capability AVX2): the row's whole vectors taken 4 at a time (4 accumulators) and added up in a
 // cascade of 4 levels of 16, the leftover vectors into the first accumulator, the 4 accumulators summed in order,
 // then the leftover elements and the 8 lanes added one by one to a scalar. Checked to the bit against
-// ``x.pow(2).mean(-1)`` (tests/engine/test_fused_forward.py).
+// ``x.pow(2).mean(-1)`` under each capability (tests/unit/test_instruction_sets.py, tests/engine/test_fused_forward.py).
 float torch_sum_of_squares(const float* x, int64_t D) {
   constexpr int LEVELS = 4, ILP = 4;
   const int64_t vectors = D / 8, rows = vectors / ILP;
@@ -77,7 +78,7 @@ float torch_sum_of_squares(const float* x, int64_t D) {
 }
 
 // Each row's mean of squares as PyTorch computes ``x.pow(2).mean(-1)``: reproduced (``in_order``, its capability
-// AVX2) or called.
+// AVX2 or AVX512) or called.
 torch::Tensor mean_squares(const torch::Tensor& x, bool in_order) {
   if (!in_order) return x.pow(2).mean(-1).contiguous();
   const int64_t T = x.size(0), D = x.size(1);
