@@ -63,25 +63,6 @@ def test_a_query_gets_the_same_bits_alone_in_a_tile_or_beside_other_rows(pool):
     assert torch.equal(mixed[1:], together[5:9])
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
-def test_attentions_avx512_phases_give_the_avx2_paths_bits(head_dim):
-    """Where the CPU has AVX-512 the attention kernel's scores hold two positions per vector and its weighted sums
-    16 lanes of the head dim (``scores_wide``, ``weighted_values_wide``): every output must be the AVX2 path's
-    bits, for decode rows, prompt chunks in tiles, windows and rows with no position."""
-    ext = cpu_kernels.kernel()
-    if not ext.wide_supported():
-        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 path runs here")
-    torch.manual_seed(head_dim)
-    keys, values = torch.randn(BLOCKS * BLOCK, HKV, head_dim), torch.randn(BLOCKS * BLOCK, HKV, head_dim)
-    tables = torch.stack([torch.randperm(BLOCKS - 1)[:12] + 1 for _ in range(4)])
-    which = torch.tensor([0, 1] + [2] * 21 + [3] * 3 + [1])
-    hi = torch.cat([torch.tensor([5, 170]), torch.arange(100, 121) + 1, torch.arange(17, 20) + 1, torch.tensor([0])])
-    q = torch.randn(len(hi), HQ, head_dim)
-    for lo in (torch.zeros_like(hi), (hi - 40).clamp_min(0)):
-        args = (q, keys, values, tables, which, lo, hi, 0.125)
-        assert torch.equal(ext.paged_attention(*args, True), ext.paged_attention(*args, False))
-
-
 def test_what_a_query_may_not_see_changes_nothing_and_no_position_gives_zeros(pool):
     keys, values = pool
     table = (torch.randperm(BLOCKS - 1)[:4] + 1).view(1, -1)

@@ -123,18 +123,6 @@ def _through_op() -> bool:
     return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
 
 
-def wide() -> bool:
-    """Whether attention and the int4 and int8 linears take their AVX-512 paths: where the CPU has AVX-512 VNNI and
-    PyTorch runs AVX512 (so ``ATEN_CPU_CAPABILITY=avx2`` lowers saker's kernels with PyTorch's). Their outputs are
-    the AVX2 paths' bits (tests/unit/test_cpu_kernels.py)."""
-    if "wide" not in _state:
-        ext = kernel()
-        _state["wide"] = bool(
-            ext is not None and ext.wide_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
-        )
-    return _state["wide"]
-
-
 @torch.library.custom_op("saker::paged_attention", mutates_args=())
 def attend(
     q: torch.Tensor,
@@ -149,7 +137,7 @@ def attend(
     """q (T, Hq, D) float32; keys, values (slots, Hkv, D): the pool's layer, slots in blocks of ``BLOCK``; tables
     (R, B) block ids; which (T,) each query's table row; lo, hi (T,): the positions each query attends over,
     ``[lo, hi)``. Returns (T, Hq, D) float32; a query with no position gets zeros."""
-    return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale, wide())
+    return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale)
 
 
 @attend.register_fake
@@ -162,7 +150,19 @@ def call(q, keys, values, tables, which, lo, hi, scale: float) -> torch.Tensor:
     otherwise (the op's dispatch costs more than a small call)."""
     if _through_op():
         return attend(q, keys, values, tables, which, lo, hi, scale)
-    return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale, wide())
+    return kernel().paged_attention(q, keys, values, tables, which, lo, hi, scale)
+
+
+def wide() -> bool:
+    """Whether the int4 and int8 linears take their AVX-512 paths: where the CPU has AVX-512 VNNI and PyTorch runs
+    AVX512 (so ``ATEN_CPU_CAPABILITY=avx2`` lowers saker's kernels with PyTorch's). Their outputs are the AVX2
+    paths' bits (tests/unit/test_cpu_kernels.py)."""
+    if "wide" not in _state:
+        ext = kernel()
+        _state["wide"] = bool(
+            ext is not None and ext.wide_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        )
+    return _state["wide"]
 
 
 @torch.library.custom_op("saker::int8_linear", mutates_args=())

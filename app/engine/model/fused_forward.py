@@ -201,13 +201,10 @@ def forward(
         ops, rotary, attend, int4 = cpu_kernels, cpu_kernels.rotary_write, cpu_kernels.call, cpu_kernels.int4_linear
     else:
         ops, wide = cpu_kernels.kernel(), cpu_kernels.wide()
-        rotary = ops.rotary_write
+        rotary, attend = ops.rotary_write, ops.paged_attention
 
         def int4(x, weight, scales, mins):
             return ops.int4_linear(x, weight, scales, mins, wide)
-
-        def attend(q, keys, values, tables, which, lo, hi, scale):
-            return ops.paged_attention(q, keys, values, tables, which, lo, hi, scale, wide)
 
     def norm(x, weight, eps):
         return ops.rms_norm(x, weight, eps, in_order)

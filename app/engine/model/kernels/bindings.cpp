@@ -5,7 +5,7 @@
 
 bool attention_supports(int64_t head_dim);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
-                              torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale, bool wide);
+                              torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, bool wide);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, bool wide);
 torch::Tensor log_softmax(torch::Tensor x);

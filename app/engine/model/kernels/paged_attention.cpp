@@ -50,151 +50,10 @@ inline void prefetch_row(const float* row) {
   for (int64_t c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
 }
 
-// A tile's queries of one kv head and what its phases share: the pool's keys and values (this head's rows at
-// ``head`` within a slot's ``stride``), the positions [first, last) its queries attend over, from ``base`` in
-// groups of 8 (``width``), and its buffers: the scaled queries (m x D), the scores / weights (m x row) and the
-// weighted sums (m x D).
-struct Span {
-  const float *keys, *values;
-  const int64_t *table, *lo, *hi;
-  int64_t a, m, group, stride, head, base, width, row, first, last;
-  const float* qs;
-  float *s, *acc;
-};
-
-// The scores, 8 positions at a time.
-template <int ND>
-void scores(const Span& t) {
-  constexpr int64_t D = ND * 8;
-  for (int64_t g = t.base; g < t.base + t.width; g += 8) {
-    const float* k[8];
-    const int64_t slot = t.table[g / BLOCK] * BLOCK + g % BLOCK;
-    for (int p = 0; p < 8; ++p) k[p] = t.keys + (slot + p) * t.stride + t.head;
-    if (g + 8 * AHEAD < t.base + t.width) {  // the keys AHEAD groups on, asked for now (see AHEAD)
-      const int64_t next = g + 8 * AHEAD, ahead = t.table[next / BLOCK] * BLOCK + next % BLOCK;
-      for (int p = 0; p < 8; ++p) prefetch_row<D>(t.keys + (ahead + p) * t.stride + t.head);
-    }
-    for (int64_t r = 0; r < t.m; ++r) {
-      const int64_t i = t.a + r / t.group;
-      if (g >= t.hi[i] || g + 8 <= t.lo[i]) continue;
-      __m256 sums[8];
-      for (int p = 0; p < 8; ++p) sums[p] = _mm256_setzero_ps();
-      const float* qr = t.qs + r * D;
-      for (int c = 0; c < ND; ++c) {
-        const __m256 qv = _mm256_loadu_ps(qr + c * 8);
-        for (int p = 0; p < 8; ++p) sums[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[p] + c * 8), sums[p]);
-      }
-      _mm256_storeu_ps(t.s + r * t.row + (g - t.base), reduce8(sums));
-    }
-  }
-}
-
-// The weighted sums of the values, a block at a time.
-template <int ND>
-void weighted_values(const Span& t) {
-  constexpr int64_t D = ND * 8;
-  for (int64_t blk = t.first / BLOCK; blk * BLOCK < t.last; ++blk) {
-    const int64_t p0 = blk * BLOCK;
-    const float* vb = t.values + t.table[blk] * BLOCK * t.stride + t.head;
-    if ((blk + 1) * BLOCK < t.last) {  // the next block's values, asked for now
-      const float* vn = t.values + t.table[blk + 1] * BLOCK * t.stride + t.head;
-      for (int64_t p = 0; p < BLOCK; ++p) prefetch_row<D>(vn + p * t.stride);
-    }
-    for (int64_t r = 0; r < t.m; ++r) {
-      const int64_t i = t.a + r / t.group;
-      const int64_t from = std::max(p0, t.lo[i]), to = std::min(p0 + BLOCK, t.hi[i]);
-      if (from >= to) continue;
-      __m256 o[ND];
-      float* ar = t.acc + r * D;
-      for (int c = 0; c < ND; ++c) o[c] = _mm256_loadu_ps(ar + c * 8);
-      const float* wr = t.s + r * t.row - t.base;
-      for (int64_t p = from; p < to; ++p) {
-        const __m256 w = _mm256_set1_ps(wr[p]);
-        const float* v = vb + (p - p0) * t.stride;
-        for (int c = 0; c < ND; ++c) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), o[c]);
-      }
-      for (int c = 0; c < ND; ++c) _mm256_storeu_ps(ar + c * 8, o[c]);
-    }
-  }
-}
-
-// The same two phases with AVX-512, where the CPU has it (``wide``), each score and each weighted sum the same bits:
-// a score's 8 lanes over the head dim are one half of a 512-bit vector (two positions per vector, each half's lanes
-// accumulating the same products in the same order, then the same tree), and a weighted sum's lanes over the head
-// dim 16 at a time (each lane's products over the positions in the same order).
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vnni")
-
-template <int ND>
-void scores_wide(const Span& t) {
-  constexpr int64_t D = ND * 8;
-  __m512 pairs[ND][4];  // a group's keys, positions (2j, 2j + 1) side by side, for every 8 of the head dim
-  for (int64_t g = t.base; g < t.base + t.width; g += 8) {
-    const int64_t slot = t.table[g / BLOCK] * BLOCK + g % BLOCK;
-    const float* k0 = t.keys + slot * t.stride + t.head;
-    for (int c = 0; c < ND; ++c)
-      for (int j = 0; j < 4; ++j)
-        pairs[c][j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k0 + 2 * j * t.stride + c * 8)),
-                                         _mm256_loadu_ps(k0 + (2 * j + 1) * t.stride + c * 8), 1);
-    if (g + 8 * AHEAD < t.base + t.width) {
-      const int64_t next = g + 8 * AHEAD, ahead = t.table[next / BLOCK] * BLOCK + next % BLOCK;
-      for (int p = 0; p < 8; ++p) prefetch_row<D>(t.keys + (ahead + p) * t.stride + t.head);
-    }
-    for (int64_t r = 0; r < t.m; ++r) {
-      const int64_t i = t.a + r / t.group;
-      if (g >= t.hi[i] || g + 8 <= t.lo[i]) continue;
-      __m512 sums[4];
-      for (int j = 0; j < 4; ++j) sums[j] = _mm512_setzero_ps();
-      const float* qr = t.qs + r * D;
-      for (int c = 0; c < ND; ++c) {
-        const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qr + c * 8));
-        for (int j = 0; j < 4; ++j) sums[j] = _mm512_fmadd_ps(qv, pairs[c][j], sums[j]);
-      }
-      __m256 halves[8];
-      for (int j = 0; j < 4; ++j) {
-        halves[2 * j] = _mm512_castps512_ps256(sums[j]);
-        halves[2 * j + 1] = _mm512_extractf32x8_ps(sums[j], 1);
-      }
-      _mm256_storeu_ps(t.s + r * t.row + (g - t.base), reduce8(halves));
-    }
-  }
-}
-
-template <int ND>
-void weighted_values_wide(const Span& t) {
-  constexpr int64_t D = ND * 8;
-  constexpr int NW = ND / 2;
-  for (int64_t blk = t.first / BLOCK; blk * BLOCK < t.last; ++blk) {
-    const int64_t p0 = blk * BLOCK;
-    const float* vb = t.values + t.table[blk] * BLOCK * t.stride + t.head;
-    if ((blk + 1) * BLOCK < t.last) {
-      const float* vn = t.values + t.table[blk + 1] * BLOCK * t.stride + t.head;
-      for (int64_t p = 0; p < BLOCK; ++p) prefetch_row<D>(vn + p * t.stride);
-    }
-    for (int64_t r = 0; r < t.m; ++r) {
-      const int64_t i = t.a + r / t.group;
-      const int64_t from = std::max(p0, t.lo[i]), to = std::min(p0 + BLOCK, t.hi[i]);
-      if (from >= to) continue;
-      __m512 o[NW];
-      float* ar = t.acc + r * D;
-      for (int c = 0; c < NW; ++c) o[c] = _mm512_loadu_ps(ar + c * 16);
-      const float* wr = t.s + r * t.row - t.base;
-      for (int64_t p = from; p < to; ++p) {
-        const __m512 w = _mm512_set1_ps(wr[p]);
-        const float* v = vb + (p - p0) * t.stride;
-        for (int c = 0; c < NW; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), o[c]);
-      }
-      for (int c = 0; c < NW; ++c) _mm512_storeu_ps(ar + c * 16, o[c]);
-    }
-  }
-}
-
-#pragma GCC pop_options
-
 template <int ND>  // head dim / 8
 void attend_tile(const float* q, const float* keys, const float* values, const int64_t* table, const int64_t* lo,
                  const int64_t* hi, float* out, int64_t a, int64_t b, int64_t kvh, int64_t Hq, int64_t Hkv,
-                 float scale, bool wide) {
+                 float scale) {
   constexpr int64_t D = ND * 8;
   const int64_t group = Hq / Hkv, m = (b - a) * group, stride = Hkv * D;
   int64_t first = INT64_MAX, last = 0;
@@ -216,12 +75,27 @@ void attend_tile(const float* q, const float* keys, const float* values, const i
     const float* src = q + ((a + r / group) * Hq + kvh * group + r % group) * D;
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = src[d] * scale;
   }
-  const Span span{keys, values, table, lo, hi, a, m, group, stride, kvh * D, base, width, row, first, last,
-                  qs.data(), s.data(), acc.data()};
-  if (wide) {
-    scores_wide<ND>(span);
-  } else {
-    scores<ND>(span);
+  // scores, 8 positions at a time
+  for (int64_t g = base; g < base + width; g += 8) {
+    const float* k[8];
+    const int64_t slot = table[g / BLOCK] * BLOCK + g % BLOCK;
+    for (int t = 0; t < 8; ++t) k[t] = keys + (slot + t) * stride + kvh * D;
+    if (g + 8 * AHEAD < base + width) {  // the keys AHEAD groups on, asked for now (see AHEAD)
+      const int64_t next = g + 8 * AHEAD, ahead = table[next / BLOCK] * BLOCK + next % BLOCK;
+      for (int t = 0; t < 8; ++t) prefetch_row<D>(keys + (ahead + t) * stride + kvh * D);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = a + r / group;
+      if (g >= hi[i] || g + 8 <= lo[i]) continue;
+      __m256 sums[8];
+      for (int t = 0; t < 8; ++t) sums[t] = _mm256_setzero_ps();
+      const float* qr = qs.data() + r * D;
+      for (int c = 0; c < ND; ++c) {
+        const __m256 qv = _mm256_loadu_ps(qr + c * 8);
+        for (int t = 0; t < 8; ++t) sums[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + c * 8), sums[t]);
+      }
+      _mm256_storeu_ps(s.data() + r * row + (g - base), reduce8(sums));
+    }
   }
   // softmax weights (unnormalised) and their sums
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -250,10 +124,29 @@ void attend_tile(const float* q, const float* keys, const float* values, const i
     }
     total[r] = sum8(sum);
   }
-  if (wide) {
-    weighted_values_wide<ND>(span);
-  } else {
-    weighted_values<ND>(span);
+  // weighted sums of the values, a block at a time
+  for (int64_t blk = first / BLOCK; blk * BLOCK < last; ++blk) {
+    const int64_t p0 = blk * BLOCK;
+    const float* vb = values + table[blk] * BLOCK * stride + kvh * D;
+    if ((blk + 1) * BLOCK < last) {  // the next block's values, asked for now
+      const float* vn = values + table[blk + 1] * BLOCK * stride + kvh * D;
+      for (int64_t p = 0; p < BLOCK; ++p) prefetch_row<D>(vn + p * stride);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = a + r / group;
+      const int64_t from = std::max(p0, lo[i]), to = std::min(p0 + BLOCK, hi[i]);
+      if (from >= to) continue;
+      __m256 o[ND];
+      float* ar = acc.data() + r * D;
+      for (int c = 0; c < ND; ++c) o[c] = _mm256_loadu_ps(ar + c * 8);
+      const float* wr = s.data() + r * row - base;
+      for (int64_t p = from; p < to; ++p) {
+        const __m256 w = _mm256_set1_ps(wr[p]);
+        const float* v = vb + (p - p0) * stride;
+        for (int c = 0; c < ND; ++c) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), o[c]);
+      }
+      for (int c = 0; c < ND; ++c) _mm256_storeu_ps(ar + c * 8, o[c]);
+    }
   }
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = a + r / group;
@@ -265,7 +158,7 @@ void attend_tile(const float* q, const float* keys, const float* values, const i
 }
 
 using TileFn = void (*)(const float*, const float*, const float*, const int64_t*, const int64_t*, const int64_t*,
-                        float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool);
+                        float*, int64_t, int64_t, int64_t, int64_t, int64_t, float);
 
 TileFn tile_fn(int64_t head_dim) {
   switch (head_dim) {
@@ -282,10 +175,9 @@ TileFn tile_fn(int64_t head_dim) {
 bool attention_supports(int64_t head_dim) { return tile_fn(head_dim) != nullptr; }
 
 // q (T, Hq, D); keys, values (slots, Hkv, D), slots in blocks of BLOCK; tables (R, B) block ids; which (T,) each
-// query's table row; lo, hi (T,) the positions each query attends over, [lo, hi); wide: the AVX-512 phases (only
-// where saker::wide_supported()), the same bits. Returns (T, Hq, D).
+// query's table row; lo, hi (T,) the positions each query attends over, [lo, hi). Returns (T, Hq, D).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
-                     torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale, bool wide) {
+                     torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q, keys, values: (tokens|slots, heads, dim)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "float32 only");
@@ -299,7 +191,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   TORCH_CHECK(keys.size(2) == D && Hq % Hkv == 0, "heads or head dim");
   const TileFn fn = tile_fn(D);
   TORCH_CHECK(fn != nullptr, "head dim ", D, " is not supported");
-  TORCH_CHECK(!wide || saker::wide_supported(), "the AVX-512 path on a CPU without AVX-512 VNNI");
   auto out = torch::empty_like(q);
   const int64_t* wp = which.data_ptr<int64_t>();
   std::vector<std::pair<int64_t, int64_t>> tiles;
@@ -322,7 +213,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(threads, 1))
   for (int64_t item = 0; item < items; ++item) {
     const auto [a, b] = tiles[item / Hkv];
-    fn(qp, kp, vp, tp + wp[a] * B, lp, hp, op, a, b, item % Hkv, Hq, Hkv, sc, wide);
+    fn(qp, kp, vp, tp + wp[a] * B, lp, hp, op, a, b, item % Hkv, Hq, Hkv, sc);
   }
   return out;
 }
