@@ -3,8 +3,8 @@
 #
 # The sources are the llama.cpp that the llama-cpp-python sdist vendors (vendor/llama.cpp), at a pinned
 # version, fetched with pip from PyPI. Only the llama-server target is built: CPU only, Release, native CPU
-# flags, no libcurl, no OpenSSL, no web UI download, static llama/ggml libraries. About 11 CPU-minutes (some 6
-# minutes on 2 idle cores; 25 on a busy shared machine).
+# flags (named ones, AMX left out, where the CPU advertises AMX), no libcurl, no OpenSSL, no web UI download,
+# static llama/ggml libraries. About 11 CPU-minutes (some 6 minutes on 2 idle cores; 25 on a busy shared machine).
 #
 #   scripts/build-llama-server.sh            # build unless the binary of this version is already there
 #   scripts/build-llama-server.sh --force    # configure and build again (incremental)
@@ -21,11 +21,23 @@ BIN="$DEST/bin/llama-server"
 STAMP="$DEST/bin/llama-server.version"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
+# Native CPU flags, except where the CPU advertises AMX: there a native build's AMX kernels die with SIGILL at their
+# first tile instruction (seen 2026-11-28 on an Intel Xeon VM with amx_tile, amx_int8 and amx_bf16), so the
+# instruction sets the CPU has are named instead, AMX left out.
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF)
+    for pair in avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C bmi2:GGML_BMI2 avx512f:GGML_AVX512 \
+        avx512_vnni:GGML_AVX512_VNNI avx512_bf16:GGML_AVX512_BF16 avx512vbmi:GGML_AVX512_VBMI; do
+        grep -qw "${pair%%:*}" /proc/cpuinfo && ISA_FLAGS+=("-D${pair#*:}=ON")
+    done
+else
+    ISA_FLAGS=(-DGGML_NATIVE=ON)
+fi
 CMAKE_FLAGS=(
     -G Ninja
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF
-    -DGGML_NATIVE=ON
+    "${ISA_FLAGS[@]}"
     -DGGML_CUDA=OFF
     -DGGML_METAL=OFF
     -DGGML_VULKAN=OFF
