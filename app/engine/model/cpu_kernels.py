@@ -43,6 +43,7 @@ SOURCES = [
         "log_softmax.cpp",
         "sampler.cpp",
         "decoder_ops.cpp",
+        "decoder_layers.cpp",
         "bindings.cpp",
     )
 ]

@@ -172,6 +172,21 @@ class Plan:
                     tuple(_product(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")),
                 )
             )
+        self.layers_call = self._layers_call()
+
+    def _layers_call(self):
+        """Every layer in one call into the kernels (``kernels/decoder_layers.cpp``: the same functions in the same
+        order as ``forward``'s loop) where every product is an int4 one of saker's layout; else None."""
+        ext = cpu_kernels.kernel()
+        if ext is None or not all(type(p) is tuple for layer in self.layers for p in (*layer[1], *layer[5])):
+            return None
+        weights, eps = [], []
+        for first, attn, _, _, second, mlp in self.layers:
+            weights += [first[0], *(t for p in attn for t in p), second[0], *(t for p in mlp for t in p)]
+            eps += [first[1], second[1]]
+        head_dims = [layer[2] for layer in self.layers]
+        scales = [layer[3] for layer in self.layers]
+        return ext.Layers(weights, eps, head_dims, scales, self.in_order, cpu_kernels.wide())
 
 
 def _product(module: torch.nn.Module):
@@ -221,20 +236,25 @@ def forward(
     cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
     tables, which, lo, hi = flat.spans(None)
     write, residual = flat.write, None
-    for index, (first, (q_proj, k_proj, v_proj, o_proj), head_dim, scale, second, mlp) in enumerate(plan.layers):
-        if residual is None:
-            x, residual = norm(hidden, *first), hidden
-        else:
-            x, residual = add_norm(hidden, residual, *first)
-        q = product(q_proj, x).view(count, -1, head_dim)
-        k = product(k_proj, x).view(count, -1, head_dim)
-        v = product(v_proj, x).view(count, -1, head_dim)
-        keys, values = flat.keys[index], flat.values[index]
-        q = rotary(q, k, v, cos, sin, keys, values, write)
-        hidden = product(o_proj, attend(q, keys, values, tables, which, lo, hi, scale).view(count, -1))
-        x, residual = add_norm(hidden, residual, *second)
-        gate, up, down = mlp
-        hidden = product(down, torch.nn.functional.silu(product(gate, x)).mul_(product(up, x)))
+    if plan.layers_call is not None and not cpu_kernels._through_op():  # the same calls, in one
+        hidden, residual = plan.layers_call.forward(
+            hidden, cos, sin, tables, which, lo, hi, write, flat.keys, flat.values
+        )
+    else:
+        for index, (first, (q_proj, k_proj, v_proj, o_proj), head_dim, scale, second, mlp) in enumerate(plan.layers):
+            if residual is None:
+                x, residual = norm(hidden, *first), hidden
+            else:
+                x, residual = add_norm(hidden, residual, *first)
+            q = product(q_proj, x).view(count, -1, head_dim)
+            k = product(k_proj, x).view(count, -1, head_dim)
+            v = product(v_proj, x).view(count, -1, head_dim)
+            keys, values = flat.keys[index], flat.values[index]
+            q = rotary(q, k, v, cos, sin, keys, values, write)
+            hidden = product(o_proj, attend(q, keys, values, tables, which, lo, hi, scale).view(count, -1))
+            x, residual = add_norm(hidden, residual, *second)
+            gate, up, down = mlp
+            hidden = product(down, torch.nn.functional.silu(product(gate, x)).mul_(product(up, x)))
     x, _ = add_norm(hidden, residual, *plan.norm)
     if logits_at is not None:
         x = x[logits_at]

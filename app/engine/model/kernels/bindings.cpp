@@ -18,7 +18,10 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 torch::Tensor rotary_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor keys, torch::Tensor values, torch::Tensor write);
 
+void bind_layers(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_layers(m);
   m.def("paged_attention", &paged_attention, "fixed-order float32 attention over the block pool");
   m.def("attention_supports", &attention_supports, "whether a head dim is built");
   m.def("int8_linear", &int8_linear, "x @ (int8 w * scales).T in float32, fixed order");

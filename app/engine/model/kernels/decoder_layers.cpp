@@ -1,0 +1,86 @@
+// An int4 Llama-shaped model's decoder layers over one flat step in one call (app/engine/model/fused_forward.py,
+// ``Plan.layers_call``): the same kernel functions in the same order as fused_forward's Python loop, so the same
+// bits, without a Python call and a pybind crossing for each of a layer's dozen operations (on a 1-row step they
+// cost more than the arithmetic of most of them).
+//
+// Per layer: (add_)rms_norm -> q, k, v int4 products -> rotary_write -> paged_attention -> o product ->
+// add_rms_norm -> silu(gate product) * up product -> down product. The weights are gathered once (``Layers``);
+// a step passes its own inputs and the pool's per-layer keys and values.
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                              torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, bool wide);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool in_order);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                      double eps, bool in_order);
+torch::Tensor rotary_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor keys, torch::Tensor values, torch::Tensor write);
+
+namespace {
+constexpr size_t PER_LAYER = 23;  // norm, q, k, v, o (3 each), norm, gate, up, down (3 each)
+}
+
+struct Layers {
+  // weights: PER_LAYER tensors per layer in the order above, each product (packed, scales, mins); eps: the two
+  // norms' per layer; head_dims, scales: each layer's attention's
+  Layers(std::vector<torch::Tensor> weights, std::vector<double> eps, std::vector<int64_t> head_dims,
+         std::vector<double> scales, bool in_order, bool wide)
+      : weights(std::move(weights)), eps(std::move(eps)), head_dims(std::move(head_dims)), scales(std::move(scales)),
+        in_order(in_order), wide(wide) {
+    TORCH_CHECK(this->weights.size() == PER_LAYER * this->head_dims.size() &&
+                    this->eps.size() == 2 * this->head_dims.size() && this->scales.size() == this->head_dims.size(),
+                "one set of weights, two epsilons, a head dim and a scale per layer");
+  }
+
+  // hidden (T, width) float32, the embeddings; cos, sin (T, head dim); the step's spans and writes; keys, values the
+  // pool's layers. Returns (hidden, residual) after the last layer, before the final norm.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
+                                                   torch::Tensor tables, torch::Tensor which, torch::Tensor lo,
+                                                   torch::Tensor hi, torch::Tensor write,
+                                                   const std::vector<torch::Tensor>& keys,
+                                                   const std::vector<torch::Tensor>& values) const {
+    const size_t layers = head_dims.size();
+    TORCH_CHECK(keys.size() >= layers && values.size() >= layers, "the pool's keys and values for every layer");
+    const int64_t count = hidden.size(0);
+    torch::Tensor residual, x;
+    auto product = [&](const torch::Tensor& in, size_t at) {
+      return int4_linear(in, weights[at], weights[at + 1], weights[at + 2], wide);
+    };
+    for (size_t i = 0; i < layers; ++i) {
+      const size_t w = i * PER_LAYER;
+      if (i == 0) {
+        x = rms_norm(hidden, weights[w], eps[2 * i], in_order);
+        residual = hidden;
+      } else {
+        std::tie(x, residual) = add_rms_norm(hidden, residual, weights[w], eps[2 * i], in_order);
+      }
+      const int64_t hd = head_dims[i];
+      auto q = product(x, w + 1).view({count, -1, hd});
+      auto k = product(x, w + 4).view({count, -1, hd});
+      auto v = product(x, w + 7).view({count, -1, hd});
+      q = rotary_write(q, k, v, cos, sin, keys[i], values[i], write);
+      auto attended = paged_attention(q, keys[i], values[i], tables, which, lo, hi, scales[i]);
+      hidden = product(attended.view({count, -1}), w + 10);
+      std::tie(x, residual) = add_rms_norm(hidden, residual, weights[w + 13], eps[2 * i + 1], in_order);
+      hidden = product(at::silu(product(x, w + 14)).mul_(product(x, w + 17)), w + 20);
+    }
+    return {hidden, residual};
+  }
+
+  std::vector<torch::Tensor> weights;
+  std::vector<double> eps;
+  std::vector<int64_t> head_dims;
+  std::vector<double> scales;
+  bool in_order, wide;
+};
+
+void bind_layers(pybind11::module& m) {
+  pybind11::class_<Layers>(m, "Layers")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<double>, std::vector<int64_t>, std::vector<double>,
+                          bool, bool>())
+      .def("forward", &Layers::forward, "every decoder layer over a flat step: (hidden, residual)");
+}
