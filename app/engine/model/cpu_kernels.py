@@ -73,12 +73,12 @@ def _build():
         return None
     from torch.utils.cpp_extension import get_default_build_root, load
 
-    header = SOURCES[0].with_name("lanes.h")
+    headers = sorted(SOURCES[0].parent.glob("*.h"))
     # keyed by the sources, the flags and where the sources are: two checkouts of the same code (a CI clone beside a
     # working tree) built under one name would rebuild each other's extension at every load (torch's build.ninja
     # names the sources' paths)
-    sources = b"".join(p.read_bytes() for p in [*SOURCES, header])
-    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + str(header.parent.resolve()).encode())
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, *headers])
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + str(SOURCES[0].parent.resolve()).encode())
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path  # requirements.txt's ninja
     name = f"saker_cpu_kernels_{digest.hexdigest()[:12]}"

@@ -11,14 +11,7 @@
 #include <tuple>
 #include <vector>
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
-                              torch::Tensor which, torch::Tensor lo, torch::Tensor hi, double scale);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, bool wide);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool in_order);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                                                      double eps, bool in_order);
-torch::Tensor rotary_write(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor keys, torch::Tensor values, torch::Tensor write);
+#include "kernels.h"
 
 namespace {
 constexpr size_t PER_LAYER = 23;  // norm, q, k, v, o (3 each), norm, gate, up, down (3 each)

@@ -55,9 +55,12 @@ inline float max8(__m256 v) {
 // Whether this CPU runs the kernels' AVX-512 paths (``wide``: AVX-512 F, BW, DQ and VNNI, the OS saving their
 // registers). Each such path gives every output the AVX2 path's bits: the same operations lane by lane, more lanes.
 inline bool wide_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return supported;
 }
 
 // body(n0, n1) over outputs [0, N) in items of ``columns`` outputs, the items shared statically by at most torch's
