@@ -214,6 +214,31 @@ def test_the_int4_linears_avx512_path_gives_the_avx2_paths_bits(n, k):
     assert cpu_kernels.wide() == (torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
+def test_products_of_one_input_in_one_call_are_each_products_bits_alone():
+    """``int4_linears`` (a layer's q, k and v, its gate and up, in ``kernels/decoder_layers.cpp``): one quantization
+    of x and one parallel region for several products; each output must be that product's own ``int4_linear`` bits,
+    at every width and on each path the CPU has, with products whose tiles do not fill an item of 32 outputs."""
+    from app.engine.model.quantize import int4_codes, pack_int4_cpu
+
+    ext = cpu_kernels.kernel()
+    torch.manual_seed(7)
+    k = 576
+    products = []
+    for n in (8 * 37, 64, 1536, 8):
+        codes, scales, zeros = int4_codes(torch.randn(n, k))
+        products.append(pack_int4_cpu(codes, scales, zeros - 8 * scales))
+    specs = [t for packed in products for t in packed]
+    x = torch.randn(17, k) * torch.rand(1, k) * 4
+    for wide in (False, True) if ext.wide_supported() else (False,):
+        for rows in (1, 2, 3, 8, 9, 17):
+            together = ext.int4_linears(x[:rows], specs, wide)
+            assert len(together) == len(products)
+            for packed, out in zip(products, together):
+                assert torch.equal(out, ext.int4_linear(x[:rows], *packed, wide)), (wide, rows)
+    with pytest.raises(RuntimeError, match="per product"):
+        ext.int4_linears(x, specs[:4], False)
+
+
 def test_the_int4_linear_refuses_what_it_cannot_compute():
     """Inputs not in whole groups of 32, outputs not in tiles of 8 and other dtypes are errors, not wrong numbers."""
     from app.engine.model.quantize import pack_int4_cpu

@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_supports", &attention_supports, "whether a head dim is built");
   m.def("int8_linear", &int8_linear, "x @ (int8 w * scales).T in float32, fixed order");
   m.def("int4_linear", &int4_linear, "x @ int4 W.T by int16 x int4 dot products per group of 32, float32 out, fixed order");
+  m.def("int4_linears", &int4_linears, "int4_linear of several products of one x in one parallel region, each's bits");
   m.def("wide_supported", &saker::wide_supported, "whether this CPU runs the linears' AVX-512 paths");
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm per row, to the bit (its mean of squares PyTorch's)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)");

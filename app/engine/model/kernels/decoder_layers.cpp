@@ -1,11 +1,13 @@
 // An int4 Llama-shaped model's decoder layers over one flat step in one call (app/engine/model/fused_forward.py,
-// ``Plan.layers_call``): the same kernel functions in the same order as fused_forward's Python loop, so the same
-// bits, without a Python call and a pybind crossing for each of a layer's dozen operations (on a 1-row step they
-// cost more than the arithmetic of most of them).
+// ``Plan.layers_call``): the same kernels in the same order as fused_forward's Python loop (products of one input
+// grouped, each output the bits it has alone: tests/unit/test_cpu_kernels.py), so the same bits, without a Python
+// call and a pybind crossing for each of a layer's dozen operations (on a 1-row step they cost more than the
+// arithmetic of most of them).
 //
-// Per layer: (add_)rms_norm -> q, k, v int4 products -> rotary_write -> paged_attention -> o product ->
-// add_rms_norm -> silu(gate product) * up product -> down product. The weights are gathered once (``Layers``);
-// a step passes its own inputs and the pool's per-layer keys and values.
+// Per layer: (add_)rms_norm -> q, k, v int4 products (one ``int4_linears`` call: x quantized once, one parallel
+// region) -> rotary_write -> paged_attention -> o product -> add_rms_norm -> silu(gate product) * up product (the two
+// in one call) -> down product. The weights are gathered once (``Layers``); a step passes its own inputs and the
+// pool's per-layer keys and values.
 #include <torch/extension.h>
 
 #include <tuple>
@@ -52,14 +54,16 @@ struct Layers {
         std::tie(x, residual) = add_rms_norm(hidden, residual, weights[w], eps[2 * i], in_order);
       }
       const int64_t hd = head_dims[i];
-      auto q = product(x, w + 1).view({count, -1, hd});
-      auto k = product(x, w + 4).view({count, -1, hd});
-      auto v = product(x, w + 7).view({count, -1, hd});
+      const auto& W = weights;
+      auto qkv = int4_linears(
+          x, {W[w + 1], W[w + 2], W[w + 3], W[w + 4], W[w + 5], W[w + 6], W[w + 7], W[w + 8], W[w + 9]}, wide);
+      auto q = qkv[0].view({count, -1, hd}), k = qkv[1].view({count, -1, hd}), v = qkv[2].view({count, -1, hd});
       q = rotary_write(q, k, v, cos, sin, keys[i], values[i], write);
       auto attended = paged_attention(q, keys[i], values[i], tables, which, lo, hi, scales[i]);
       hidden = product(attended.view({count, -1}), w + 10);
       std::tie(x, residual) = add_rms_norm(hidden, residual, weights[w + 13], eps[2 * i + 1], in_order);
-      hidden = product(at::silu(product(x, w + 14)).mul_(product(x, w + 17)), w + 20);
+      auto gate_up = int4_linears(x, {W[w + 14], W[w + 15], W[w + 16], W[w + 17], W[w + 18], W[w + 19]}, wide);
+      hidden = product(at::silu(gate_up[0]).mul_(gate_up[1]), w + 20);
     }
     return {hidden, residual};
   }

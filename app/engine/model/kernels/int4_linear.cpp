@@ -97,13 +97,22 @@ template <int R>
 void rows(const int16_t* xq, const float* d, const float* dsum, const uint8_t* w, const float* scales,
           const float* mins, float* out, int64_t m0, int64_t t0, int64_t t1, int64_t K, int64_t N) {
   const int64_t G = K / GROUP;
+  const bool further = N / 8 > t1;  // the next tile lies beyond these (the thread's next item reads it)
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * G * 128;
     const float* st = scales + t * G * 8;
     const float* mt = mins + t * G * 8;
+    const bool ahead = (t + 1 < t1 || further);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
+      if (ahead) {  // the next tile's group g: its codes, scales and mins (short runs the hardware's prefetch misses)
+        const char* next = reinterpret_cast<const char*>(wt + G * 128 + g * 128);
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(st + G * 8 + g * 8), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(mt + G * 8 + g * 8), _MM_HINT_T0);
+      }
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
@@ -144,14 +153,27 @@ void rows_wide(const int16_t* xq, const float* d, const float* dsum, const uint8
                const float* mins, float* out, int64_t m0, int64_t t0, int64_t t1, int64_t K, int64_t N) {
   const int64_t G = K / GROUP;
   const __m512i nibble = _mm512_set1_epi16(0x0F);
+  const bool further = N / 8 > t1 + 1;  // the next pair lies beyond this item (the thread's next one reads it)
   for (int64_t t = t0; t < t1; t += 2) {
     const uint8_t* wa = w + t * G * 128;
     const uint8_t* wb = wa + G * 128;
     const float* sa = scales + t * G * 8;
     const float* ma = mins + t * G * 8;
+    const bool ahead = (t + 3 < t1 || further);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
+      if (ahead) {  // the next pair's group g: its codes, scales and mins (short runs the hardware's prefetch misses)
+        const char* next = reinterpret_cast<const char*>(wa + 2 * G * 128 + g * 128);
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + 64, _MM_HINT_T0);
+        _mm_prefetch(next + G * 128, _MM_HINT_T0);
+        _mm_prefetch(next + G * 128 + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sa + 2 * G * 8 + g * 8), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sa + 3 * G * 8 + g * 8), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ma + 2 * G * 8 + g * 8), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ma + 3 * G * 8 + g * 8), _MM_HINT_T0);
+      }
       __m512i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
       for (int c = 0; c < 8; ++c) {
@@ -203,44 +225,70 @@ void columns_wide(const int16_t* xq, const float* d, const float* dsum, const ui
 
 }  // namespace
 
-// x (M, K) float32, K a multiple of 32; w (N, K / 2) uint8, scales and mins (N, K / 32) float32, in the layout
-// above (N a multiple of 8); wide: the AVX-512 path (only where saker::wide_supported()), the same bits.
-// Returns (M, N) float32.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, bool wide) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) % GROUP == 0 && w.size(1) * 2 == x.size(1),
-              "x (M, K) with K in groups of 32, w (N, K / 2)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte, "float32 x, uint8 w");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat, "float32 scales and mins");
-  x = x.contiguous();
-  w = w.contiguous();
-  scales = scales.contiguous();
-  mins = mins.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / GROUP;
-  TORCH_CHECK(scales.numel() == N * G && mins.numel() == N * G, "scales and mins (N, K / 32)");
-  TORCH_CHECK(N % 8 == 0, "outputs in tiles of 8");
+// x (M, K) float32, K a multiple of 32; specs: (w, scales, mins) per product, w (N, K / 2) uint8, scales and mins
+// (N, K / 32) float32, in the layout above (N a multiple of 8); wide: the AVX-512 path (only where
+// saker::wide_supported()), the same bits. Returns each product's (M, N) float32. Products of one input (a layer's
+// q, k and v; its gate and up) share x's quantization and one parallel region: their items of 32 outputs are shared
+// among the threads together. Each output is computed by one item, as a product alone computes it, so the bits are
+// each product's alone (at 1 row a product's fixed costs, not its arithmetic, were most of the small ones' time).
+std::vector<torch::Tensor> int4_linears(torch::Tensor x, const std::vector<torch::Tensor>& specs, bool wide) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % GROUP == 0 && x.scalar_type() == at::kFloat,
+              "float32 x (M, K) with K in groups of 32");
+  TORCH_CHECK(!specs.empty() && specs.size() % 3 == 0, "(w, scales, mins) per product");
   TORCH_CHECK(!wide || saker::wide_supported(), "the AVX-512 path on a CPU without AVX-512 VNNI");
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, P = static_cast<int64_t>(specs.size() / 3);
+  struct Product {
+    const uint8_t* w;
+    const float *scales, *mins;
+    float* out;
+    int64_t N;
+  };
+  std::vector<torch::Tensor> held, outs;  // contiguous copies (where a spec was not), and the outputs
+  std::vector<Product> products;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (product, first output) of each item of 32 outputs
+  for (int64_t p = 0; p < P; ++p) {
+    auto w = specs[3 * p].contiguous(), scales = specs[3 * p + 1].contiguous(), mins = specs[3 * p + 2].contiguous();
+    TORCH_CHECK(w.dim() == 2 && w.size(1) * 2 == K && w.scalar_type() == at::kByte, "uint8 w (N, K / 2)");
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat, "float32 scales and mins");
+    const int64_t N = w.size(0);
+    TORCH_CHECK(scales.numel() == N * G && mins.numel() == N * G, "scales and mins (N, K / 32)");
+    TORCH_CHECK(N % 8 == 0, "outputs in tiles of 8");
+    outs.push_back(torch::empty({M, N}, x.options()));
+    products.push_back({w.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                        outs.back().data_ptr<float>(), N});
+    held.insert(held.end(), {w, scales, mins});
+    for (int64_t n = 0; n < N; n += 32) items.emplace_back(p, n);
+  }
+  if (M == 0 || items.empty()) return outs;
   std::vector<int16_t> xq(M * K);
   std::vector<float> d(M * G), dsum(M * G);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, K, &xq[m * K], &d[m * G], &dsum[m * G]);
   });
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  saker::over_columns(N, 32, [&](int64_t n0, int64_t n1) {
-    if (wide) return columns_wide(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, M, n0 / 8, n1 / 8, K, N);
-    for (int64_t m = 0; m < M; m += 4) {
-      switch (std::min<int64_t>(4, M - m)) {
-        case 4: rows<4>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N); break;
-        case 3: rows<3>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N); break;
-        case 2: rows<2>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N); break;
-        default: rows<1>(xq.data(), d.data(), dsum.data(), wp, sp, mp, op, m, n0 / 8, n1 / 8, K, N);
+  saker::over_columns(static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Product& pr = products[items[i].first];
+      const int64_t n0 = items[i].second, n1 = std::min(pr.N, n0 + 32), N = pr.N;
+      if (wide) {
+        columns_wide(xq.data(), d.data(), dsum.data(), pr.w, pr.scales, pr.mins, pr.out, M, n0 / 8, n1 / 8, K, N);
+        continue;
+      }
+      for (int64_t m = 0; m < M; m += 4) {
+        switch (std::min<int64_t>(4, M - m)) {
+          case 4: rows<4>(xq.data(), d.data(), dsum.data(), pr.w, pr.scales, pr.mins, pr.out, m, n0 / 8, n1 / 8, K, N); break;
+          case 3: rows<3>(xq.data(), d.data(), dsum.data(), pr.w, pr.scales, pr.mins, pr.out, m, n0 / 8, n1 / 8, K, N); break;
+          case 2: rows<2>(xq.data(), d.data(), dsum.data(), pr.w, pr.scales, pr.mins, pr.out, m, n0 / 8, n1 / 8, K, N); break;
+          default: rows<1>(xq.data(), d.data(), dsum.data(), pr.w, pr.scales, pr.mins, pr.out, m, n0 / 8, n1 / 8, K, N);
+        }
       }
     }
   });
-  return out;
+  return outs;
+}
+
+// One product: ``int4_linears`` with one spec. Returns (M, N) float32.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor mins, bool wide) {
+  return int4_linears(std::move(x), {std::move(w), std::move(scales), std::move(mins)}, wide)[0];
 }
