@@ -7,6 +7,7 @@ model's facts the server reads.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
@@ -141,15 +142,22 @@ def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConf
     return core
 
 
+_unfreeze_at_exit: list = []  # gc.unfreeze, once registered with atexit
+
+
 def freeze_heap() -> None:
     """Everything alive once the engine is loaded and warmed up (the model's modules and tensors, the tokenizer,
     the imported libraries: a few hundred thousand objects) moved out of the garbage collector's sight
     (``gc.freeze``, as vLLM does after its warm-up). Otherwise each full collection while serving walks all of them
     with the interpreter held: 200-270 ms pauses on the 2-core CPU with the tests' tiny model (part E's load), every
     few hundred steps, in the middle of some step. Frozen objects are still freed when their last reference goes;
-    only cycles among them are never collected, and they are what lives as long as the engine."""
+    only cycles among them are never collected, and they are what lives as long as the engine. At exit they are
+    handed back (``gc.unfreeze``), so that the interpreter's last collections free them as before (a library that
+    counts its objects at exit, Triton's nanobind, otherwise prints "leaked" lines into the server's log)."""
     gc.collect()
     gc.freeze()
+    if not _unfreeze_at_exit:
+        _unfreeze_at_exit.append(atexit.register(gc.unfreeze))
     log.debug("froze %d objects out of the garbage collector's sight", gc.get_freeze_count())
 
 
