@@ -142,9 +142,6 @@ def start_engine(names: tuple[str, ...], loaded: LoadedModel, config: EngineConf
     return core
 
 
-_unfreeze_at_exit: list = []  # gc.unfreeze, once registered with atexit
-
-
 def freeze_heap() -> None:
     """Everything alive once the engine is loaded and warmed up (the model's modules and tensors, the tokenizer,
     the imported libraries: a few hundred thousand objects) moved out of the garbage collector's sight
@@ -156,8 +153,8 @@ def freeze_heap() -> None:
     counts its objects at exit, Triton's nanobind, otherwise prints "leaked" lines into the server's log)."""
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:
-        _unfreeze_at_exit.append(atexit.register(gc.unfreeze))
+    atexit.unregister(gc.unfreeze)  # once, however many engines this process starts
+    atexit.register(gc.unfreeze)
     log.debug("froze %d objects out of the garbage collector's sight", gc.get_freeze_count())
 
 
