@@ -161,7 +161,7 @@ class TestIncrementalDetokenizerByteLevel:
     @pytest.mark.parametrize("seed", range(20))
     def test_piece_table_agrees_with_decoding_in_context(self, gpt2_tok, seed):
         """Random ids (stray bytes, special tokens, incomplete characters included): deltas, flushes and
-        candidate texts are the same with the table and without it."""
+        candidate texts (one by one and all at once) are the same with the table and without it."""
         import random
 
         rng = random.Random(seed)
@@ -172,7 +172,10 @@ class TestIncrementalDetokenizerByteLevel:
         slow._pieces = None
         for _ in range(40):
             candidates = [rng.randrange(vocab) for _ in range(4)]
-            assert [fast.candidate_text(c) for c in candidates] == [slow.candidate_text(c) for c in candidates]
+            expected = [slow.candidate_text(c) for c in candidates]
+            assert [fast.candidate_text(c) for c in candidates] == expected
+            assert fast.candidate_texts(candidates) == expected  # all at once (the table's one lookup per id)
+            assert slow.candidate_texts(candidates) == expected
             token = rng.randrange(vocab)
             assert fast.add(token) == slow.add(token)
             if rng.random() < 0.05:

@@ -16,6 +16,7 @@ release as it comes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Iterable, Iterator
 
 from app.engine.output.detokenize import IncrementalDetokenizer
@@ -23,6 +24,9 @@ from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbe
 from app.engine.output.token_text import candidate_keys
 from app.engine.params import SamplingParams, TokenLogprobs
 from app.engine.output.stopping import StopDecision, StopStrings, text_decision
+
+
+_NO_CHANCE = float("-inf")
 
 
 def _top_dict(
@@ -39,10 +43,14 @@ def _top_dict(
     ``token_id:<id>`` with return_tokens_as_token_ids)."""
     # tokens a processed distribution ruled out (-inf: a constraint's mask, allowed_token_ids, top-k) are no
     # alternatives (and -Infinity is not JSON)
-    cand_ids = [chosen_id] + [i for i, v in zip(ids, vals) if i != chosen_id and v != float("-inf")]
-    cand_vals = [chosen_lp] + [v for i, v in zip(ids, vals) if i != chosen_id and v != float("-inf")]
+    cand_ids, cand_vals = [chosen_id], [chosen_lp]
+    for i, v in zip(ids, vals):
+        if i != chosen_id and v != _NO_CHANCE:
+            cand_ids.append(i)
+            cand_vals.append(v)
     keys = [f"token_id:{i}" for i in cand_ids] if as_ids else candidate_keys(tokenizer, detok, cand_ids, byte_level)
-    return dict(sorted(zip(keys, cand_vals), key=lambda kv: -kv[1]))
+    # highest first; a stable sort keeps ties in candidate order (the chosen token first)
+    return dict(sorted(zip(keys, cand_vals), key=itemgetter(1), reverse=True))
 
 
 class ChoiceDecoder:
@@ -269,30 +277,39 @@ class ChoiceAssembler:
 
     def _release(self, limit: int, everything: bool) -> Release | None:
         """Release pending tokens whose text ends within ``limit`` (all of them, clipped, when finishing)."""
-        out = Release(self.index, "", TokenLogprobs() if self.want_logprobs else None)
-        taken = 0
+        pieces: list[str] = []
+        offsets: list[int] = []
+        released = self.released
         for event in self.pending:
             piece = event.text
-            if self.released + len(piece) > limit:
+            if released + len(piece) > limit:
                 if not everything:
                     break
-                piece = piece[: max(0, limit - self.released)]
-            taken += 1
-            out.text += piece
-            out.token_ids.append(event.token_id)
-            if out.logprobs is not None:
-                out.logprobs.tokens.append(f"token_id:{event.token_id}" if self.as_ids else piece)
-                out.logprobs.token_logprobs.append(event.logprob)
-                out.logprobs.top_logprobs.append(event.top_logprobs)
-                out.logprobs.text_offset.append(self.offset)
-            self.offset += len(piece)
-            self.released += len(piece)
-        self.pending = self.pending[taken:]
-        if everything:
-            out.finish_reason = self.finish_reason
-        if not taken and not everything:
+                piece = piece[: max(0, limit - released)]
+            pieces.append(piece)
+            offsets.append(self.offset + released - self.released)
+            released += len(piece)
+        if not pieces and not everything:
             return None
-        return out
+        events = self.pending[: len(pieces)]
+        del self.pending[: len(pieces)]
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = TokenLogprobs(
+                [f"token_id:{event.token_id}" for event in events] if self.as_ids else pieces,
+                [event.logprob for event in events],
+                [event.top_logprobs for event in events],
+                offsets,
+            )
+        self.offset += released - self.released
+        self.released = released
+        return Release(
+            self.index,
+            "".join(pieces),
+            logprobs,
+            [event.token_id for event in events],
+            self.finish_reason if everything else None,
+        )
 
     @property
     def mean_logprob(self) -> float:
@@ -312,15 +329,28 @@ def prompt_release(prompt: PromptEvent, index: int, params: SamplingParams) -> R
     return Release(index, prompt.text, logprobs, prompt_logprobs=prompt.prompt_logprobs)
 
 
-def merge(into: Release, more: Release) -> Release:
-    into.text += more.text
-    into.token_ids += more.token_ids
-    if into.logprobs is not None and more.logprobs is not None:
-        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            getattr(into.logprobs, name).extend(getattr(more.logprobs, name))
-    if more.finish_reason:
-        into.finish_reason = more.finish_reason
-    return into
+def join(releases: list[Release]) -> Release:
+    """One choice's releases in order as one (its text, tokens and logprobs end to end)."""
+    first = releases[0]
+    if len(releases) == 1:
+        return first
+    logprobs = None
+    if first.logprobs is not None:
+        parts = [r.logprobs for r in releases if r.logprobs is not None]
+        logprobs = TokenLogprobs(
+            [token for part in parts for token in part.tokens],
+            [value for part in parts for value in part.token_logprobs],
+            [top for part in parts for top in part.top_logprobs],
+            [offset for part in parts for offset in part.text_offset],
+        )
+    return Release(
+        first.index,
+        "".join(r.text for r in releases),
+        logprobs,
+        [token_id for r in releases for token_id in r.token_ids],
+        next((r.finish_reason for r in reversed(releases) if r.finish_reason), None),
+        first.prompt_logprobs,
+    )
 
 
 class OutputStream:
@@ -388,12 +418,10 @@ class CompletionOutput:
 def collect(events: Iterable[PromptEvent | TokenEvent], params: SamplingParams) -> CompletionOutput:
     """Drain events into finished choices: the same releases a stream sends, joined."""
     stream = OutputStream(params)
-    joined: dict[int, Release] = {}
+    releases: dict[int, list[Release]] = {}
     for release in stream.feed(events):
-        if release.index in joined:
-            merge(joined[release.index], release)
-        else:
-            joined[release.index] = release
+        releases.setdefault(release.index, []).append(release)
+    joined = {index: join(parts) for index, parts in releases.items()}
     assert stream.prompt is not None
     results = []
     for i in range(params.num_candidates):

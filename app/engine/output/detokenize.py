@@ -152,6 +152,18 @@ class IncrementalDetokenizer:
         # a stray byte re-read the released byte run as U+FFFD: keep what is out, read the new ids alone
         return self._decode(new_ids)
 
+    def candidate_texts(self, token_ids: Sequence[int]) -> list[str | None]:
+        """``candidate_text`` of each id: straight from the piece table when the position allows it (one lookup
+        per id, the common case of a byte-level tokenizer), otherwise id by id."""
+        pieces = self._pieces
+        clean = pieces is not None and self.read_offset == len(self.ids)
+        if token_ids and clean and self._alone(token_ids[0]) is not None:
+            texts = [pieces.get(token_id) for token_id in token_ids]
+            if None in texts:
+                texts = [self._alone(token_id) for token_id in token_ids]
+            return [None if text.endswith(REPLACEMENT) else text for text in texts]
+        return [self.candidate_text(token_id) for token_id in token_ids]
+
     def candidate_text(self, token_id: int) -> str | None:
         """Text ``token_id`` would add after the current ids; None when it would leave a character incomplete."""
         alone = self._alone(token_id)
