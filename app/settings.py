@@ -233,6 +233,13 @@ class Settings(BaseSettings):
         "hold the model thread for the interpreter lock. The prefix-cache counters are not "
         "in /metrics then.",
     )
+    engine_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch's CPU threads for the model loop (its OpenMP pool). Unset: every core "
+        "in one process; with engine_process, one core fewer than the process may use, left to the "
+        "serving process as vLLM's CPU worker leaves one to its front end.",
+    )
     compile: bool | None = Field(
         None,
         description="Compile the model's steps (torch.compile) at start-up, so that no request "

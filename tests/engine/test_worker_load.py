@@ -42,6 +42,39 @@ def test_a_load_error_reaches_the_caller():
     assert not worker.ready and worker.error == "model directory /nowhere does not exist"
 
 
+def test_an_engine_process_leaves_one_core_to_the_serving_process(monkeypatch):
+    """As vLLM's CPU worker: the model loop's threads are the cores this process may use, one fewer in an engine
+    process of its own; a number asked for is taken as it is; in one process torch's default stays."""
+    import os
+
+    from app.engine.core.startup import engine_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert engine_threads(None, True) == 3
+    assert engine_threads(None, False) is None
+    assert engine_threads(2, False) == 2 and engine_threads(5, True) == 5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert engine_threads(None, True) == 1
+
+
+def test_the_load_sizes_torchs_pool_before_the_engine_thread_first_runs(monkeypatch):
+    import torch
+
+    from app.engine.core.startup import EngineConfig, load_engine
+
+    sizes = []
+    monkeypatch.setattr(torch, "set_num_threads", sizes.append)
+
+    def broken():
+        raise ConfigError("no model")
+
+    with pytest.raises(ConfigError):
+        load_engine(("m",), broken, EngineConfig(threads=3))
+    with pytest.raises(ConfigError):
+        load_engine(("m",), broken, EngineConfig())
+    assert sizes == [3]
+
+
 def test_what_lives_as_long_as_the_engine_is_out_of_the_collectors_sight(gpt2_dir):
     """``startup.freeze_heap``: the loaded model, its modules and the tokenizer are frozen (``gc.freeze``) before the
     engine serves, so that a full collection while serving does not walk them (a 200-ms pause on part E's load);
