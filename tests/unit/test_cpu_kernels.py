@@ -339,3 +339,19 @@ def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_load():
     loading.start()
     loading.join(timeout=300)  # a generous deadline: the build is cached, this load takes well under a second
     assert out and out[0] is not None and not baton.exists()
+
+
+def test_every_kernel_that_computes_runs_without_the_interpreter_lock():
+    """Each binding that takes tensors carries ``nogil`` (pybind11's call_guard releasing the GIL), and so does the
+    decoder layers' one call: while the model thread is in a kernel, the request threads' Python (HTTP, the output
+    side) runs on the other cores instead of waiting for the step's arithmetic to end."""
+    import re
+
+    kernels = cpu_kernels.SOURCES[0].parent
+    bindings = (kernels / "bindings.cpp").read_text()
+    defs = dict(re.findall(r'm\.def\("(\w+)",(.*?)\);\n', bindings, flags=re.S))
+    queries = {"attention_supports", "wide_supported"}  # answer a question, compute nothing
+    assert set(defs) >= queries | {"paged_attention", "int4_linears", "sample_tokens", "log_softmax"}
+    for name, rest in defs.items():
+        assert (name in queries) != rest.rstrip().endswith("nogil"), name
+    assert "call_guard<pybind11::gil_scoped_release>" in (kernels / "decoder_layers.cpp").read_text()

@@ -79,5 +79,6 @@ void bind_layers(pybind11::module& m) {
   pybind11::class_<Layers>(m, "Layers")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<double>, std::vector<int64_t>, std::vector<double>,
                           bool, bool>())
-      .def("forward", &Layers::forward, "every decoder layer over a flat step: (hidden, residual)");
+      .def("forward", &Layers::forward, "every decoder layer over a flat step: (hidden, residual)",
+           pybind11::call_guard<pybind11::gil_scoped_release>());  // nogil, as the kernels (bindings.cpp)
 }
