@@ -63,16 +63,6 @@ def bytes_key(raw: bytes) -> str:
     return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def token_bytes_key(tokenizer, token_id: int, byte_level: bool = False) -> str:
-    """``bytes_key`` of the token's raw bytes, kept per tokenizer once made."""
-    known = tokenizer_memo(tokenizer, "bytes_keys", dict)
-    key = (int(token_id), byte_level)
-    text = known.get(key)
-    if text is None:
-        text = known[key] = bytes_key(token_bytes(tokenizer, token_id, byte_level))
-    return text
-
-
 def candidate_keys(tokenizer, detok: IncrementalDetokenizer, ids: list[int], byte_level: bool = False) -> list[str]:
     """Distinct keys for candidate ``ids`` at the detokenizer's position: the text in context, or the
     ``bytes:\\xNN`` form where that text is empty, an incomplete character, or taken by an earlier id."""
@@ -84,7 +74,7 @@ def candidate_keys(tokenizer, detok: IncrementalDetokenizer, ids: list[int], byt
     for token_id, text in zip(ids, texts):
         key = text if text else None
         if key is None or key in taken:
-            key = token_bytes_key(tokenizer, token_id, byte_level)
+            key = bytes_key(token_bytes(tokenizer, token_id, byte_level))
             if key in taken or key == "bytes:":  # the tokenizer's own piece, else the id
                 piece = tokenizer.convert_ids_to_tokens(int(token_id))
                 if piece and piece not in taken:
