@@ -24,6 +24,7 @@ from app.errors import (
     RequestTooLargeError,
     from_engine,
 )
+from app.json_body import JSONProvider
 from app.settings import Settings, load_settings
 
 log = logging.getLogger("saker")
@@ -50,8 +51,7 @@ def create_app(settings: Settings | None = None, worker=None, *, exit_on_load_er
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
-    app.json.sort_keys = False
-    app.json.ensure_ascii = False
+    app.json = JSONProvider(app)
 
     if worker is None:
         worker = Worker.from_settings(settings)

@@ -14,6 +14,7 @@ from app.access_log import RequestRecord, current_record
 from app.client_watch import ClientConnection
 from app import lifecycle
 from app.engine.errors import EngineError
+from app.json_body import dumps
 from app.errors import (
     APIError,
     ClientClosedError,
@@ -234,12 +235,12 @@ def _event_stream(service, job, record: RequestRecord) -> Response:
 
 
 def _data_frame(chunk: dict) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return f"data: {dumps(chunk)}\n\n"
 
 
 def _typed_frame(event: dict) -> str:
     """A Responses event: its type as the SSE event name."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
 
 
 def _server_sent(chunks, job, record: RequestRecord, frame, done: bool, headers: dict | None = None) -> Response:

@@ -59,8 +59,11 @@ def _token_bytes(tokenizer, token_id: int, byte_level: bool) -> bytes:
     return piece.replace("\u2581", " ").encode("utf-8")
 
 
+_ESCAPED = tuple(f"\\x{b:02x}" for b in range(256))  # each byte as ``\\xNN``
+
+
 def bytes_key(raw: bytes) -> str:
-    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return "bytes:" + "".join(map(_ESCAPED.__getitem__, raw))
 
 
 def candidate_keys(tokenizer, detok: IncrementalDetokenizer, ids: list[int], byte_level: bool = False) -> list[str]:
