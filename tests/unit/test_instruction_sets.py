@@ -55,15 +55,24 @@ def same_bits_at_every_width(f, x: torch.Tensor) -> list[str]:
     speculative step's guesses, a prompt's chunk) and single rows (a decode step)."""
     whole = f(x, 0)
     bad = []
+
+    def check(part: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        if not torch.equal(part, want):  # what differs, for a failure that does not come back on a rerun
+            differ = part != want
+            rows = differ.reshape(differ.shape[0], -1).any(-1).nonzero().view(-1).tolist()
+            gap = (part.double() - want.double()).abs().max().item()
+            bad.append(
+                f"{what} (its rows {rows[:8]}{'...' if len(rows) > 8 else ''}: {int(differ.sum())} values, at most "
+                f"{gap:.3g} apart; {torch.get_num_threads()} threads)"
+            )
+
     for m in WIDTHS:
-        if m < x.shape[0] and not torch.equal(f(x[:m], 0), whole[:m]):
-            bad.append(f"the first {m} rows")
+        if m < x.shape[0]:
+            check(f(x[:m], 0), whole[:m], f"the first {m} rows")
     for start, count in ((5, 5), (100, 3), (x.shape[0] - 16, 16)):
-        if not torch.equal(f(x[start : start + count], start), whole[start : start + count]):
-            bad.append(f"{count} rows from {start}")
+        check(f(x[start : start + count], start), whole[start : start + count], f"{count} rows from {start}")
     for i in (0, 4, x.shape[0] - 1):
-        if not torch.equal(f(x[i : i + 1], i), whole[i : i + 1]):
-            bad.append(f"row {i} alone")
+        check(f(x[i : i + 1], i), whole[i : i + 1], f"row {i} alone")
     return bad
 
 
