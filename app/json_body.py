@@ -4,8 +4,8 @@ A completion with ``logprobs`` is tens of kB of numbers (128 tokens with 5 alter
 library's encoder took 0.6-0.8 ms of the request thread's interpreter time for it, orjson about 0.04 ms
 (docs/performance.md, "The wave boundary"). The text is the same JSON: keys in the order given, no ASCII escaping,
 compact separators, floats written shortest-exact (``1e-05`` reads back as the same float). A value orjson
-declines (a lone surrogate from a client's own text, which failed to encode before; an integer past 64 bits) is
-written by the standard library, escaped to ASCII; NaN / Infinity, which are not JSON, come out as ``null`` instead
+declines (a lone surrogate, which the request parser already refuses; an integer past 64 bits) is written by the
+standard library, escaped to ASCII; NaN / Infinity, which are not JSON, come out as ``null`` instead
 of the standard library's invalid tokens.
 """
 
