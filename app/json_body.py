@@ -19,9 +19,8 @@ from flask.json.provider import DefaultJSONProvider
 _OPTIONS = orjson.OPT_NON_STR_KEYS  # vLLM's prompt_logprobs shape keys by token id
 
 
-def _default(value):
-    """What orjson does not know itself: Flask's own conversions (dates, decimals, UUIDs, dataclasses, ``__html__``)."""
-    return DefaultJSONProvider.default(value)
+# what orjson does not know itself: Flask's own conversions (dates, decimals, UUIDs, dataclasses, ``__html__``)
+_default = DefaultJSONProvider.default
 
 
 def dumps_bytes(value) -> bytes:

@@ -45,7 +45,7 @@ def test_a_response_reads_back_as_the_standard_librarys_does_with_keys_in_order(
 
 
 def test_what_orjson_declines_is_written_by_the_standard_library():
-    lone = {"text": "a\ud800b", "big": 2**70}  # a client's lone surrogate; an integer past 64 bits
+    lone = {"text": "a\ud800b", "big": 2**70}  # a lone surrogate (the parser refuses them); an integer past 64 bits
     assert json.loads(dumps_bytes(lone)) == lone
 
 
