@@ -262,8 +262,15 @@ class ChoiceAssembler:
         self.token_count = 0
         self.logprob_sum = 0.0
         self.finish_reason: str | None = None
+        self.text_end: int | None = None  # where the finished text ends (None: its whole length)
 
     def add(self, event: TokenEvent) -> Release | None:
+        """Take a token; what it makes final (a stream sends each release as it comes)."""
+        self.hold(event)
+        return self.release()
+
+    def hold(self, event: TokenEvent) -> None:
+        """Take a token without releasing anything yet (a whole answer releases once, at its end: ``collect``)."""
         self.pending.append(event)
         self.text += event.text
         self.token_count += 1
@@ -271,7 +278,14 @@ class ChoiceAssembler:
             self.logprob_sum += event.logprob
         if event.finish_reason:
             self.finish_reason = event.finish_reason
-            end = len(self.text) if event.text_end is None else event.text_end
+            self.text_end = event.text_end
+
+    def release(self) -> Release | None:
+        """What the tokens taken so far make final: all of them, cut at the stop, once the choice has finished;
+        otherwise those whose text can no longer be the start of a stop string. Releasing after every token or
+        once after many gives the same text, tokens and offsets (released text is never taken back)."""
+        if self.finish_reason is not None:
+            end = len(self.text) if self.text_end is None else self.text_end
             return self._release(end, everything=True)
         return self._release(len(self.text) - self.stops.holdback(self.text), everything=False)
 
@@ -416,10 +430,18 @@ class CompletionOutput:
 
 
 def collect(events: Iterable[PromptEvent | TokenEvent], params: SamplingParams) -> CompletionOutput:
-    """Drain events into finished choices: the same releases a stream sends, joined."""
+    """Drain events into finished choices: what the releases a stream sends join to. Each choice's tokens are
+    held and released once, at the end (the same text, tokens and offsets as releasing after every token)."""
     stream = OutputStream(params)
     releases: dict[int, list[Release]] = {}
-    for release in stream.feed(events):
+    for event in events:
+        if isinstance(event, PromptEvent):
+            for release in stream.push(event):
+                releases.setdefault(release.index, []).append(release)
+        else:
+            stream.assemblers[event.index].hold(event)
+    last = [assembler.release() for assembler in stream.assemblers]
+    for release in [r for r in last if r is not None] + stream.finish():
         releases.setdefault(release.index, []).append(release)
     joined = {index: join(parts) for index, parts in releases.items()}
     assert stream.prompt is not None
