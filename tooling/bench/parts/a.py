@@ -2,8 +2,8 @@
 layers, 768 wide, 32k byte-level BPE trained offline, random weights), 64-token prompt, 32 greedy tokens
 (ignore_eos), fp32 on CPU, divided by the in-process ``model.generate()`` ms per token on the same model, same
 prompt, same tokens. The two sides alternate (server, generate, server, ...) and never overlap; the ratio is the
-median of the per-pair ratios. Goal <= 0.7 (issue 36). The server's text must be generate()'s (``same_text_as_generate``).
-With ``--url`` only the server side runs."""
+median of the per-pair ratios. Goal <= 0.7 (issue 36). The server's text must be generate()'s
+(``same_text_as_generate``). With ``--url`` only the server side runs."""
 
 from __future__ import annotations
 
