@@ -39,10 +39,11 @@ def choice_events(rng: random.Random, index: int, params: SamplingParams, ending
 
 
 def streamed(events, params: SamplingParams) -> dict[int, object]:
-    """Every choice as a stream delivers it: a release after each event, joined."""
+    """Every choice as a stream delivers it (``Worker.stream``): a release after each event, then the choices
+    that never finished, joined."""
     stream = OutputStream(params)
     parts: dict[int, list] = {}
-    for release in stream.feed(events):
+    for release in [release for event in events for release in stream.push(event)] + stream.finish():
         parts.setdefault(release.index, []).append(release)
     return {index: join(releases) for index, releases in parts.items()}
 

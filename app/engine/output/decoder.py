@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from app.engine.output.detokenize import IncrementalDetokenizer
 from app.engine.events import PromptEvent, PromptNumbers, TokenEvent, TokenNumbers
@@ -401,11 +401,6 @@ class OutputStream:
                 )
         return out
 
-    def feed(self, events: Iterable[PromptEvent | TokenEvent]) -> Iterator[Release]:
-        for event in events:
-            yield from self.push(event)
-        yield from self.finish()
-
     @property
     def completion_tokens(self) -> int:
         return sum(a.token_count for a in self.assemblers)
@@ -433,15 +428,16 @@ def collect(events: Iterable[PromptEvent | TokenEvent], params: SamplingParams) 
     """Drain events into finished choices: what the releases a stream sends join to. Each choice's tokens are
     held and released once, at the end (the same text, tokens and offsets as releasing after every token)."""
     stream = OutputStream(params)
-    releases: dict[int, list[Release]] = {}
+    made: list[Release] = []
     for event in events:
         if isinstance(event, PromptEvent):
-            for release in stream.push(event):
-                releases.setdefault(release.index, []).append(release)
+            made += stream.push(event)
         else:
             stream.assemblers[event.index].hold(event)
-    last = [assembler.release() for assembler in stream.assemblers]
-    for release in [r for r in last if r is not None] + stream.finish():
+    made += [release for release in map(ChoiceAssembler.release, stream.assemblers) if release is not None]
+    made += stream.finish()
+    releases: dict[int, list[Release]] = {}
+    for release in made:
         releases.setdefault(release.index, []).append(release)
     joined = {index: join(parts) for index, parts in releases.items()}
     assert stream.prompt is not None
